@@ -1,0 +1,89 @@
+"""``fastforward generate`` and ``fastforward methods``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .errors import UsageError
+
+
+def add_model_arguments(p) -> None:
+    """Options shared by every command that loads a model."""
+    p.add_argument("--model", default="smollm2-135m", help="alias, local HF folder or .gguf file (default: %(default)s)")
+    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"], help="target forward (default: auto)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def add_arguments(p, name: str) -> None:
+    if name == "methods":
+        p.add_argument("--json", action="store_true", help="print as JSON")
+        return
+    p.add_argument("prompt", help="the user message (chat-templated unless --no-chat); '-' reads standard input")
+    p.add_argument("--method", default="ar", help="decoding method, see 'fastforward methods' (default: ar)")
+    p.add_argument(
+        "-o", "--option", action="append", metavar="KEY=VALUE", help="a method option, e.g. -o k=10 (repeatable)"
+    )
+    add_model_arguments(p)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling and random draft initialisation")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, without the chat template")
+    p.add_argument("--no-stream", action="store_true", help="print the answer when complete instead of streaming")
+    p.add_argument("--stats", action="store_true", help="print run statistics to stderr")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
+
+
+def run(args, name: str) -> int:
+    from .cli import parse_options
+    from .proposers import available_methods
+
+    if name == "methods":
+        methods = available_methods()
+        if args.json:
+            print(json.dumps({m.name: {"summary": m.summary, "lossless": m.lossless, "options": m.options(),
+                                       "source": m.source} for m in methods.values()}, default=str, indent=1))
+            return 0
+        for m in methods.values():
+            opts = ", ".join(f"{k}={v!r}" for k, v in m.options().items()) or "-"
+            print(f"{m.name:<12} {m.summary}\n{'':<12} lossless: {'yes' if m.lossless else 'no'}; options: {opts}"
+                  + (f"; from: {m.source}" if m.source and m.source != '-' else ""))
+        return 0
+
+    import fastforward as ff
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise UsageError("the prompt is empty")
+    options = parse_options(args.option)
+    methods = available_methods()
+    if args.method not in methods:  # before the (slow) model load
+        raise UsageError(f"unknown method '{args.method}'; available: {', '.join(methods)}")
+    ff.SamplingConfig(args.temperature, args.top_k, args.top_p)  # validate before the (slow) model load
+    if args.max_new_tokens <= 0:
+        raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    target = ff.load(args.model, backend=args.backend, threads=args.threads)
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop=args.stop, chat=not args.no_chat, system=args.system, method_options=options,
+    )
+    if args.no_stream or args.json:
+        result = ff.generate(target, prompt, args.method, **kwargs)
+        if args.json:
+            print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
+        else:
+            print(result.text)
+    else:
+        gen = ff.stream(target, prompt, args.method, **kwargs)
+        for delta in gen:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        result = gen.result
+    if args.stats:
+        print(result.stats.summary(), file=sys.stderr)
+    return 0

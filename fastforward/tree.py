@@ -1,0 +1,197 @@
+"""Draft trees: tokens plus parent pointers, and everything the verifier needs derived from them.
+
+A :class:`DraftTree` always includes its root at index 0: the last accepted token, whose KV is not yet cached.
+Every other node's parent has a smaller index (nodes are in topological order), so a single pass over depth
+levels derives depths, the ancestor mask and root-to-leaf paths with tensor operations.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from .errors import UsageError
+
+
+@dataclass(eq=False)
+class TreeShape:
+    """The structure of a tree without its tokens: parent pointers (root = -1 at index 0) and derived buffers.
+
+    Shapes are reused across steps by template-based proposers, so their buffers are computed once.
+    """
+
+    parents: torch.Tensor  # [n] long, parents[0] == -1
+
+    def __post_init__(self):
+        self.parents = torch.as_tensor(self.parents, dtype=torch.long)
+        p = self.parents
+        if p.ndim != 1 or p.numel() == 0 or int(p[0]) != -1:
+            raise UsageError("a tree needs its root at index 0 with parent -1")
+        if p.numel() > 1 and not bool(((p[1:] >= 0) & (p[1:] < torch.arange(1, p.numel()))).all()):
+            raise UsageError("every non-root node's parent must be an earlier node")
+
+    def __len__(self) -> int:
+        return self.parents.numel()
+
+    @cached_property
+    def depths(self) -> torch.Tensor:
+        n = len(self)
+        depth = torch.zeros(n, dtype=torch.long)
+        for i in range(1, n):  # parents precede children; n is small (tens) and this runs once per shape
+            depth[i] = depth[self.parents[i]] + 1
+        return depth
+
+    @cached_property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """[n, n] bool: mask[i, j] is True when j is i or an ancestor of i (what node i may attend to)."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool)
+        depth = self.depths
+        for d in range(1, self.max_depth + 1):
+            level = (depth == d).nonzero().flatten()
+            mask[level] |= mask[self.parents[level]]
+        return mask
+
+    @cached_property
+    def is_chain(self) -> bool:
+        return bool((self.parents == torch.arange(-1, len(self) - 1)).all())
+
+    @cached_property
+    def leaves(self) -> torch.Tensor:
+        has_child = torch.zeros(len(self), dtype=torch.bool)
+        has_child[self.parents[1:]] = True
+        return (~has_child).nonzero().flatten()
+
+    @cached_property
+    def paths(self) -> torch.Tensor:
+        """[leaves, max_depth+1] node indices of every root-to-leaf path, padded with -1."""
+        anc = self.ancestor_mask[self.leaves]  # [leaves, n]
+        order = self.depths.unsqueeze(0).expand_as(anc).masked_fill(~anc, 10**9)
+        sorted_depth, idx = order.sort(dim=1)
+        paths = idx[:, : self.max_depth + 1].clone()
+        paths[sorted_depth[:, : self.max_depth + 1] == 10**9] = -1
+        return paths
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root down to ``node``."""
+        path = self.ancestor_mask[node].nonzero().flatten()
+        return path[self.depths[path].argsort()].tolist()
+
+    def children(self, node: int) -> torch.Tensor:
+        return (self.parents == node).nonzero().flatten()
+
+
+@dataclass(eq=False)
+class DraftTree:
+    """Candidate tokens to verify in one forward: ``tokens[0]`` is the root, ``shape.parents`` the structure.
+
+    ``draft_probs`` optionally holds, for every non-root node, the proposer's full next-token distribution at its
+    parent (the distribution the node was sampled from); verification then uses recursive rejection sampling.
+    Without it the nodes are treated as deterministic guesses (point masses), which is exact for Jacobi,
+    prompt lookup and other drafts that have no probabilities.
+    """
+
+    tokens: torch.Tensor
+    shape: TreeShape
+    draft_probs: torch.Tensor | None = None  # [n, vocab]; row 0 unused
+
+    def __post_init__(self):
+        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long)
+        if self.tokens.shape != self.shape.parents.shape:
+            raise UsageError("a tree needs one token per node")
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @classmethod
+    def from_parents(cls, tokens, parents, draft_probs=None) -> DraftTree:
+        return cls(torch.as_tensor(tokens), TreeShape(torch.as_tensor(parents)), draft_probs)
+
+    @classmethod
+    def chain(cls, root: int, drafts, draft_probs=None) -> DraftTree:
+        drafts = torch.as_tensor(drafts, dtype=torch.long).flatten()
+        tokens = torch.cat([torch.tensor([root]), drafts])
+        return cls(tokens, chain_shape(tokens.numel()), draft_probs)
+
+    @classmethod
+    def single(cls, root: int) -> DraftTree:
+        return cls(torch.tensor([root]), chain_shape(1))
+
+
+_CHAINS: dict[int, TreeShape] = {}
+
+
+def chain_shape(n: int) -> TreeShape:
+    """A chain of n nodes (root plus n-1 drafts); shapes are cached because every step reuses them."""
+    shape = _CHAINS.get(n)
+    if shape is None:
+        shape = _CHAINS[n] = TreeShape(torch.arange(-1, n - 1))
+    return shape
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Choices lists (Medusa-style): each entry is a root-to-node path of top-k ranks, e.g. [0, 1] = the 2nd-ranked
+# candidate under the 1st-ranked candidate at depth 1.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class ChoicesTree:
+    """A tree template from a choices list: its shape plus each node's (depth, rank) for filling in tokens."""
+
+    choices: list[tuple[int, ...]]
+    shape: TreeShape
+    node_depth: torch.Tensor  # [n] depth of each node (root 0)
+    node_rank: torch.Tensor  # [n] rank at its depth (root 0)
+
+    def __len__(self) -> int:
+        return len(self.shape)
+
+
+def tree_from_choices(choices) -> ChoicesTree:
+    """Build a tree template from a choices list. Duplicates are dropped; missing ancestors are an error."""
+    unique: list[tuple[int, ...]] = []
+    seen = set()
+    for c in choices:
+        t = tuple(int(x) for x in c)
+        if not t or any(x < 0 for x in t):
+            raise UsageError(f"bad tree choice {list(c)}: entries are non-empty lists of ranks >= 0")
+        if t not in seen:
+            seen.add(t)
+            unique.append(t)
+    unique.sort(key=lambda t: (len(t), t))
+    index = {(): 0}
+    parents = [-1]
+    for i, t in enumerate(unique, start=1):
+        if t[:-1] not in index:
+            raise UsageError(f"tree choice {list(t)} has no parent {list(t[:-1])} in the list")
+        index[t] = i
+        parents.append(index[t[:-1]])
+    depth = torch.tensor([0] + [len(t) for t in unique])
+    rank = torch.tensor([0] + [t[-1] for t in unique])
+    return ChoicesTree(unique, TreeShape(torch.tensor(parents)), depth, rank)
+
+
+def load_choices(path, name: str | None = None) -> list[list[int]]:
+    """Read a choices list from JSON: either a list of paths, or an object of named lists (pick ``name``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read tree choices from {path}: {exc}") from None
+    if isinstance(data, dict):
+        if name is None:
+            raise UsageError(f"{path} holds several trees; name one of: {', '.join(sorted(data))}")
+        if name not in data:
+            raise UsageError(f"{path} has no tree '{name}'; it has: {', '.join(sorted(data))}")
+        data = data[name]
+    if not isinstance(data, list) or not all(isinstance(c, list) for c in data):
+        raise UsageError(f"{path}: a choices list is a JSON list of lists of ranks")
+    return data

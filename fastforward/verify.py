@@ -1,0 +1,152 @@
+"""Choosing what to keep from a verified tree.
+
+* Greedy: the deepest node whose every token (root excluded) equals the target's argmax at its parent; the bonus
+  token is the target's argmax at that node.
+* Sampling, lossless: walk down from the root. At each node the target's distribution ``p`` (temperature, top-k,
+  top-p applied exactly as for autoregressive sampling) decides among the children:
+
+  - children with draft probabilities ``q`` (sampled i.i.d. from ``q``): recursive rejection -- accept child x
+    with probability ``min(1, p(x)/q(x))``, otherwise replace ``p`` by the normalised residual ``max(p - q, 0)``
+    and try the next child; when all are rejected, sample the bonus token from the residual;
+  - children without probabilities (deterministic guesses): sample ``y ~ p`` and move to the child holding ``y``;
+    if none does, ``y`` is the bonus token. For point-mass drafts this *is* rejection sampling.
+
+  Either way every emitted token is distributed exactly as autoregressive sampling would draw it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UsageError
+from .tree import DraftTree
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen from the target's logits; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise UsageError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p, along the last dimension (float64 for exact sums)."""
+    x = logits.double() / cfg.temperature
+    if cfg.top_k and cfg.top_k < x.shape[-1]:
+        kth = x.topk(cfg.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        sorted_p = sorted_x.softmax(-1)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop_sorted = mass_before >= cfg.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
+    """The autoregressive choice from one row of logits."""
+    if cfg.greedy:
+        return int(logits.argmax())
+    return sample(target_probs(logits, cfg), generator)
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted node indices, root first
+    bonus: int  # the token the target chooses after the last accepted node
+
+    @property
+    def accepted(self) -> int:
+        """Accepted draft tokens (the root and the bonus token excluded)."""
+        return len(self.path) - 1
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """Longest path of tokens that equal the target's argmax at their parents."""
+    n = len(tree)
+    pred = logits[:n].argmax(-1)
+    if n == 1:
+        return Verdict([0], int(pred[0]))
+    shape = tree.shape
+    if shape.is_chain:
+        ok = (tree.tokens[1:] == pred[:-1]).long().cumprod(0)
+        k = int(ok.sum())
+        return Verdict(list(range(k + 1)), int(pred[k]))
+    wrong = torch.zeros(n, dtype=torch.bool)
+    wrong[1:] = tree.tokens[1:] != pred[shape.parents[1:]]
+    reachable = ~(shape.ancestor_mask & wrong.unsqueeze(0)).any(1)
+    best = int(torch.where(reachable, shape.depths, -1).argmax())  # first node of the greatest depth
+    return Verdict(shape.path_to(best), int(pred[best]))
+
+
+def verify_sampling(
+    tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None
+) -> Verdict:
+    """Lossless speculative sampling over a tree (see the module docstring)."""
+    shape = tree.shape
+    path = [0]
+    node = 0
+    p_cache: dict[int, torch.Tensor] = {}
+    while True:
+        p = p_cache.get(node)
+        if p is None:
+            p = target_probs(logits[node], cfg)
+        kids = shape.children(node)
+        if kids.numel() == 0:
+            return Verdict(path, sample(p, generator))
+        if tree.draft_probs is None:
+            y = sample(p, generator)
+            match = (tree.tokens[kids] == y).nonzero()
+            if match.numel() == 0:
+                return Verdict(path, y)
+            node = int(kids[match[0, 0]])
+            path.append(node)
+            continue
+        chosen = None
+        for kid in kids.tolist():
+            q = tree.draft_probs[kid].double()
+            x = int(tree.tokens[kid])
+            px, qx = float(p[x]), float(q[x])
+            if qx <= 0:
+                raise UsageError("a drafted token has zero draft probability")
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if u < min(1.0, px / qx):
+                chosen = kid
+                break
+            residual = (p - q).clamp_min_(0)
+            total = float(residual.sum())
+            if total <= 0:  # p == q up to rounding: rejection had probability 0; keep p
+                continue
+            p = residual / total
+        if chosen is None:
+            return Verdict(path, sample(p, generator))
+        node = chosen
+        path.append(node)
+
+
+def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator=None) -> Verdict:
+    if cfg.greedy:
+        return verify_greedy(tree, logits)
+    return verify_sampling(tree, logits, cfg, generator)
