@@ -63,7 +63,14 @@ def run(args, name: str) -> int:
     methods = available_methods()
     if args.method not in methods:  # before the (slow) model load
         raise UsageError(f"unknown method '{args.method}'; available: {', '.join(methods)}")
-    ff.SamplingConfig(args.temperature, args.top_k, args.top_p)  # validate before the (slow) model load
+    # Validate everything that does not need the model before the (slow) model load.
+    ff.SamplingConfig(args.temperature, args.top_k, args.top_p)
+    unknown = sorted(set(options) - set(methods[args.method].options()))
+    if unknown:
+        known = ", ".join(methods[args.method].options()) or "none"
+        raise UsageError(f"method '{args.method}' has no option {', '.join(unknown)} (its options: {known})")
+    if args.stop and any(not s for s in args.stop):
+        raise UsageError("stop strings must be non-empty")
     if args.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     target = ff.load(args.model, backend=args.backend, threads=args.threads)

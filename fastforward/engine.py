@@ -144,7 +144,7 @@ class GenerationStats:
 
     @property
     def acceptance_by_depth(self) -> list[float]:
-        return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_attempts)]
+        return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_attempts, strict=True)]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -220,7 +220,8 @@ def decode_steps(
 ) -> Iterator[list[int]]:
     """Run the decode loop, yielding the list of newly emitted token ids after every target forward.
 
-    Statistics accumulate in ``stats`` (pass your own to read them while or after iterating).
+    Statistics accumulate in ``stats`` (pass your own to read them while or after iterating). Bad arguments raise
+    here, before the first step, not when iteration starts.
     """
     stops = _validate(max_new_tokens, stop)
     n_prompt = len(prompt_ids)
@@ -228,6 +229,11 @@ def decode_steps(
         raise UsageError("the prompt is empty")
     if n_prompt >= target.max_context:
         raise UsageError(f"the prompt has {n_prompt} tokens; the model's context is {target.max_context}")
+    return _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, stops, stats)
+
+
+def _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, stops, stats):
+    n_prompt = len(prompt_ids)
     stats = stats if stats is not None else GenerationStats(proposer.name)
     stats.prompt_tokens = n_prompt
     t_start = time.perf_counter()
@@ -246,7 +252,8 @@ def decode_steps(
     text_len_checked = 0
 
     def emit(tokens: list[int]) -> tuple[list[int], str]:
-        """Append tokens (truncating at EOS / the token budget); return what was taken and a finish reason."""
+        """Append tokens, truncated exactly where one-token-at-a-time decoding would have stopped (EOS, the token
+        budget, a stop string, the context limit); return what was taken and a finish reason."""
         nonlocal text_len_checked
         taken = []
         reason = ""
@@ -258,15 +265,26 @@ def decode_steps(
             if len(emitted) + len(taken) >= max_new_tokens:
                 reason = "length"
                 break
+            if state.length + len(taken) + 1 >= target.max_context:
+                break  # "context", unless a stop string ends here too (checked first, as AR would)
+        if stops:
+            start = max(0, text_len_checked - max(len(s) for s in stops))
+
+            def hit(toks) -> tuple[bool, str]:
+                text = target.decode(emitted + toks)
+                return any(s in text[start:] for s in stops), text
+
+            found, text = hit(taken)
+            if found:
+                # the first token that completes a stop string ends the run (AR would have stopped there)
+                first = next((j for j in range(1, len(taken)) if hit(taken[:j])[0]), len(taken))
+                if first < len(taken) or not reason:
+                    taken = taken[:first]
+                    reason = "stop"
+            text_len_checked = len(text)
         emitted.extend(taken)
         ids[state.length : state.length + len(taken)] = torch.tensor(taken)
         state.length += len(taken)
-        if stops and not reason:
-            text = target.decode(emitted)
-            window = text[max(0, text_len_checked - max(len(s) for s in stops)) :]
-            if any(s in window for s in stops):
-                reason = "stop"
-            text_len_checked = len(text)
         if not reason and state.length + 1 >= target.max_context:
             reason = "context"
         return taken, reason
@@ -290,6 +308,8 @@ def decode_steps(
     while not reason:
         t0 = time.perf_counter()
         proposal = proposer.propose(state) or Proposal(DraftTree.single(state.root))
+        if int(proposal.tree.tokens[0]) != state.root:
+            raise RuntimeError(f"proposer '{proposer.name}' proposed a tree whose root is not the last token")
         proposal = _fit(proposal, min(cache.capacity - cache.length, target.max_context - state.root_position))
         t1 = time.perf_counter()
         tree = proposal.tree
@@ -351,6 +371,16 @@ class Generation:
                 text = text[:cut]
         return text
 
+    def _held_back(self, text: str) -> str:
+        """``text`` minus a tail that may be the start of a stop string (shown only once it is known not to be)."""
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold]
+
     def __iter__(self) -> Iterator[str]:
         shown = ""
         for tokens in self._steps:
@@ -358,6 +388,7 @@ class Generation:
             text = self._text()
             if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
                 continue
+            text = self._held_back(text)
             if len(text) > len(shown) and text.startswith(shown):
                 yield text[len(shown) :]
                 shown = text

@@ -109,6 +109,8 @@ class HFDynamicKVCache:
         self.length += n
 
     def crop(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise UsageError(f"cannot crop a cache of {self.length} tokens to {n}")
         for layer in self._layers():
             layer.keys = layer.keys[..., :n, :]
             layer.values = layer.values[..., :n, :]
@@ -249,11 +251,15 @@ class LeanLlama:
             x = x + mm(F.silu(gate) * up, w_down)
             if i in wanted:
                 hidden[i] = x.clone()
-        if last_only:
-            x = x[-1:]
-        x = self._rms(x, self.norm)
-        if -1 in wanted:
+        if -1 in wanted:  # the final normed states of every new token, like the other layers' (and HF's)
+            x = self._rms(x, self.norm)
             hidden[-1] = x.clone()
+            if last_only:
+                x = x[-1:]
+        else:
+            if last_only:
+                x = x[-1:]
+            x = self._rms(x, self.norm)
         logits = x @ self.head_in_out if small or last_only else F.linear(x, self.head_out_in)
         return ForwardOutput(logits, hidden)
 
@@ -280,14 +286,26 @@ class HFForward:
         dtype = self.model.dtype
         allowed = _full_mask(q, start, tree_mask)
         mask = torch.zeros(1, 1, q, start + q, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-        out = self.model(
-            input_ids=ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            attention_mask=mask,
-            past_key_values=cache.cache,
-            use_cache=True,
-            output_hidden_states=bool(hidden_layers),
-        )
+        # HF's hidden_states end with the *normed* final state, not the last layer's output: hook that layer.
+        last_out = {}
+        hook = None
+        if self.n_layers - 1 in hidden_layers and self._last_layer() is not None:
+            def grab(module, inputs, output):
+                last_out["x"] = output[0] if isinstance(output, tuple) else output
+
+            hook = self._last_layer().register_forward_hook(grab)
+        try:
+            out = self.model(
+                input_ids=ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                attention_mask=mask,
+                past_key_values=cache.cache,
+                use_cache=True,
+                output_hidden_states=bool(hidden_layers),
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
         logits = out.logits[0]
         if last_only:
             logits = logits[-1:]
@@ -295,8 +313,23 @@ class HFForward:
         if hidden_layers:
             hs = out.hidden_states  # [embeddings, layer 0 out, ..., final normed]
             for i in hidden_layers:
-                hidden[i] = hs[-1][0] if i == -1 else hs[i + 1][0]
+                if i == -1:
+                    hidden[i] = hs[-1][0]
+                elif i == self.n_layers - 1 and "x" in last_out:
+                    hidden[i] = last_out["x"][0]
+                else:
+                    hidden[i] = hs[i + 1][0]
         return ForwardOutput(logits.float(), hidden)
+
+    def _last_layer(self):
+        """The last decoder layer module (the ModuleList holding one block per hidden layer), or None."""
+        if not hasattr(self, "_last"):
+            self._last = None
+            for module in self.model.modules():
+                if isinstance(module, torch.nn.ModuleList) and len(module) == self.n_layers:
+                    self._last = module[-1]
+                    break
+        return self._last
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,119 @@
+"""Integration on the default model (SmolLM2-135M-Instruct): the engine against Hugging Face itself."""
+
+import random
+import time
+
+import pytest
+import torch
+
+import fastforward as ff
+from fastforward import DraftTree, Proposal, Proposer, TreeShape
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List three uses of a KV cache, briefly, then say why they matter.",
+]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_backend(default_model):
+    """The same weights through the HF fallback forward."""
+    return ff.from_hf(default_model.hf_model, default_model.tokenizer, name="hf", backend="hf")
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens):
+    eos = sorted(model.eos_token_ids)
+    with torch.inference_mode():
+        out = model.hf_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_engine_ar_equals_hf_generate(default_model, prompt):
+    ids = default_model.encode(prompt)
+    assert len(ids) > 10  # chat-templated
+    want = hf_greedy(default_model, ids, 48)
+    got = ff.generate(default_model, ids, "ar", max_new_tokens=48)
+    assert got.token_ids == want
+    assert got.stats.tau == 1.0
+    assert got.text.strip()
+
+
+def test_lean_forward_equals_hf_forward(default_model, hf_backend):
+    ids = torch.tensor(default_model.encode(PROMPTS[1]))
+    pos = torch.arange(len(ids))
+    a = default_model.forward(ids, pos, default_model.new_cache(256)).logits
+    b = hf_backend.forward(ids, pos, hf_backend.new_cache(256)).logits
+    assert a.shape == b.shape == (len(ids), default_model.vocab_size)
+    assert (a - b).abs().max() < TOL
+
+
+def test_lean_tree_step_equals_hf(default_model, hf_backend):
+    ids = default_model.encode(PROMPTS[0])
+    prefix = torch.tensor(ids[:-1])
+    rng = random.Random(0)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5, 8]
+    tokens = [ids[-1]] + [rng.randrange(default_model.vocab_size) for _ in parents[1:]]
+    shape = TreeShape(parents)
+    outs = []
+    for target in (default_model, hf_backend):
+        cache = target.new_cache(256)
+        target.forward(prefix, torch.arange(len(prefix)), cache)
+        cache.keep(range(len(prefix)))
+        out = target.forward(torch.tensor(tokens), shape.depths + len(prefix), cache, shape.ancestor_mask,
+                             hidden_layers=(5, -1))
+        outs.append(out)
+    assert (outs[0].logits - outs[1].logits).abs().max() < TOL
+    for i in (5, -1):
+        assert (outs[0].hidden[i] - outs[1].hidden[i]).abs().max() < TOL
+
+
+def test_tree_proposer_equals_ar_on_default_model(default_model):
+    """Drafted trees (half right, half wrong) through the engine give AR's tokens on the real model too."""
+    ids = default_model.encode(PROMPTS[2])
+    want = ff.generate(default_model, ids, "ar", max_new_tokens=40)
+
+    class HalfRight(Proposer):
+        name = "half-right"
+
+        def __init__(self):
+            self.rng = random.Random(1)
+
+        def max_proposal_size(self):
+            return 7
+
+        def propose(self, state):
+            g = state.generated
+            truth = want.token_ids[g : g + 3]
+            noise = [self.rng.randrange(default_model.vocab_size) for _ in range(3)]
+            tokens = [state.root] + truth + noise
+            parents = [-1] + [0, 1, 2][: len(truth)] + [0, 0, 1]
+            parents = parents[: len(tokens)]
+            return Proposal(DraftTree.from_parents(tokens[: len(parents)], parents))
+
+    got = ff.generate(default_model, ids, HalfRight(), max_new_tokens=40)
+    assert got.token_ids == want.token_ids
+    assert got.stats.target_forwards < want.stats.target_forwards
+
+
+def test_second_load_is_fast(default_model):
+    start = time.perf_counter()
+    again = ff.load()
+    elapsed = time.perf_counter() - start
+    assert again.backend_name == "lean"
+    del again
+    assert elapsed < 5.0, f"second load took {elapsed:.1f}s"
