@@ -1,0 +1,164 @@
+"""``fastforward bench``: measure decoding methods side by side on question files.
+
+Method specs: ``[LABEL=]METHOD[:KEY=VALUE[:KEY=VALUE...]]``, comma-separated, e.g.
+``--methods ar,pld,pld-long=pld:num_pred_tokens=20,tr-jacobi-69=tr-jacobi:tree=trees/msn69.json``.
+``--method-option LABEL.KEY=VALUE`` sets an option too (for values holding ``:`` or ``,``).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from ..errors import UsageError
+
+
+def add_arguments(p, name: str) -> None:
+    p.add_argument("--questions", action="append", metavar="PATH",
+                   help="question file (.jsonl, .jsonl.gz, .json): Spec-Bench/MT-Bench, HumanEval, GSM8K, plain "
+                        "prompts, Alpaca; repeatable or comma-separated")
+    p.add_argument("--categories", default=None, help="comma-separated categories (or MT-Bench subcategories)")
+    sel = p.add_mutually_exclusive_group()
+    sel.add_argument("--per-category", type=int, default=None, metavar="N", help="N questions from each category")
+    sel.add_argument("--limit", type=int, default=None, metavar="N", help="N questions in all")
+    p.add_argument("--select", choices=["spread", "first"], default="spread",
+                   help="which N: evenly spaced through each category (default) or the first N")
+    p.add_argument("--mt-bench-subcategories", action="store_true",
+                   help="keep MT-Bench's 8 categories instead of folding them into 'mt_bench' as Spec-Bench does")
+    p.add_argument("--methods", action="append", metavar="SPECS",
+                   help="comma-separated [LABEL=]METHOD[:KEY=VALUE...]; 'all' = every registered method (the "
+                        "default); 'ar' is always run, as the baseline")
+    p.add_argument("-o", "--method-option", action="append", metavar="LABEL.KEY=VALUE",
+                   help="an option of the method with that label (repeatable)")
+    p.add_argument("--peers", default=None, metavar="PEERS",
+                   help="also run other libraries on the same prompts: hf-generate, hf-pld (comma-separated, "
+                        "same spec syntax)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="alias, local HF folder or .gguf file (default: %(default)s)")
+    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"], help="target forward (default: auto)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads, fixed for the run and recorded (default: torch's choice, recorded)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples and skips the losslessness check")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling and random draft initialisation "
+                                                       "(default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (default: 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method (default: 1)")
+    p.add_argument("--out", default="bench-results", metavar="DIR", help="output folder (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="re-measure what DIR/results.jsonl already holds")
+    p.add_argument("--report-only", action="store_true",
+                   help="only regenerate summary.json, report.md and plots from DIR/results.jsonl")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [x.strip() for v in values or [] for x in v.split(",") if x.strip()]
+
+
+def canonical_command(args, specs, peers) -> str:
+    """The command line that reproduces this run (every effective setting spelled out)."""
+    parts = ["fastforward", "bench"]
+    for q in _split(args.questions):
+        parts += ["--questions", q]
+    if args.categories:
+        parts += ["--categories", args.categories]
+    if args.per_category is not None:
+        parts += ["--per-category", str(args.per_category)]
+    if args.limit is not None:
+        parts += ["--limit", str(args.limit)]
+    if args.select != "spread":
+        parts += ["--select", args.select]
+    if args.mt_bench_subcategories:
+        parts.append("--mt-bench-subcategories")
+    parts += ["--methods", ",".join(s.describe() for s in specs)]
+    if peers:
+        parts += ["--peers", ",".join(s.describe() for s in peers)]
+    parts += ["--model", args.model]
+    if args.backend != "auto":
+        parts += ["--backend", args.backend]
+    if args.threads is not None:
+        parts += ["--threads", str(args.threads)]
+    parts += ["--max-new-tokens", str(args.max_new_tokens), "--temperature", f"{args.temperature:g}",
+              "--seed", str(args.seed), "--repeats", str(args.repeats)]
+    if args.warmup != 1:
+        parts += ["--warmup", str(args.warmup)]
+    parts += ["--out", args.out]
+    return shlex.join(parts)
+
+
+def _print_overall(summary: dict, out_dir: Path) -> None:
+    print(f"{'method':<20} {'tok/s':>8} {'geomean':>8} {'arith':>8} {'total':>8} {'tau':>6} {'mismatch':>8}")
+    for label, m in summary["methods"].items():
+        def f(x, nd=2):
+            return "-" if x is None else f"{x:.{nd}f}"
+
+        mism = "n/a" if not m["checked"] else str(m["mismatches"])
+        print(f"{label:<20} {f(m['tokens_per_s'], 1):>8} {f(m['speedup_geomean']):>8} {f(m['speedup_arith']):>8} "
+              f"{f(m['speedup_total']):>8} {f(m['tau']):>6} {mism:>8}")
+    print(f"report: {out_dir / 'report.md'}")
+
+
+def run(args, name: str) -> int:
+    from .methods import apply_option_flags, parse_specs, resolve_specs
+    from .questions import load_questions, select_questions
+    from .report import write_report
+    from .results import require_results
+
+    out_dir = Path(args.out).expanduser()
+    if args.report_only:
+        rows = require_results(out_dir)
+        summary = write_report(out_dir, rows)
+        _print_overall(summary, out_dir)
+        return 0
+
+    # Everything that can be wrong with the input is checked before the (slow) model load.
+    if not args.questions:
+        raise UsageError("give at least one --questions file")
+    if args.max_new_tokens <= 0:
+        raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    from ..proposers import available_methods
+
+    methods = []
+    for spec in parse_specs(args.methods or ["all"]):
+        if spec.label == spec.method == "all" and not spec.options:  # every registered method, defaults
+            methods += [s for s in parse_specs([",".join(available_methods())])
+                        if s.label not in {m.label for m in methods}]
+        else:
+            methods.append(spec)
+    peers = parse_specs([args.peers] if args.peers else [], kind="peer")
+    apply_option_flags(methods + peers, args.method_option)
+    specs = resolve_specs(methods, peers)
+    questions = load_questions(_split(args.questions), fold_mt_bench=not args.mt_bench_subcategories)
+    questions = select_questions(questions, _split([args.categories]) if args.categories else None,
+                                 args.per_category, args.limit, spread=args.select == "spread")
+    from .runner import precheck, run_bench
+
+    known = {"model": args.model, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+             "seed": args.seed}
+    if args.threads is not None:
+        known["threads"] = args.threads
+    precheck(out_dir, known, args.force)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    import fastforward as ff
+
+    target = ff.load(args.model, backend=args.backend, threads=args.threads)
+    command = canonical_command(args, [s for s in specs if s.kind == "method"], [s for s in specs if s.kind == "peer"])
+    print(f"fastforward bench: {len(questions)} questions x {len(specs)} methods x {args.repeats} repeat(s) "
+          f"-> {out_dir / 'results.jsonl'}", file=sys.stderr)
+    run_bench(target, questions, specs, out_dir, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+              seed=args.seed, repeats=args.repeats, warmup=args.warmup, force=args.force,
+              progress=not args.no_progress, command=command, report=False)
+    summary = write_report(out_dir, require_results(out_dir))
+    _print_overall(summary, out_dir)
+    return 0

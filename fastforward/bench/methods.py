@@ -1,0 +1,198 @@
+"""What the benchmark runs: method specs (``[label=]method[:key=value...]``) and the runners that time them.
+
+A *runner* generates one turn and reports what happened (:class:`TurnOutcome`). :class:`EngineRunner` runs a
+registered fastforward method through the engine; the HF peers live in :mod:`.peers`. Anything with the same
+interface can be benchmarked (the tests use this to inject a deliberately broken method).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+
+LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+BASELINE = "ar"
+
+
+@dataclass
+class TurnOutcome:
+    """One generated turn: the tokens and how they were obtained."""
+
+    token_ids: list[int]
+    wall_time: float  # seconds, prefill included (what Spec-Bench times)
+    decoding_steps: int  # target forwards, prefill included
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per target forward
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    finish_reason: str = ""
+    method_stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class MethodSpec:
+    label: str  # the column name in the report
+    method: str  # the registered method (or peer) name
+    options: dict = field(default_factory=dict)
+    kind: str = "method"  # "method" (our engine) or "peer" (another library)
+
+    def describe(self) -> str:
+        opts = ":".join(f"{k}={v}" for k, v in self.options.items())
+        body = self.method + (f":{opts}" if opts else "")
+        return body if self.label == self.method and not opts else f"{self.label}={body}"
+
+
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split on ``sep`` outside brackets and quotes (so ``k=[1,2]`` stays whole)."""
+    parts, depth, quote, cur = [], 0, "", []
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_spec(text: str, kind: str = "method") -> MethodSpec:
+    """``pld`` | ``pld:k=5`` | ``pld-k5=pld:k=5:max_ngram=3`` -> :class:`MethodSpec`."""
+    from ..cli import parse_options
+
+    head, _, opts = text.partition(":")
+    label, eq, method = head.partition("=")
+    if not eq:
+        label = method = head
+    label, method = label.strip(), method.strip()
+    if not method:
+        raise UsageError(f"'{text}' names no method")
+    if not LABEL_RE.match(label):
+        raise UsageError(f"'{label}' is not a valid label (letters, digits and _ . + - only)")
+    pairs = split_top_level(opts, ":") if opts else []
+    try:
+        options = parse_options(pairs)
+    except Exception as exc:  # FastForwardError from parse_options
+        raise UsageError(f"in '{text}': {exc}") from None
+    return MethodSpec(label, method, options, kind)
+
+
+def parse_specs(values: list[str] | None, kind: str = "method") -> list[MethodSpec]:
+    specs = []
+    for value in values or []:
+        specs.extend(parse_spec(part, kind) for part in split_top_level(value))
+    return specs
+
+
+def apply_option_flags(specs: list[MethodSpec], flags: list[str] | None) -> None:
+    """``LABEL.KEY=VALUE`` flags (``--method-option``) set options of the spec with that label."""
+    from ..cli import parse_options
+
+    by_label = {s.label: s for s in specs}
+    for flag in flags or []:
+        target, dot, pair = flag.partition(".")
+        if not dot or "=" not in pair:
+            raise UsageError(f"method option '{flag}' is not LABEL.KEY=VALUE")
+        if target not in by_label:
+            raise UsageError(f"method option '{flag}': no method labelled '{target}' (labels: {', '.join(by_label)})")
+        by_label[target].options.update(parse_options([pair]))
+
+
+def resolve_specs(methods: list[MethodSpec], peers: list[MethodSpec]) -> list[MethodSpec]:
+    """Validate names, labels and options (no model needed); the baseline ``ar`` is always run, first."""
+    from ..proposers import available_methods
+    from .peers import PEERS
+
+    registered = available_methods()
+    for spec in methods:
+        if spec.method not in registered:
+            hint = " (it is a peer: use --peers)" if spec.method in PEERS else ""
+            raise UsageError(f"unknown method '{spec.method}'{hint}; available: {', '.join(registered)}")
+        known = registered[spec.method].options()
+        unknown = sorted(set(spec.options) - set(known))
+        if unknown:
+            raise UsageError(f"method '{spec.method}' has no option {', '.join(unknown)} "
+                             f"(its options: {', '.join(known) or 'none'})")
+    for spec in peers:
+        if spec.method not in PEERS:
+            raise UsageError(f"unknown peer '{spec.method}'; available: {', '.join(PEERS)}")
+        known = PEERS[spec.method].options
+        unknown = sorted(set(spec.options) - set(known))
+        if unknown:
+            raise UsageError(f"peer '{spec.method}' has no option {', '.join(unknown)} "
+                             f"(its options: {', '.join(known) or 'none'})")
+    for spec in methods:
+        if spec.label == BASELINE and (spec.method != BASELINE or spec.options):
+            raise UsageError(f"the label '{BASELINE}' is reserved for the autoregressive baseline")
+    specs = [s for s in methods if s.label != BASELINE]
+    specs = [MethodSpec(BASELINE, BASELINE)] + specs + list(peers)
+    labels = [s.label for s in specs]
+    dup = next((x for x in labels if labels.count(x) > 1), None)
+    if dup:
+        raise UsageError(f"the label '{dup}' is used twice; name one of them, e.g. {dup}-2={dup}:...")
+    return specs
+
+
+def effective_options(spec: MethodSpec) -> dict:
+    """The options a spec runs with: the method's defaults updated by the given ones (as JSON would store them)."""
+    import json
+
+    if spec.kind == "peer":
+        from .peers import PEERS
+
+        defaults = dict(PEERS[spec.method].options) if spec.method in PEERS else {}
+    else:
+        from ..proposers import available_methods
+
+        info = available_methods().get(spec.method)
+        defaults = info.options() if info is not None else {}
+    return json.loads(json.dumps({**defaults, **spec.options}, default=str))
+
+
+class EngineRunner:
+    """Runs a registered fastforward method through the decode engine."""
+
+    def __init__(self, spec: MethodSpec):
+        from ..proposers import available_methods
+
+        self.spec = spec
+        self.lossless = available_methods()[spec.method].lossless
+
+    def generate(self, target, prompt_ids, *, max_new_tokens: int, temperature: float, seed) -> TurnOutcome:
+        from ..engine import Generation
+        from ..proposers import make_proposer
+        from ..verify import SamplingConfig
+
+        proposer = make_proposer(self.spec.method, target, **self.spec.options)  # built outside the timing
+        gen = Generation(target, prompt_ids, proposer, max_new_tokens=max_new_tokens,
+                         sampling=SamplingConfig(temperature=temperature), seed=seed)
+        t0 = time.perf_counter()
+        result = gen.run()
+        wall = time.perf_counter() - t0
+        s = result.stats
+        return TurnOutcome(
+            token_ids=list(result.token_ids), wall_time=wall, decoding_steps=s.target_forwards,
+            accept_lengths=list(s.accept_lengths), depth_attempts=list(s.depth_attempts),
+            depth_accepts=list(s.depth_accepts), prefill_time=s.prefill_time, draft_time=s.draft_time,
+            verify_time=s.verify_time, finish_reason=s.finish_reason, method_stats=dict(s.method_stats),
+        )
+
+
+def make_runner(spec: MethodSpec):
+    if spec.kind == "peer":
+        from .peers import PeerRunner
+
+        return PeerRunner(spec)
+    return EngineRunner(spec)

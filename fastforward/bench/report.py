@@ -1,0 +1,338 @@
+"""Aggregates of ``results.jsonl``: ``summary.json``, ``report.md`` and the plots.
+
+Speedup over AR is a ratio of tokens per second, per question (so a method that emits a different number of
+tokens is still compared fairly). Three averages over questions are reported, and named:
+
+* ``speedup_geomean``   -- geometric mean of the per-question ratios (what PASTA argues for; the headline);
+* ``speedup_arith``     -- arithmetic mean of the per-question ratios;
+* ``speedup_total``     -- ratio of total throughputs: (sum of tokens / sum of time) of the method over AR's;
+* ``speedup_specbench`` -- Spec-Bench's own number: mean per-question tokens/s of the method over AR's.
+
+Timing per (question, method) is the median over repeats (``*_min`` fields use the fastest repeat instead).
+``tau`` is tokens per target forward pooled over all steps (prefill included, AR = 1.00); ``acceptance_by_depth``
+[d-1] is, over all decode steps whose draft reached depth d, the fraction that accepted a token at depth d.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import Counter
+from pathlib import Path
+
+from .methods import BASELINE
+from .results import write_atomic
+
+HF_GENERATE = "hf-generate"
+OVERALL = "overall"
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _per_question(rows: list[dict]) -> dict[tuple[str, str], dict]:
+    """(label, question) -> tokens and median / min wall time over repeats."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["label"], str(row["question_id"])), []).append(row)
+    out = {}
+    for key, rs in groups.items():
+        walls = [r["wall_time"] for r in rs]
+        checked = [r.get("lossless") for r in rs if r.get("lossless") is not None]
+        divs = [r["first_divergence"] for r in rs if r.get("lossless") is False and r.get("first_divergence")]
+        out[key] = {
+            "category": rs[0]["category"],
+            "new_tokens": statistics.median(r["new_tokens"] for r in rs),
+            "wall": statistics.median(walls),
+            "wall_min": min(walls),
+            "repeats": len(rs),
+            "steps": sum(r["decoding_steps"] for r in rs),
+            "tokens": sum(r["new_tokens"] for r in rs),
+            "attempts": [r.get("depth_attempts", []) for r in rs],
+            "accepts": [r.get("depth_accepts", []) for r in rs],
+            "checked": bool(checked),
+            "mismatch": any(c is False for c in checked),
+            "near_tie": bool(divs) and all(d.get("near_tie") for d in divs),
+        }
+    return out
+
+
+def _stats(label: str, qids: list[str], pq: dict, ref_label: str | None = BASELINE) -> dict:
+    mine = [pq[(label, q)] for q in qids]
+    tokens = sum(m["new_tokens"] for m in mine)
+    wall = sum(m["wall"] for m in mine)
+    attempts: list[int] = []
+    accepts: list[int] = []
+    for m in mine:
+        for lst_a, lst_c in zip(m["attempts"], m["accepts"], strict=False):
+            for d, (a, c) in enumerate(zip(lst_a, lst_c, strict=False)):
+                if d >= len(attempts):
+                    attempts.append(0)
+                    accepts.append(0)
+                attempts[d] += a
+                accepts[d] += c
+    steps = sum(m["steps"] for m in mine)
+    res = {
+        "questions": len(mine),
+        "new_tokens": tokens,
+        "wall_time": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "tau": sum(m["tokens"] for m in mine) / steps if steps else 0.0,
+        "acceptance_by_depth": [c / a if a else 0.0 for a, c in zip(attempts, accepts, strict=False)],
+        "checked": sum(m["checked"] for m in mine),
+        "mismatches": sum(m["mismatch"] for m in mine),
+        "mismatches_near_tie": sum(m["mismatch"] and m["near_tie"] for m in mine),
+    }
+    for suffix, wkey in (("", "wall"), ("_min", "wall_min")):
+        ratios, tps, tps_ref, tot, tot_ref = [], [], [], [0.0, 0.0], [0.0, 0.0]
+        for q in qids:
+            ref = pq.get((ref_label, q))
+            m = pq[(label, q)]
+            if ref is None or m[wkey] <= 0 or ref[wkey] <= 0 or ref["new_tokens"] <= 0:
+                continue
+            t, t_ref = m["new_tokens"] / m[wkey], ref["new_tokens"] / ref[wkey]
+            ratios.append(t / t_ref)
+            tps.append(t)
+            tps_ref.append(t_ref)
+            tot[0] += m["new_tokens"]
+            tot[1] += m[wkey]
+            tot_ref[0] += ref["new_tokens"]
+            tot_ref[1] += ref[wkey]
+        res[f"speedup_geomean{suffix}"] = geomean(ratios)
+        res[f"speedup_arith{suffix}"] = mean(ratios)
+        res[f"speedup_total{suffix}"] = (
+            (tot[0] / tot[1]) / (tot_ref[0] / tot_ref[1]) if ratios and tot[1] > 0 and tot_ref[0] > 0 else float("nan")
+        )
+        res[f"speedup_specbench{suffix}"] = mean(tps) / mean(tps_ref) if ratios else float("nan")
+    return res
+
+
+def _clean(x):
+    """NaN -> None, so summary.json is strict JSON."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """The machine-readable summary (see the module docstring for each number's definition)."""
+    failed = [r for r in rows if r.get("error")]
+    all_rows, rows = rows, [r for r in rows if not r.get("error")]
+    pq = _per_question(rows)
+    labels = list(dict.fromkeys(r["label"] for r in all_rows))
+    if BASELINE in labels:
+        labels.remove(BASELINE)
+        labels.insert(0, BASELINE)
+    categories = list(dict.fromkeys(r["category"] for r in all_rows))
+    first = {}
+    for r in rows + failed:
+        first.setdefault(r["label"], r)
+    has_hf = any(lab == HF_GENERATE for lab in labels)
+    methods = {}
+    for label in labels:
+        qids = [q for (lab, q) in pq if lab == label]
+        r0 = first[label]
+        entry = {"method": r0.get("method", label), "kind": r0.get("kind", "method"),
+                 "options": r0.get("options", {}), "lossless_claimed": r0.get("lossless_claimed", True)}
+        entry.update(_stats(label, qids, pq))
+        entry["errors"] = sum(r["label"] == label for r in failed)
+        if has_hf:
+            entry["speedup_vs_hf_generate_geomean"] = _stats(label, qids, pq, HF_GENERATE)["speedup_geomean"]
+        entry["categories"] = {}
+        for cat in categories:
+            cq = [q for q in qids if pq[(label, q)]["category"] == cat]
+            if cq:
+                c = _stats(label, cq, pq)
+                if has_hf:
+                    c["speedup_vs_hf_generate_geomean"] = _stats(label, cq, pq, HF_GENERATE)["speedup_geomean"]
+                entry["categories"][cat] = c
+        methods[label] = entry
+
+    mismatches = []
+    for r in rows:
+        if r.get("lossless") is False:
+            d = dict(r.get("first_divergence") or {})
+            mismatches.append({"question_id": r["question_id"], "category": r["category"], "label": r["label"],
+                               "repeat": r["repeat"], **d})
+    param_sets = Counter(json.dumps(r.get("parameters", {}), sort_keys=True) for r in all_rows)
+    last = max(all_rows, key=lambda r: r.get("timestamp", ""))
+    return _clean({
+        "baseline": BASELINE,
+        "timing": "median wall time over repeats (fields ending in _min: the fastest repeat)",
+        "definitions": {
+            "speedup_geomean": "geometric mean over questions of (method tokens/s) / (AR tokens/s)",
+            "speedup_arith": "arithmetic mean over questions of (method tokens/s) / (AR tokens/s)",
+            "speedup_total": "(total method tokens / total method time) / (total AR tokens / total AR time)",
+            "speedup_specbench": "Spec-Bench: mean per-question method tokens/s / mean per-question AR tokens/s",
+            "tau": "new tokens per target forward, pooled over all forwards (prefill included; AR = 1)",
+            "acceptance_by_depth": "[d-1]: of the decode steps whose draft reached depth d, the fraction that "
+                                   "accepted a token at depth d",
+            "mismatches": "questions whose output differs from AR's in at least one repeat (temperature 0 only)",
+            "mismatches_near_tie": "mismatches whose first divergence is a floating-point near-tie",
+        },
+        "parameters": last.get("parameters", {}),
+        "parameter_sets": len(param_sets),
+        "command": last.get("command", ""),
+        "environment": {"machine": last.get("machine"), "software": last.get("software"),
+                        "commit": last.get("commit"), "threads": last.get("threads"),
+                        "commits": sorted({str(r.get("commit")) for r in rows})},
+        "questions": len({str(r["question_id"]) for r in all_rows}),
+        "categories": categories,
+        "methods": methods,
+        "mismatch_details": mismatches,
+        "errors": [{"question_id": r["question_id"], "label": r["label"], "repeat": r["repeat"],
+                    "error": r["error"]} for r in failed],
+    })
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Markdown
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _f(x, nd=2, suffix="") -> str:
+    return "–" if x is None else f"{x:.{nd}f}{suffix}"
+
+
+def _opts(entry: dict) -> str:
+    opts = entry.get("options") or {}
+    return ", ".join(f"{k}={v}" for k, v in opts.items()) or "–"
+
+
+def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """A markdown table; the first ``left`` columns are text (left-aligned), the rest numbers."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i < left else "---:" for i in
+                                                              range(len(header))) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(summary: dict, plots: list[str]) -> str:
+    p = summary.get("parameters", {})
+    env = summary.get("environment", {})
+    methods = summary["methods"]
+    cats = summary["categories"]
+    out = ["# fastforward bench report", ""]
+    out.append(
+        f"Model `{p.get('model')}` ({p.get('backend')} backend, {p.get('dtype')}), {summary['questions']} questions "
+        f"in {len(cats)} categories, up to {p.get('max_new_tokens')} new tokens, temperature {p.get('temperature')}, "
+        f"seed {p.get('seed')}, {p.get('repeats')} repeat(s) per question (timing: median), "
+        f"{env.get('threads')} thread(s). Baseline: our engine's autoregressive decoding (`ar`)."
+    )
+    if summary.get("parameter_sets", 1) > 1:
+        out.append("")
+        out.append(f"**Warning:** the results mix {summary['parameter_sets']} parameter sets.")
+    out += ["", "## Overall", ""]
+    depth_n = min(4, max((len(m["acceptance_by_depth"]) for m in methods.values()), default=0))
+    header = ["method", "options", "questions", "tokens/s", "speedup geomean", "speedup arith. mean",
+              "speedup total", "τ"] + [f"α{d + 1}" for d in range(depth_n)] + ["mismatches"]
+    rows = []
+    for label, m in methods.items():
+        alpha = [_f(m["acceptance_by_depth"][d]) if d < len(m["acceptance_by_depth"]) else "–"
+                 for d in range(depth_n)]
+        mism = "n/a" if not m["checked"] else str(m["mismatches"]) + (
+            f" ({m['mismatches_near_tie']} near-tie)" if m["mismatches"] else "")
+        name = f"`{label}`" + (" (peer)" if m["kind"] == "peer" else "")
+        rows.append([name, _opts(m), str(m["questions"]), _f(m["tokens_per_s"], 1),
+                     _f(m["speedup_geomean"], 2, "×"), _f(m["speedup_arith"], 2, "×"),
+                     _f(m["speedup_total"], 2, "×"), _f(m["tau"])] + alpha + [mism])
+    out.append(_table(header, rows, left=2))
+    out += [
+        "",
+        "Speedup is over `ar`, computed per question as a ratio of tokens/s. *geomean*: geometric mean of the "
+        "per-question ratios (the headline number); *arith. mean*: their arithmetic mean; *total*: ratio of total "
+        "throughputs (all tokens / all time). Spec-Bench's own figure (mean tokens/s ÷ mean AR tokens/s) is "
+        "`speedup_specbench` in summary.json. τ: tokens per target forward (AR = 1.00). αd: acceptance rate at "
+        "draft depth d. Mismatches: questions whose output differs from AR's (near-tie: the target's logit gap at "
+        "the first divergence is within 0.01, i.e. floating-point rounding rather than a bug).",
+    ]
+    for title, key, nd, suffix in (("Speedup per category (geometric mean)", "speedup_geomean", 2, "×"),
+                                   ("τ per category", "tau", 2, ""),
+                                   ("Tokens/s per category", "tokens_per_s", 1, "")):
+        out += ["", f"## {title}", ""]
+        rows = []
+        for label, m in methods.items():
+            cells = [_f(m["categories"][c][key], nd, suffix) if c in m["categories"] else "–" for c in cats]
+            rows.append([f"`{label}`"] + cells + [_f(m[key], nd, suffix)])
+        out.append(_table(["method"] + cats + [OVERALL], rows))
+    if any("speedup_vs_hf_generate_geomean" in m for m in methods.values()):
+        out += ["", "## Against Hugging Face transformers", "",
+                "Geometric-mean speedup over `hf-generate` (transformers' greedy `generate` on the same prompts).", ""]
+        rows = []
+        for label, m in methods.items():
+            cells = [_f(m["categories"][c].get("speedup_vs_hf_generate_geomean"), 2, "×")
+                     if c in m["categories"] else "–" for c in cats]
+            rows.append([f"`{label}`"] + cells + [_f(m.get("speedup_vs_hf_generate_geomean"), 2, "×")])
+        out.append(_table(["method"] + cats + [OVERALL], rows))
+    if p.get("repeats", 1) and p.get("repeats", 1) > 1:
+        out += ["", "## Repeats: median vs fastest", ""]
+        rows = [[f"`{label}`", _f(m["speedup_geomean"], 2, "×"), _f(m["speedup_geomean_min"], 2, "×"),
+                 _f(m["speedup_total"], 2, "×"), _f(m["speedup_total_min"], 2, "×")] for label, m in methods.items()]
+        out.append(_table(["method", "geomean (median)", "geomean (min)", "total (median)", "total (min)"], rows))
+    max_depth = max((len(m["acceptance_by_depth"]) for m in methods.values()), default=0)
+    if max_depth:
+        out += ["", "## Acceptance rate by draft depth", ""]
+        shown = min(max_depth, 10)
+        rows = []
+        for label, m in methods.items():
+            a = m["acceptance_by_depth"]
+            if a:
+                rows.append([f"`{label}`"] + [_f(a[d]) if d < len(a) else "–" for d in range(shown)])
+        out.append(_table(["method"] + [f"d={d + 1}" for d in range(shown)], rows))
+    out += ["", "## Losslessness", ""]
+    details = summary.get("mismatch_details", [])
+    if not any(m["checked"] for m in methods.values()):
+        out.append("Not checked (sampling: temperature > 0).")
+    elif not details:
+        out.append("Every output is token-identical to AR's.")
+    else:
+        rows = []
+        for d in details[:50]:
+            rows.append([str(d["question_id"]), f"`{d['label']}`", str(d["repeat"]), str(d.get("turn", "–")),
+                         str(d.get("index", "–")), f"{d.get('ar_token')} {d.get('ar_text', '')!r}",
+                         f"{d.get('token')} {d.get('text', '')!r}", _f(d.get("logit_gap"), 4),
+                         {True: "yes", False: "no"}.get(d.get("near_tie"), "–")])
+        out.append(_table(["question", "method", "repeat", "turn", "index", "AR token", "method token",
+                           "logit gap", "near-tie"], rows, left=2))
+        if len(details) > 50:
+            out.append(f"\n… and {len(details) - 50} more (summary.json has all of them).")
+    errors = summary.get("errors", [])
+    if errors:
+        out += ["", "## Failed runs", "", "Excluded from every number above; rerunning the command retries them.", ""]
+        out.append(_table(["question", "method", "repeat", "error"],
+                          [[str(e["question_id"]), f"`{e['label']}`", str(e["repeat"]), e["error"].replace("|", "/")]
+                           for e in errors[:50]], left=4))
+    if plots:
+        out += ["", "## Plots", ""] + [f"![{Path(pl).stem}]({Path(pl).name})" for pl in plots]
+    out += ["", "## Command and environment", "", "```", summary.get("command") or "(not recorded)", "```", ""]
+    mach, soft = env.get("machine") or {}, env.get("software") or {}
+    out.append(f"- machine: {mach.get('cpu')}, {mach.get('cpu_count')} CPUs, {mach.get('arch')}, {mach.get('os')}")
+    out.append("- software: " + ", ".join(f"{k} {v}" for k, v in soft.items()))
+    out.append(f"- commit: {', '.join(env.get('commits') or [str(env.get('commit'))])}")
+    out.append(f"- threads: {env.get('threads')}")
+    return "\n".join(out) + "\n"
+
+
+def write_report(out_dir, rows: list[dict], plots: bool = True) -> dict:
+    """Write summary.json, report.md and the PNG plots into ``out_dir``; returns the summary."""
+    out_dir = Path(out_dir)
+    summary = aggregate(rows)
+    files = []
+    if plots:
+        from .plots import write_plots
+
+        files = write_plots(summary, out_dir)
+    write_atomic(out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
+    write_atomic(out_dir / "report.md", render_markdown(summary, files))
+    return summary
