@@ -20,6 +20,9 @@ COMMANDS = {
     "methods": ("fastforward.cli_generate", "list the decoding methods and their options"),
     "profile": ("fastforward.profile", "measure the target forward's cost per number of new tokens"),
     "bench": ("fastforward.bench.cli", "benchmark methods side by side on question files"),
+    "train": ("fastforward.train.cli", "fine-tune a model for faster parallel decoding (train msn ...)"),
+    "eval": ("fastforward.evaluate", "task quality of a model: held-out NLL, GSM8K accuracy, HumanEval pass@1"),
+    "build-tree": ("fastforward.cli_tree", "measure and build a TR-Jacobi tree sized for this machine"),
 }
 
 
