@@ -1,0 +1,55 @@
+import pytest
+
+from fastforward.costs import AcceptanceEstimate, CostCurve, best_chain_length, expected_tokens, machine_cost_curve
+
+
+def test_curve_interpolates_and_is_monotone():
+    c = CostCurve({1: 10.0, 4: 16.0, 8: 14.0, 16: 30.0})
+    assert c.t(1) == 10 and c.t(2) == pytest.approx(12.0)
+    assert c.t(8) == 16.0  # the noisy dip below t(4) is flattened
+    assert c.t(12) == pytest.approx(23.0)
+    assert c.t(32) == pytest.approx(30.0 + 14 / 8 * 16)  # extrapolates with the last slope
+    assert c.ratio(16) == pytest.approx(3.0)
+
+
+def test_expected_tokens_geometric():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_best_chain_length_follows_cost():
+    flat = CostCurve.flat()
+    assert best_chain_length(0.5, 10, flat) == 10  # free drafts: draft everything
+    steep = CostCurve({1: 1.0, 2: 2.0, 32: 32.0})  # every token costs a full step: never draft
+    assert best_chain_length(0.9, 10, steep) == 0
+    cpu = CostCurve({1: 28.0, 2: 33.0, 4: 38.0, 8: 46.0, 16: 60.0})
+    k_low, k_high = best_chain_length(0.3, 10, cpu), best_chain_length(0.9, 10, cpu)
+    assert k_low < k_high
+    # the chosen k really is the argmax of tokens per unit cost
+    rates = [expected_tokens(0.9, k) / cpu.ratio(k + 1) for k in range(11)]
+    assert rates[k_high] == max(rates)
+
+
+def test_acceptance_estimate_learns_and_forgets():
+    est = AcceptanceEstimate(prior=0.7, strength=2.0, decay=0.5)
+    assert est.alpha == pytest.approx(0.7)
+    for _ in range(5):
+        est.update(proposed=4, accepted=0)
+    assert est.alpha < 0.3
+    low = est.alpha
+    for _ in range(20):
+        est.tick()
+    assert est.alpha > low and est.alpha == pytest.approx(0.7, abs=0.01)  # drifts back: probed again later
+
+
+def test_machine_cost_curve_cached(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path))
+    monkeypatch.setattr(tiny, "_cost_curve", None, raising=False)
+    curve = machine_cost_curve(tiny)
+    assert curve.t(1) > 0 and curve.t(32) >= curve.t(1)
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1
+    tiny._cost_curve = None
+    again = machine_cost_curve(tiny)  # read back from disk, not re-measured
+    assert again.ms == curve.ms
