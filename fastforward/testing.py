@@ -51,3 +51,63 @@ def tiny_target(backend="lean", eos_token_id=None, **kw) -> TargetModel:
         model.config.eos_token_id = eos_token_id
         model.generation_config.eos_token_id = eos_token_id
     return TargetModel("tiny-llama", model, tok, backend=backend)
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer_hf():
+    """A real, self-contained HF fast tokenizer: byte-level (every UTF-8 text encodes, one token per byte, ids
+    0-255), plus ``<|endoftext|>`` (256, pad), ``<|im_start|>`` (257) and ``<|im_end|>`` (258, EOS), and a
+    ChatML-style chat template. Built in code; nothing is downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _byte_of(ch))
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def _byte_of(ch: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's printable byte mapping)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    if ord(ch) in printable:
+        return ord(ch)
+    others = [b for b in range(256) if b not in printable]
+    return others[ord(ch) - 256]
+
+
+def tiny_hf_folder(path, *, max_positions=512, seed=0, hidden_size=64, layers=2, **kw):
+    """Save a tiny random fp32 Llama and :func:`tiny_tokenizer_hf` as a local HF folder at ``path`` (a model
+    ``fastforward.load(path)``, ``fastforward generate --model path`` and ``fastforward train`` accept); return it.
+
+    The vocabulary is 260 (259 tokens, padded); ``<|im_end|>`` is the EOS of tokenizer, config and generation
+    config. Extra keyword arguments go to :func:`tiny_llama_hf`.
+    """
+    from pathlib import Path
+
+    from .model import _quiet_transformers
+
+    _quiet_transformers()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer_hf()
+    model = tiny_llama_hf(vocab_size=260, hidden_size=hidden_size, layers=layers, max_positions=max_positions,
+                          seed=seed, dtype=torch.float32, **kw)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.config.eos_token_id = eos
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,441 @@
+"""``fastforward eval``: the task quality of a model, shared by every training method.
+
+* ``--task nll`` -- mean negative log-likelihood per response token over the *held-out* records of ``--data``
+  (the split ``fastforward train`` uses, so they were never trained on), chat-templated exactly as in training,
+  teacher-forced, fp32. Lower is better; ``ppl = exp(nll)``.
+* ``--task gsm8k`` -- accuracy on GSM8K test questions: greedy generation (``fastforward.generate``), the answer is
+  the number after the last ``####`` in the output, else its last number, compared numerically with the number
+  after ``####`` in the gold answer.
+* ``--task humaneval`` -- pass@1 (greedy, one sample) on HumanEval: the chat model is asked to complete the function,
+  the code is taken from its first fenced block (or the whole reply), and ``prompt + code + test +
+  check(entry_point)`` runs in a separate Python process with a timeout. See :func:`run_program` for what that
+  process can and cannot do -- it is *not* a security sandbox.
+
+Generation is greedy, so results are reproducible; any lossless ``--method`` gives the same outputs as ``ar``.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import UsageError
+
+TASKS = ("nll", "gsm8k", "humaneval")
+DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 256, "humaneval": 512}
+DEFAULT_FILES = {"gsm8k": "gsm8k/test.jsonl", "humaneval": "humaneval/HumanEval.jsonl.gz"}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GSM8K answers
+# ------------------------------------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def _normalize_number(s: str) -> str:
+    s = s.replace(",", "").strip()
+    if s.startswith("."):
+        s = "0" + s
+    if s.startswith("-."):
+        s = "-0" + s[1:]
+    return s
+
+
+def gsm8k_gold(answer: str) -> str:
+    """The number after ``####`` in a GSM8K reference answer."""
+    tail = answer.rsplit("####", 1)[-1]
+    m = _NUMBER.search(tail)
+    if m is None:
+        raise UsageError(f"GSM8K answer without a final number: {answer[-80:]!r}")
+    return _normalize_number(m.group())
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """The model's final answer: the first number after the last ``####``, else the last number in the text."""
+    if "####" in text:
+        m = _NUMBER.search(text.rsplit("####", 1)[-1])
+        if m:
+            return _normalize_number(m.group())
+    found = _NUMBER.findall(text)
+    return _normalize_number(found[-1]) if found else None
+
+
+def same_number(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return False
+    try:
+        return math.isclose(float(a), float(b), rel_tol=0.0, abs_tol=1e-6)
+    except ValueError:
+        return a == b
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# HumanEval programs
+# ------------------------------------------------------------------------------------------------------------------
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def humaneval_prompt(problem: dict) -> str:
+    return (
+        "Complete the following Python function. Reply with the complete function in one ```python code block."
+        f"\n\n```python\n{problem['prompt'].rstrip()}\n```"
+    )
+
+
+def extract_code(text: str, entry_point: str | None = None) -> str:
+    """The code in a chat reply: the first fenced block that defines ``entry_point`` (else the first fenced block;
+    an unclosed fence runs to the end), or the whole reply when there is no fence."""
+    blocks = [m.group(2) for m in _FENCE.finditer(text)]
+    if not blocks:
+        return text
+    if entry_point:
+        for b in blocks:
+            if re.search(rf"\bdef\s+{re.escape(entry_point)}\s*\(", b):
+                return b
+    return blocks[0]
+
+
+def humaneval_program(problem: dict, code: str) -> str:
+    """``prompt + code + test + check(entry_point)``. When the code defines the function itself it follows the
+    prompt (which supplies imports and helpers; the prompt's docstring-only stub is then redefined); otherwise it
+    is taken as the body that continues the prompt."""
+    entry = problem["entry_point"]
+    if re.search(rf"\bdef\s+{re.escape(entry)}\s*\(", code):
+        body = problem["prompt"] + "\n" + code
+    else:
+        body = problem["prompt"] + code
+    return f"{body}\n\n{problem['test']}\n\ncheck({entry})\n"
+
+
+# Run before the program, inside the child: no sockets, no process spawning, no file deletion. A speed bump against
+# accidents, not a security boundary (see run_program).
+_GUARD = """
+import os, runpy, shutil, socket, subprocess, sys
+def _blocked(*a, **k):
+    raise PermissionError("blocked by fastforward eval")
+socket.socket = socket.create_connection = socket.socketpair = _blocked
+subprocess.Popen = subprocess.run = subprocess.call = subprocess.check_output = _blocked
+for _name in ("system", "popen", "fork", "forkpty", "execv", "execve", "execvp", "kill", "killpg", "remove",
+              "unlink", "rmdir", "removedirs", "rename", "replace", "truncate", "putenv", "chmod", "chown"):
+    if hasattr(os, _name):
+        setattr(os, _name, _blocked)
+shutil.rmtree = shutil.move = _blocked
+path = sys.argv[1]
+sys.argv = [path]
+runpy.run_path(path, run_name="__main__")
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def network_namespace_available() -> bool:
+    """Whether ``unshare -rn`` works here (unprivileged user + network namespaces)."""
+    exe = shutil.which("unshare")
+    if not exe:
+        return False
+    try:
+        return subprocess.run([exe, "-rn", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _limit_resources(timeout: float):
+    def apply():
+        import resource
+
+        cpu = int(math.ceil(timeout)) + 1
+        for res, value in (
+            (resource.RLIMIT_CPU, cpu),
+            (resource.RLIMIT_AS, 4 << 30),
+            (resource.RLIMIT_FSIZE, 16 << 20),
+            (resource.RLIMIT_CORE, 0),
+        ):
+            try:
+                resource.setrlimit(res, (value, value))
+            except (ValueError, OSError):
+                pass
+
+    return apply
+
+
+def run_program(program: str, timeout: float = 10.0) -> tuple[bool, str]:
+    """Run ``program`` in a fresh Python process; ``(passed, detail)``, passed = exit status 0 within ``timeout``.
+
+    The child runs ``python -I -B`` (isolated: no user site, no PYTHON* variables) in an empty temporary working
+    directory that is deleted afterwards, with a minimal environment (no proxy variables, HOME = that directory),
+    stdin closed, its own session (the whole process group is killed on timeout), and resource limits (CPU time,
+    4 GiB address space, 16 MiB files, no core dumps). Where ``unshare -rn`` works, it runs in new user and network
+    namespaces: no network interface but a down loopback, so no network at all. A guard disables sockets,
+    subprocesses, ``os.fork``/``kill`` and file deletion in the child before the program starts.
+
+    Not a security sandbox: the program still runs as the current user and can read (and write, by ``open``) any
+    file that user can. Evaluate untrusted models inside a container or VM.
+    """
+    with tempfile.TemporaryDirectory(prefix="ff-eval-") as d:
+        path = Path(d) / "program.py"
+        path.write_text(program)
+        cmd = [sys.executable, "-I", "-B", "-c", _GUARD, str(path)]
+        if network_namespace_available():
+            cmd = [shutil.which("unshare"), "-rn"] + cmd
+        env = {"PATH": "/usr/bin:/bin", "HOME": d, "TMPDIR": d, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+        proc = subprocess.Popen(
+            cmd, cwd=d, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, preexec_fn=_limit_resources(timeout),
+        )
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.communicate()
+            return False, f"timeout after {timeout:g}s"
+    if proc.returncode == 0:
+        return True, "passed"
+    lines = [line for line in err.decode(errors="replace").strip().splitlines() if line.strip()]
+    return False, (lines[-1] if lines else f"exit status {proc.returncode}")[:300]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _task_file(task: str, data: str | None) -> Path:
+    from .train.data import data_root
+
+    path = Path(data).expanduser() if data else data_root() / DEFAULT_FILES[task]
+    if not path.is_file():
+        hint = "" if data else " (give --data PATH or set FASTFORWARD_DATA)"
+        raise UsageError(f"{task} data not found: {path}{hint}")
+    return path
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (json.JSONDecodeError, OSError, EOFError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+
+
+def load_gsm8k(path: Path, limit: int | None = None) -> list[dict]:
+    rows = _read_jsonl(path)[:limit]
+    if rows and not all("question" in r and "answer" in r for r in rows):
+        raise UsageError(f"{path}: GSM8K records need 'question' and 'answer'")
+    return rows
+
+
+def load_humaneval(path: Path, limit: int | None = None) -> list[dict]:
+    rows = _read_jsonl(path)[:limit]
+    need = {"task_id", "prompt", "test", "entry_point"}
+    if rows and not all(need <= set(r) for r in rows):
+        raise UsageError(f"{path}: HumanEval records need {sorted(need)}")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The tasks
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def response_nll(hf_model, encoded) -> tuple[float, int, list[float]]:
+    """(summed NLL, response tokens, per-record mean NLL) of teacher-forced response tokens, one record at a time
+    (no padding, so the numbers do not depend on batching)."""
+    import torch
+    import torch.nn.functional as F
+
+    total, count, per = 0.0, 0, []
+    hf_model.eval()
+    with torch.inference_mode():
+        for e in encoded:
+            ids = torch.tensor([e.input_ids], dtype=torch.long)
+            logits = hf_model(input_ids=ids, use_cache=False).logits[0].float()
+            p = e.prompt_len
+            nll = F.cross_entropy(logits[p - 1 : -1], ids[0, p:], reduction="sum").item()
+            total += nll
+            count += len(e.input_ids) - p
+            per.append(nll / (len(e.input_ids) - p))
+    return total, count, per
+
+
+def eval_nll(target, data: str, *, heldout: float, max_length: int, limit: int | None) -> dict:
+    from .train.data import encode_examples, read_examples, split_examples
+
+    _, held = split_examples(read_examples(data), heldout)
+    if not held:
+        raise UsageError(f"no held-out records in {data} (raise --heldout)")
+    held = held[:limit]
+    encoded, dropped = encode_examples(target.tokenizer, held, max_length)
+    if not encoded:
+        raise UsageError(f"no held-out record fits --max-length {max_length}")
+    total, count, per = response_nll(target.hf_model, encoded)
+    nll = total / count
+    return {
+        "nll": nll, "ppl": math.exp(nll), "tokens": count, "records": len(encoded), "dropped": dropped,
+        "heldout": heldout, "max_length": max_length,
+        "samples": [{"index": i, "nll": v} for i, v in enumerate(per)],
+    }
+
+
+def _generate(target, prompt, args, options):
+    import fastforward as ff
+
+    return ff.generate(target, prompt, args.method, max_new_tokens=args.max_new_tokens, method_options=options)
+
+
+def _generation_stats(results) -> dict:
+    forwards = sum(r.stats.target_forwards for r in results)
+    tokens = sum(r.stats.new_tokens for r in results)
+    wall = sum(r.stats.wall_time for r in results)
+    return {"new_tokens": tokens, "tau": tokens / forwards if forwards else 0.0,
+            "tokens_per_s": tokens / wall if wall else 0.0}
+
+
+def eval_gsm8k(target, rows, args, options, progress) -> dict:
+    samples, results = [], []
+    for i, row in enumerate(progress(rows)):
+        res = _generate(target, row["question"], args, options)
+        gold = gsm8k_gold(row["answer"])
+        pred = extract_gsm8k_answer(res.text)
+        samples.append({"index": i, "gold": gold, "pred": pred, "correct": same_number(pred, gold),
+                        "output": res.text})
+        results.append(res)
+    correct = sum(s["correct"] for s in samples)
+    return {"accuracy": correct / len(samples), "correct": correct, "n": len(samples),
+            **_generation_stats(results), "samples": samples}
+
+
+def eval_humaneval(target, rows, args, options, progress) -> dict:
+    samples, results = [], []
+    for row in progress(rows):
+        res = _generate(target, humaneval_prompt(row), args, options)
+        code = extract_code(res.text, row["entry_point"])
+        passed, detail = run_program(humaneval_program(row, code), timeout=args.timeout)
+        samples.append({"task_id": row["task_id"], "passed": passed, "detail": detail, "output": res.text})
+        results.append(res)
+    passed = sum(s["passed"] for s in samples)
+    return {"pass@1": passed / len(samples), "passed": passed, "n": len(samples),
+            "network_isolated": network_namespace_available(), **_generation_stats(results), "samples": samples}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# fastforward eval
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def add_arguments(p, name: str) -> None:
+    from .cli_generate import add_model_arguments
+
+    p.add_argument("--task", required=True, choices=TASKS, help="what to measure")
+    add_model_arguments(p)
+    p.add_argument("--data", default=None,
+                   help="nll: the training data file(s) whose held-out split to score (required); gsm8k/humaneval: "
+                        "the test file (default: shared/data/gsm8k/test.jsonl, "
+                        "shared/data/humaneval/HumanEval.jsonl.gz)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N items")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="generation budget (default: gsm8k 256, humaneval 512)")
+    p.add_argument("--method", default="ar", help="decoding method for generation tasks (default: ar)")
+    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="a method option (repeatable)")
+    p.add_argument("--heldout", type=float, default=0.05,
+                   help="nll: held-out fraction, as given to 'fastforward train' (default: %(default)s)")
+    p.add_argument("--max-length", type=int, default=512,
+                   help="nll: tokens per record, as given to 'fastforward train' (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program (default: 10)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--save", metavar="FILE", default=None, help="write the summary and every sample's result as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args, name: str) -> int:
+    from .cli import parse_options
+
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError(f"--limit must be a positive integer, got {args.limit}")
+    if args.max_new_tokens is not None and args.max_new_tokens <= 0:
+        raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout}")
+    options = parse_options(args.option)
+    rows = None
+    if args.task == "nll":
+        if not args.data:
+            raise UsageError("--task nll needs --data FILE[,FILE] (the training data whose held-out split to score)")
+        from .train.data import check_heldout, parse_paths
+
+        parse_paths(args.data)
+        check_heldout(args.heldout)
+        if args.max_length < 2:
+            raise UsageError(f"--max-length must be at least 2, got {args.max_length}")
+    else:
+        from .proposers import available_methods
+
+        if args.method not in available_methods():
+            raise UsageError(f"unknown method '{args.method}'; available: {', '.join(available_methods())}")
+        path = _task_file(args.task, args.data)
+        rows = (load_gsm8k if args.task == "gsm8k" else load_humaneval)(path, args.limit)
+        if not rows:
+            raise UsageError(f"no {args.task} records in {path}")
+        if args.max_new_tokens is None:
+            args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[args.task]
+
+    import fastforward as ff
+
+    t0 = time.perf_counter()
+    backend = "hf" if args.task == "nll" and args.backend == "auto" else args.backend
+    target = ff.load(args.model, backend=backend, threads=args.threads)
+
+    def progress(items):
+        from tqdm.auto import tqdm
+
+        return tqdm(items, desc=f"eval {args.task}", unit="item", disable=args.quiet, file=sys.stderr,
+                    dynamic_ncols=True, mininterval=1.0)
+
+    if args.task == "nll":
+        result = eval_nll(target, args.data, heldout=args.heldout, max_length=args.max_length, limit=args.limit)
+    elif args.task == "gsm8k":
+        result = eval_gsm8k(target, rows, args, options, progress)
+    else:
+        result = eval_humaneval(target, rows, args, options, progress)
+    seconds = time.perf_counter() - t0
+    summary = {"task": args.task, "model": args.model, "seconds": round(seconds, 2)}
+    if args.task != "nll":
+        summary.update(method=args.method, max_new_tokens=args.max_new_tokens, data=str(path))
+    else:
+        summary["data"] = args.data
+    summary.update({k: v for k, v in result.items() if k != "samples"})
+    if args.save:
+        Path(args.save).expanduser().write_text(json.dumps({**summary, "samples": result["samples"]}, indent=1))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(summary_line(summary))
+    return 0
+
+
+def summary_line(s: dict) -> str:
+    if s["task"] == "nll":
+        head = (f"nll {s['nll']:.4f} (ppl {s['ppl']:.2f}) over {s['tokens']} response tokens of {s['records']} "
+                f"held-out records")
+    elif s["task"] == "gsm8k":
+        head = f"gsm8k accuracy {s['accuracy']:.3f} ({s['correct']}/{s['n']})"
+    else:
+        head = f"humaneval pass@1 {s['pass@1']:.3f} ({s['passed']}/{s['n']})"
+    tail = f"; model {s['model']}"
+    if s["task"] != "nll":
+        tail += f", method {s['method']} (tau {s['tau']:.2f}, {s['tokens_per_s']:.1f} tok/s)"
+    return f"{head}{tail}; {s['seconds']:.1f}s"

@@ -1,0 +1,232 @@
+"""`fastforward eval`: GSM8K answer extraction, HumanEval program assembly and sandboxed execution, held-out NLL on a
+tiny model (finite, deterministic, disjoint from training), and one-line usage errors."""
+
+import gzip
+import json
+import math
+
+import pytest
+
+from fastforward.cli import main
+from fastforward.evaluate import (
+    extract_code,
+    extract_gsm8k_answer,
+    gsm8k_gold,
+    humaneval_program,
+    network_namespace_available,
+    run_program,
+    same_number,
+)
+from fastforward.testing import tiny_hf_folder
+from fastforward.train.data import data_root, read_examples, split_examples
+
+PROBLEM = {
+    "task_id": "Toy/0",
+    "prompt": 'from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    """Sum of xs.\n'
+              '    >>> total([1, 2])\n    3\n    """\n',
+    "entry_point": "total",
+    "test": "\n\ndef check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n",
+}
+
+
+def run_cli(capsys, *argv):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(capsys, *argv, match=None):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    if match:
+        assert match in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return str(tiny_hf_folder(tmp_path_factory.mktemp("tiny-hf"), max_positions=512))
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.json"
+    recs = [{"instruction": f"Double {i}.", "input": "", "output": f"{i} * 2 = {2 * i}"} for i in range(400)]
+    path.write_text(json.dumps(recs))
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GSM8K
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("She sold 48 + 24 = 72 clips.\n#### 72", "72"),
+        ("#### 1,234", "1234"),
+        ("The total is $1,000.50.", "1000.50"),
+        ("He ends with -5 dollars", "-5"),
+        ("First 3, then 4, so the answer is 12.", "12"),
+        ("Answer: #### 18. (not 20)", "18"),
+        ("#### 7\nThen some 99 chatter #### 8 done", "8"),
+        ("It costs .5 dollars", "0.5"),
+        ("no digits here", None),
+        ("", None),
+    ],
+)
+def test_extract_gsm8k_answer(text, expected):
+    assert extract_gsm8k_answer(text) == expected
+
+
+def test_gsm8k_gold_and_comparison():
+    assert gsm8k_gold("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == "72"
+    assert gsm8k_gold("... #### 1,600") == "1600"
+    assert gsm8k_gold("#### -3") == "-3"
+    assert same_number("18.0", "18") and same_number("1600", "1600")
+    assert not same_number("17", "18") and not same_number(None, "18")
+
+
+def test_gsm8k_gold_of_every_shared_test_record_parses():
+    path = data_root() / "gsm8k" / "test.jsonl"
+    if not path.is_file():
+        pytest.skip("shared GSM8K data not present")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    golds = [gsm8k_gold(r["answer"]) for r in rows]
+    assert len(golds) == 1319 and all(float(g) == float(g) for g in golds)
+    # the reference solutions themselves score 100% through the same extractor
+    assert all(same_number(extract_gsm8k_answer(r["answer"]), g) for r, g in zip(rows, golds, strict=True))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# HumanEval
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_extract_code():
+    reply = "Here it is:\n```python\ndef total(xs):\n    return sum(xs)\n```\nDone."
+    assert extract_code(reply, "total") == "def total(xs):\n    return sum(xs)\n"
+    two = "```\nprint('usage')\n```\nand\n```py\ndef total(xs):\n    return 0\n```"
+    assert extract_code(two, "total").startswith("def total")
+    assert extract_code(two, None) == "print('usage')\n"
+    unclosed = "```python\ndef total(xs):\n    return sum(xs)"
+    assert extract_code(unclosed, "total") == "def total(xs):\n    return sum(xs)"
+    assert extract_code("    return sum(xs)\n", "total") == "    return sum(xs)\n"
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["def total(xs: List[int]) -> int:\n    return sum(xs)\n", "    return sum(xs)\n"],
+    ids=["whole-function", "body-continuation"],
+)
+def test_humaneval_correct_completion_passes(code):
+    passed, detail = run_program(humaneval_program(PROBLEM, code), timeout=20)
+    assert passed, detail
+
+
+@pytest.mark.parametrize(
+    "code, why",
+    [
+        ("def total(xs):\n    return len(xs)\n", "AssertionError"),
+        ("def total(xs):\n    return sum(xs\n", "SyntaxError"),
+        ("def total(xs):\n    import socket\n    socket.socket()\n    return sum(xs)\n", "blocked"),
+        ("def total(xs):\n    import os\n    os.system('true')\n    return sum(xs)\n", "blocked"),
+    ],
+    ids=["wrong", "syntax", "socket", "system"],
+)
+def test_humaneval_wrong_completion_fails(code, why):
+    passed, detail = run_program(humaneval_program(PROBLEM, code), timeout=20)
+    assert not passed and why in detail, detail
+
+
+def test_humaneval_timeout_kills_the_program():
+    passed, detail = run_program(humaneval_program(PROBLEM, "def total(xs):\n    while True:\n        pass\n"),
+                                 timeout=1.5)
+    assert not passed and "timeout" in detail
+
+
+def test_program_has_no_network_when_namespaces_are_available():
+    if not network_namespace_available():
+        pytest.skip("unshare -rn is not available here: only the in-process guard applies")
+    probe = (
+        "import _socket\n"  # below the guard: the raw socket module
+        "s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)\n"
+        "s.settimeout(2)\n"
+        "try:\n    s.connect(('1.1.1.1', 53))\nexcept OSError as e:\n    raise SystemExit(3)\n"
+    )
+    passed, detail = run_program(probe, timeout=10)
+    assert not passed and "exit status 3" in detail
+
+
+def test_canonical_solutions_pass():
+    path = data_root() / "humaneval" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        pytest.skip("shared HumanEval data not present")
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f][:3]
+    for row in rows:
+        passed, detail = run_program(humaneval_program(row, row["canonical_solution"]), timeout=20)
+        assert passed, (row["task_id"], detail)
+        passed, _ = run_program(humaneval_program(row, "    return None\n"), timeout=20)
+        assert not passed, row["task_id"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# End to end on a tiny model
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_nll_is_finite_deterministic_and_held_out(tiny_folder, data_file, capsys):
+    argv = ["eval", "--task", "nll", "--model", tiny_folder, "--data", data_file, "--limit", 8, "--max-length", 64,
+            "--quiet"]
+    code, out1, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    code, out2, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    r1, r2 = json.loads(out1), json.loads(out2)
+    assert r1["nll"] == r2["nll"] and math.isfinite(r1["nll"]) and r1["nll"] > 0
+    assert r1["records"] == 8 and r1["tokens"] > 8
+    assert math.log(256) * 0.5 < r1["nll"] < math.log(260) * 3  # a random model: about uniform over the vocabulary
+    # the held-out records are exactly those training never sees
+    train, held = split_examples(read_examples(data_file), 0.05)
+    assert len(held) >= 8 and not {e.key for e in train} & {e.key for e in held}
+    code, out, err = run_cli(capsys, *argv)  # the one-line summary
+    assert code == 0 and out.count("\n") == 1 and out.startswith("nll ")
+
+
+def test_gsm8k_and_humaneval_run_end_to_end(tiny_folder, tmp_path, capsys):
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                           for i in range(2)))
+    code, out, err = run_cli(capsys, "eval", "--task", "gsm8k", "--model", tiny_folder, "--data", gsm,
+                             "--max-new-tokens", 8, "--json", "--quiet", "--save", tmp_path / "g.json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["n"] == 2 and 0.0 <= r["accuracy"] <= 1.0 and r["method"] == "ar"
+    assert len(json.loads((tmp_path / "g.json").read_text())["samples"]) == 2
+    he = tmp_path / "he.jsonl.gz"
+    with gzip.open(he, "wt") as f:
+        f.write(json.dumps(PROBLEM) + "\n")
+    code, out, err = run_cli(capsys, "eval", "--task", "humaneval", "--model", tiny_folder, "--data", he,
+                             "--max-new-tokens", 8, "--quiet")
+    assert code == 0, err
+    assert out.startswith("humaneval pass@1 0.000 (0/1)")
+
+
+def test_usage_errors(tiny_folder, data_file, tmp_path, capsys):
+    assert_one_line_error(capsys, "eval", "--task", "bleu", "--model", tiny_folder, match="invalid choice")
+    assert_one_line_error(capsys, "eval", "--task", "nll", "--model", tiny_folder, match="--data")
+    assert_one_line_error(capsys, "eval", "--task", "nll", "--model", tiny_folder, "--data", tmp_path / "x.json",
+                          match="not found")
+    assert_one_line_error(capsys, "eval", "--task", "gsm8k", "--model", tiny_folder, "--data", tmp_path / "x.jsonl",
+                          match="not found")
+    assert_one_line_error(capsys, "eval", "--task", "gsm8k", "--model", tiny_folder, "--limit", 0, match="--limit")
+    assert_one_line_error(capsys, "eval", "--task", "humaneval", "--model", tiny_folder, "--method", "nope",
+                          match="unknown method")
+    assert_one_line_error(capsys, "eval", "--task", "nll", "--model", tiny_folder, "--data", data_file,
+                          "--heldout", 2, match="--heldout")
