@@ -143,9 +143,11 @@ class LeanLlama:
     Weights are fused per layer (q|k|v and gate|up) and kept in two layouts: ``[in, out]`` (``x @ W``), which MKL
     runs fastest for one to a few rows, and ``[out, in]`` (``F.linear``), fastest for more rows. Which one a call
     uses is decided by the number of new tokens (``small_q_max``, measurable with ``fastforward profile``).
+    For fp32 models, calls of up to ``kernel_max_q`` rows run instead on fastforward's skinny-GEMM kernel over the
+    ``[in, out]`` weights when it is available (:mod:`fastforward.kernels`); ``matmul_kernel`` names what runs.
     """
 
-    def __init__(self, hf_model, small_q_max: int = 4):
+    def __init__(self, hf_model, small_q_max: int = 4, kernel_max_q: int = 128):
         cfg = hf_model.config
         self.config = cfg
         self.n_layers = cfg.num_hidden_layers
@@ -189,6 +191,16 @@ class LeanLlama:
             cos, sin = inner.rotary_emb(dummy, pos)
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         self.max_positions = max_pos
+        # The kernel reads each weight once however many rows there are and computes every row exactly as alone;
+        # fp32 only. On an AVX-512 AMD EPYC it beats MKL ~1.4x at 1 row and 2-3x at 2..512 rows; longer prefills
+        # stay on MKL all the same.
+        self.kernel_max_q = kernel_max_q
+        self.skinny = None
+        if self.embed.dtype == torch.float32 and kernel_max_q > 0:
+            from .kernels import kernel_name, load_kernel
+
+            self.skinny = load_kernel()
+        self.matmul_kernel = kernel_name() if self.skinny is not None else "mkl"
 
     def new_cache(self, capacity: int) -> StaticKVCache:
         return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.embed.dtype)
@@ -210,9 +222,12 @@ class LeanLlama:
         if end > cache.capacity:
             raise UsageError(f"KV cache capacity {cache.capacity} exceeded ({end} tokens)")
         small = q <= self.small_q_max
-        key = "w_in_out" if small else "w_out_in"
+        skinny = self.skinny if q <= self.kernel_max_q else None
+        key = "w_in_out" if small or skinny is not None else "w_out_in"
 
         def mm(x, w):
+            if skinny is not None:
+                return skinny(x, w)
             return x @ w if small else F.linear(x, w)
 
         nh, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
@@ -260,7 +275,10 @@ class LeanLlama:
             if last_only:
                 x = x[-1:]
             x = self._rms(x, self.norm)
-        logits = x @ self.head_in_out if small or last_only else F.linear(x, self.head_out_in)
+        if self.skinny is not None and x.shape[0] <= self.kernel_max_q:
+            logits = self.skinny(x, self.head_in_out)
+        else:
+            logits = x @ self.head_in_out if small or last_only else F.linear(x, self.head_out_in)
         return ForwardOutput(logits, hidden)
 
 

@@ -108,13 +108,14 @@ def run(args, name: str) -> int:
         raise UsageError(str(exc)) from None
     info = {
         "model": args.model, "backend": target.backend_name, "kv": args.kv, "threads": torch.get_num_threads(),
+        "matmul": getattr(target.backend, "matmul_kernel", "hf"),
         "torch": torch.__version__, "python": sys.version.split()[0], "cpu": platform.processor() or platform.machine(),
     }
     if args.json:
         print(json.dumps({"info": info, "ms": {"engine": lean, "hf": hf}}))
         return 0
     print(f"forward cost, median ms, KV cache {args.kv} tokens, {info['threads']} threads, "
-          f"backend {target.backend_name}, torch {torch.__version__}")
+          f"backend {target.backend_name}, matmul {info['matmul']}, torch {torch.__version__}")
     print("| q new tokens | " + " | ".join(str(q) for q in qs) + " |")
     print("|---|" + "---|" * len(qs))
     print(f"| fastforward ({target.backend_name}) | " + " | ".join(f"{lean[q]:.1f}" for q in qs) + " |")

@@ -1,0 +1,149 @@
+"""Native kernels, compiled on first use for the CPU at hand.
+
+``load_kernel()`` returns ``skinny_mm(x, w)`` -- ``x [M, K] @ w [K, N]`` in fp32 for a few rows ``M``, ``w``
+row-major ``[in, out]`` -- or ``None`` when it cannot be had (no AVX2/AVX-512, no compiler or ``ninja``, a failed
+build, or ``FASTFORWARD_NO_KERNEL=1``). Everything works without it; a failure is reported once on stderr.
+
+The kernel reads every weight once whatever ``M`` is, and accumulates every output element alone, in ascending
+``k``, with fused multiply-adds: row ``m`` of ``skinny_mm(x, w)`` is bitwise equal to ``skinny_mm(x[m:m+1], w)``.
+The build (``torch.utils.cpp_extension``, 10-40 s, once) lands in ``$FASTFORWARD_CACHE/kernels/<hash>``, the
+hash covering the source, the compiler flags, the CPU's flags and the torch/Python versions, so a binary is never
+reused on a machine it was not built for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("skinny_gemm.cpp")
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx2", "-mfma", "-DFF_ISA_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-DFF_ISA_AVX2"],
+}
+BASE_FLAGS = ["-O3", "-fopenmp"]  # without OpenMP, at::parallel_for runs on one thread
+
+_lock = threading.Lock()
+_state: dict = {}  # "kernel": callable | None once tried
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def pick_isa(flags: set[str] | None = None) -> str | None:
+    """'avx512', 'avx2' or None (no build for this CPU)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    flags = cpu_flags() if flags is None else flags
+    if not flags:  # no /proc/cpuinfo: trust what torch dispatches to
+        cap = torch.backends.cpu.get_cpu_capability()
+        return {"AVX512": "avx512", "AVX2": "avx2"}.get(cap)
+    if {"avx512f", "avx2", "fma"} <= flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
+
+
+def _build_id(isa: str, flags: list[str]) -> tuple[str, str]:
+    """(extension name, digest) for this source, these flags, this CPU and this torch/Python."""
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(" ".join(sorted(cpu_flags())).encode())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}".encode())
+    digest = h.hexdigest()[:16]
+    return f"ff_skinny_{isa}_{digest}", digest
+
+
+def _import_built(name: str, directory: Path):
+    lock = directory / "lock"  # cpp_extension's: a build is under way, or one was killed (then it stays forever)
+    try:
+        if time.time() - lock.stat().st_mtime < 600:
+            return None  # let cpp_extension wait for that build
+        lock.unlink()
+    except OSError:
+        pass
+    for path in sorted(directory.glob(f"{name}*.so")):
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    return None
+
+
+def _compile(name: str, directory: Path, flags: list[str]):
+    import torch.utils.cpp_extension as cpp
+
+    directory.mkdir(parents=True, exist_ok=True)
+    print("fastforward: compiling the skinny-GEMM kernel for this CPU (once)", file=sys.stderr)
+    return cpp.load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory), verbose=False)
+
+
+def load_kernel():
+    """The compiled ``skinny_mm(x, w)``, or None when unavailable (warned about once on stderr)."""
+    with _lock:
+        if "kernel" in _state:
+            return _state["kernel"]
+        _state["kernel"] = None
+        _state["isa"] = None
+        if os.environ.get("FASTFORWARD_NO_KERNEL", "") not in ("", "0"):
+            return None
+        isa = pick_isa()
+        if isa is None:
+            print("fastforward: no AVX2/AVX-512 on this CPU; using torch matmuls", file=sys.stderr)
+            return None
+        flags = BASE_FLAGS + ISA_FLAGS[isa]
+        try:
+            from ..model import cache_root
+
+            name, digest = _build_id(isa, flags)
+            directory = cache_root() / "kernels" / digest
+            # A build in the default cache serves too (the digest pins it to this CPU, source and torch).
+            default = Path.home() / ".cache" / "fastforward" / "kernels" / digest
+            failed = directory / "FAILED"
+            module = _import_built(name, directory) or _import_built(name, default)
+            if module is None and failed.is_file():
+                print(f"fastforward: the skinny-GEMM kernel failed to build earlier (delete {failed} to retry); "
+                      "using torch matmuls", file=sys.stderr)
+                return None
+            if module is None:
+                try:
+                    module = _compile(name, directory, flags)
+                except Exception as exc:
+                    failed.write_text(f"{type(exc).__name__}: {exc}\n")
+                    raise
+        except Exception as exc:  # a missing compiler/ninja or a failed build: run without the kernel
+            msg = " ".join(str(exc).split())[:200]
+            print(f"fastforward: skinny-GEMM kernel unavailable ({type(exc).__name__}: {msg}); "
+                  "using torch matmuls", file=sys.stderr)
+            return None
+        _state["kernel"] = module.skinny_mm
+        _state["isa"] = module.isa
+        return _state["kernel"]
+
+
+def kernel_name() -> str | None:
+    """'skinny-avx512' / 'skinny-avx2' once :func:`load_kernel` has succeeded, else None."""
+    load_kernel()
+    return f"skinny-{_state['isa']}" if _state.get("isa") else None
