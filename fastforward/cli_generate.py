@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from .errors import UsageError
 
 
 def add_model_arguments(p) -> None:
     """Options shared by every command that loads a model."""
-    p.add_argument("--model", default="smollm2-135m", help="alias, local HF folder or .gguf file (default: %(default)s)")
+    p.add_argument(
+        "--model", default="smollm2-135m", help="alias, local HF folder or .gguf file (default: %(default)s)",
+    )
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"], help="target forward (default: auto)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
@@ -73,7 +76,9 @@ def run(args, name: str) -> int:
         raise UsageError("stop strings must be non-empty")
     if args.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    t_load = time.perf_counter()
     target = ff.load(args.model, backend=args.backend, threads=args.threads)
+    load_seconds = time.perf_counter() - t_load
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop=args.stop, chat=not args.no_chat, system=args.system, method_options=options,
@@ -92,5 +97,7 @@ def run(args, name: str) -> int:
         sys.stdout.write("\n")
         result = gen.result
     if args.stats:
+        print(f"[{args.model}] loaded in {load_seconds:.2f}s (backend {target.backend_name}"
+              f"{', ' + target.backend.matmul_kernel if target.backend_name == 'lean' else ''})", file=sys.stderr)
         print(result.stats.summary(), file=sys.stderr)
     return 0

@@ -7,32 +7,16 @@ import json
 
 import pytest
 import torch
+from cli_helpers import assert_one_line_error as assert_usage_error
+from cli_helpers import run_cli as run
 
-from fastforward.cli import main
 from fastforward.testing import tiny_llama_hf
 
 VOCAB = 96
 
 
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's own errors (unknown flag, bad int) exit from inside main
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
-def assert_usage_error(capsys, *argv, match=None):
-    code, out, err = run(capsys, *argv)
-    assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert "Traceback" not in err and "Traceback" not in out
-    assert lines[0].startswith("fastforward")
-    if match:
-        assert match in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

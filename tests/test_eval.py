@@ -6,8 +6,8 @@ import json
 import math
 
 import pytest
+from cli_helpers import assert_one_line_error, run_cli
 
-from fastforward.cli import main
 from fastforward.evaluate import (
     extract_code,
     extract_gsm8k_answer,
@@ -29,22 +29,8 @@ PROBLEM = {
 }
 
 
-def run_cli(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
-def assert_one_line_error(capsys, *argv, match=None):
-    code, out, err = run_cli(capsys, *argv)
-    assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    if match:
-        assert match in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Integration on the default model (SmolLM2-135M-Instruct): the engine against Hugging Face itself."""
 
 import random
-import time
 
 import pytest
 import torch
@@ -110,10 +109,15 @@ def test_tree_proposer_equals_ar_on_default_model(default_model):
     assert got.stats.target_forwards < want.stats.target_forwards
 
 
-def test_second_load_is_fast(default_model):
-    start = time.perf_counter()
+def test_second_load_reads_the_cached_conversion(default_model, monkeypatch):
+    """After the first load converted the GGUF file, later loads read the cached safetensors and never convert
+    again (how long that takes is reported by `fastforward generate --stats`, not asserted here)."""
+    import fastforward.model as model_module
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the GGUF file was converted again")
+
+    monkeypatch.setattr(model_module, "convert_gguf", no_conversion)
     again = ff.load()
-    elapsed = time.perf_counter() - start
     assert again.backend_name == "lean"
-    del again
-    assert elapsed < 5.0, f"second load took {elapsed:.1f}s"
+    assert again.vocab_size == default_model.vocab_size

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from cli_helpers import assert_one_line_error, run_cli
 
 import fastforward as ff
 from fastforward.cli import main
@@ -41,24 +42,8 @@ def unique_examples():
     return [Encoded(list(range(100 + 40 * k, 100 + 40 * k + n)), p) for k, (p, n) in enumerate(shapes)]
 
 
-def run_cli(capsys, *argv):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
-def assert_one_line_error(capsys, *argv, match=None):
-    code, out, err = run_cli(capsys, *argv)
-    assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    if match:
-        assert match in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

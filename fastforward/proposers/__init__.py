@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..engine import Proposer
 from ..errors import UsageError
