@@ -447,5 +447,5 @@ def test_methods_registered_with_defaults():
     methods = ff.available_methods()
     assert methods["jacobi"].options() == {"n_tokens": 16, "init": "prompt", "blocks": True,
                                            "record_trajectory": False}
-    assert methods["pld"].options() == {"max_ngram": 3, "num_pred_tokens": 10, "min_ngram": 1}
+    assert methods["pld"].options() == {"max_ngram": 3, "num_pred_tokens": 10, "min_ngram": 1, "adaptive": True}
     assert methods["lookahead"].options() == {"window": 7, "ngram": 5, "guesses": 7}
