@@ -23,6 +23,7 @@ COMMANDS = {
     "train": ("fastforward.train.cli", "fine-tune a model for faster parallel decoding (train msn ...)"),
     "eval": ("fastforward.evaluate", "task quality of a model: held-out NLL, GSM8K accuracy, HumanEval pass@1"),
     "build-tree": ("fastforward.cli_tree", "measure and build a TR-Jacobi tree sized for this machine"),
+    "collect-trajectories": ("fastforward.train.trajectories", "collect Jacobi trajectories for CLLM training"),
 }
 
 

@@ -13,6 +13,7 @@ from ..errors import UsageError
 # method -> module (SUMMARY, add_arguments, run)
 METHODS = {
     "msn": "fastforward.train.msn",
+    "cllm": "fastforward.train.cllm",
 }
 
 

@@ -125,11 +125,15 @@ class TrainConfig:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def add_training_arguments(p) -> None:
+def add_training_arguments(p, data: bool = True) -> None:
+    """The options every method shares. ``data=False`` leaves out ``--data`` and ``--heldout``, for a method that
+    reads its own training set (it sets ``args.data`` and ``args.heldout`` before :func:`config_from_args`)."""
     p.add_argument("--model", default="smollm2-135m",
                    help="base model: alias, local HF folder or .gguf file (default: %(default)s)")
-    p.add_argument("--data", required=True,
-                   help="training file(s), comma-separated: alpaca-style .json/.jsonl, GSM8K .jsonl, prompt/response")
+    if data:
+        p.add_argument("--data", required=True,
+                       help="training file(s), comma-separated: alpaca-style .json/.jsonl, GSM8K .jsonl, "
+                            "prompt/response")
     p.add_argument("--out", required=True, help="output folder: the final model, checkpoints/ and train_log.jsonl")
     p.add_argument("--epochs", type=int, default=1, help="passes over the data (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps; overrides --epochs")
@@ -147,8 +151,9 @@ def add_training_arguments(p) -> None:
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default: 2 x rank)")
     p.add_argument("--seed", type=int, default=0, help="data order, subsampling, noise and LoRA init (default: 0)")
     p.add_argument("--limit", type=int, default=None, help="train on a seeded random subset of N records")
-    p.add_argument("--heldout", type=float, default=0.05,
-                   help="fraction of records held out for 'fastforward eval --task nll' (default: %(default)s)")
+    if data:
+        p.add_argument("--heldout", type=float, default=0.05,
+                       help="fraction of records held out for 'fastforward eval --task nll' (default: %(default)s)")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (default: %(default)s)")
     p.add_argument("--keep-checkpoints", type=int, default=1, help="checkpoints kept (default: %(default)s)")
     p.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of the steps (default: %(default)s)")
@@ -203,6 +208,9 @@ class TrainingMethod:
     def stats(self) -> dict:
         """Method-specific counters for the run summary."""
         return {}
+
+    # Optional: a method with its own training set defines ``load_records(cfg, tokenizer) -> (records, held_out,
+    # dropped)``; the records need ``input_ids`` (for length grouping) and are passed to ``collate`` as they are.
 
 
 def pad_batch(examples, pad_id: int) -> dict:
@@ -434,12 +442,18 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
 
     # Data: read, split, subsample, tokenize (fast; the same on every process).
     t_load = time.perf_counter()
-    train_ex, held = split_examples(read_examples(cfg.data), cfg.heldout)
-    if not train_ex:
-        raise UsageError(f"every record of {cfg.data} is held out; lower --heldout")
-    train_ex = subsample(train_ex, cfg.limit, cfg.seed)
+    load_records = getattr(method, "load_records", None)
+    if load_records is None:
+        train_ex, held = split_examples(read_examples(cfg.data), cfg.heldout)
+        if not train_ex:
+            raise UsageError(f"every record of {cfg.data} is held out; lower --heldout")
+        train_ex = subsample(train_ex, cfg.limit, cfg.seed)
     model, tokenizer = _load_base(cfg, resume)
-    encoded, dropped = encode_examples(tokenizer, train_ex, cfg.max_length)
+    if load_records is None:
+        encoded, dropped = encode_examples(tokenizer, train_ex, cfg.max_length)
+        n_held = len(held)
+    else:
+        encoded, n_held, dropped = load_records(cfg, tokenizer)
     if not encoded:
         raise UsageError(f"no record fits --max-length {cfg.max_length}")
     if resume_state and resume_state.get("records") not in (None, len(encoded)):
@@ -498,7 +512,7 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
 
     kind = f"LoRA r={cfg.lora}" if cfg.lora else "full fine-tuning"
     _log(
-        f"{method.name}: {len(encoded)} training records ({len(held)} held out, {dropped} longer than "
+        f"{method.name}: {len(encoded)} training records ({n_held} held out, {dropped} longer than "
         f"--max-length dropped), {total_steps} steps of {cfg.batch_size * cfg.grad_accum * world} sequences "
         f"({total_steps * cfg.grad_accum / schedule.per_epoch:.2f} epochs); {kind} "
         f"({n_trainable / 1e6:.2f}M of {n_total / 1e6:.2f}M parameters trained), lr {cfg.learning_rate:g}; "
@@ -580,7 +594,7 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
         summary = state_at(step, last_loss)
         summary.update(
             method_stats=method.stats(), trainable_parameters=n_trainable, seconds_this_run=round(seconds, 2),
-            steps_this_run=step - start_step, heldout_records=len(held), dropped_records=dropped,
+            steps_this_run=step - start_step, heldout_records=n_held, dropped_records=dropped,
         )
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
     accelerator.wait_for_everyone()
