@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .bench.questions import humaneval_prompt  # noqa: F401  (the eval and the bench share the prompt)
 from .errors import UsageError
 
 TASKS = ("nll", "gsm8k", "humaneval")
@@ -85,13 +86,6 @@ def same_number(a: str | None, b: str | None) -> bool:
 # ------------------------------------------------------------------------------------------------------------------
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
-
-
-def humaneval_prompt(problem: dict) -> str:
-    return (
-        "Complete the following Python function. Reply with the complete function in one ```python code block."
-        f"\n\n```python\n{problem['prompt'].rstrip()}\n```"
-    )
 
 
 def extract_code(text: str, entry_point: str | None = None) -> str:

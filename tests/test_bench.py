@@ -68,7 +68,10 @@ def test_question_formats(tmp_path):
     with gzip.open(he, "wt") as f:
         f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n", "entry_point": "f"}) + "\n")
     (q,) = load_questions(he)
-    assert (q.question_id, q.category, q.turns) == ("HumanEval/0", "humaneval", ["def f():\n"])
+    assert (q.question_id, q.category) == ("HumanEval/0", "humaneval")
+    # the bench asks exactly what `fastforward eval --task humaneval` asks
+    from fastforward.evaluate import humaneval_prompt
+    assert q.turns == [humaneval_prompt({"prompt": "def f():\n"})] and "```python\ndef f():\n```" in q.turns[0]
 
     gsm = write_jsonl(tmp_path / "test.jsonl", [{"question": "1+1?", "answer": "#### 2"}] * 2)
     qs = load_questions(gsm)
@@ -101,6 +104,14 @@ def test_select_questions(tmp_path):
     assert [q.question_id for q in select_questions(qs, categories=["roleplay"])] == ["91"]  # a subcategory
     with pytest.raises(UsageError, match="unknown category 'poetry'"):
         select_questions(qs, categories=["poetry"])
+    # per-category counts: one default plus overrides, or overrides only (other categories left out)
+    assert [q.question_id for q in select_questions(qs, per_category="1,translation=2")] == ["81", "161", "162",
+                                                                                            "241"]
+    assert [q.question_id for q in select_questions(qs, per_category="mt_bench=2")] == ["81", "91"]
+    for bad, message in (("0", "positive"), ("x=y", "not N or CATEGORY=N"), ("=3", "no category name"),
+                         ("poetry=2", "unknown category 'poetry'"), (",", "give N")):
+        with pytest.raises(UsageError, match=message):
+            select_questions(qs, per_category=bad)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,9 @@ def add_arguments(p, name: str) -> None:
                         "prompts, Alpaca; repeatable or comma-separated")
     p.add_argument("--categories", default=None, help="comma-separated categories (or MT-Bench subcategories)")
     sel = p.add_mutually_exclusive_group()
-    sel.add_argument("--per-category", type=int, default=None, metavar="N", help="N questions from each category")
+    sel.add_argument("--per-category", default=None, metavar="N",
+                     help="N questions from each category; CATEGORY=M sets one category's count (e.g. "
+                          "'4,humaneval=40'; with only CATEGORY=M entries the other categories are left out)")
     sel.add_argument("--limit", type=int, default=None, metavar="N", help="N questions in all")
     p.add_argument("--select", choices=["spread", "first"], default="spread",
                    help="which N: evenly spaced through each category (default) or the first N")

@@ -7,7 +7,7 @@ Every record becomes a :class:`Question` with an id, a category and one or more 
 file                                   fields used                                 category
 =====================================  ==========================================  ==========================
 Spec-Bench / MT-Bench ``.jsonl``       ``turns`` (list of user turns), ``category``  the record's (see below)
-HumanEval ``.jsonl`` / ``.jsonl.gz``   ``prompt`` (+ ``task_id``)                    ``humaneval``
+HumanEval ``.jsonl`` / ``.jsonl.gz``   ``prompt`` (+ ``task_id``), see below         ``humaneval``
 GSM8K ``.jsonl``                       ``question`` (+ ``answer``)                   ``gsm8k``
 plain ``.jsonl``                       ``prompt`` (+ optional ``id``, ``category``)  the record's, or the folder
 Alpaca ``.json`` / ``.jsonl``          ``instruction`` + optional ``input``          ``alpaca``
@@ -82,6 +82,15 @@ def _read_records(path: Path) -> list[tuple[int, object]]:
     return records
 
 
+def humaneval_prompt(problem: dict) -> str:
+    """The user turn for a HumanEval problem: the same instruction ``fastforward eval --task humaneval`` scores, so
+    a benchmark on HumanEval times exactly the generations whose pass@1 the evaluation reports."""
+    return (
+        "Complete the following Python function. Reply with the complete function in one ```python code block."
+        f"\n\n```python\n{problem['prompt'].rstrip()}\n```"
+    )
+
+
 def _text(value, where: str, name: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise UsageError(f"{where}: '{name}' must be a non-empty string")
@@ -112,6 +121,7 @@ def _parse_record(rec, where: str, default_category: str, fold_mt_bench: bool) -
         turns = [_text(rec["prompt"], where, "prompt")]
         if isinstance(rec.get("task_id"), str) and rec["task_id"].startswith("HumanEval"):
             category = category or "humaneval"
+            turns = [humaneval_prompt(rec)]
     elif "question" in rec:
         turns = [_text(rec["question"], where, "question")]
         category = category or "gsm8k"
@@ -178,18 +188,43 @@ def load_questions(paths, fold_mt_bench: bool = True) -> list[Question]:
     return out
 
 
+def parse_per_category(text: str) -> tuple[int | None, dict[str, int]]:
+    """``--per-category`` value: ``N`` (every category), ``CAT=M,...`` (only those, M each) or both
+    (``4,gsm8k=40``: 40 GSM8K questions, 4 of every other category)."""
+    default, overrides = None, {}
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        name, sep, value = part.rpartition("=")
+        try:
+            n = int(value)
+        except ValueError:
+            raise UsageError(f"--per-category: '{part}' is not N or CATEGORY=N") from None
+        if n <= 0:
+            raise UsageError(f"--per-category must be a positive integer, got {n}")
+        if sep:
+            if not name.strip():
+                raise UsageError(f"--per-category: '{part}' has no category name")
+            overrides[name.strip()] = n
+        else:
+            default = n
+    if default is None and not overrides:
+        raise UsageError("--per-category: give N or CATEGORY=N")
+    return default, overrides
+
+
 def select_questions(
     questions: list[Question],
     categories: list[str] | None = None,
-    per_category: int | None = None,
+    per_category: int | str | None = None,
     limit: int | None = None,
     spread: bool = True,
 ) -> list[Question]:
     """Filter by category (a category or an MT-Bench subcategory), then take ``per_category`` from each category
-    or ``limit`` overall. ``spread`` picks evenly spaced questions (so 8 of Spec-Bench's 80 MT-Bench questions
+    or ``limit`` overall (``per_category`` may be ``"4,gsm8k=40"``: see :func:`parse_per_category`; a category
+    with no count and no default is left out). ``spread`` picks evenly spaced questions (so 8 of Spec-Bench's 80 MT-Bench questions
     cover all 8 subcategories) instead of the first ones. The order of the files is kept."""
-    if per_category is not None and per_category <= 0:
-        raise UsageError(f"--per-category must be a positive integer, got {per_category}")
+    default, overrides = (None, {}) if per_category is None else parse_per_category(per_category)
     if limit is not None and limit <= 0:
         raise UsageError(f"--limit must be a positive integer, got {limit}")
     if categories:
@@ -212,7 +247,12 @@ def select_questions(
         groups: dict[str, list[Question]] = {}
         for q in questions:
             groups.setdefault(q.category, []).append(q)
-        chosen = {id(q) for items in groups.values() for q in take(items, per_category)}
+        unknown = [c for c in overrides if c not in groups]
+        if unknown:
+            raise UsageError(f"--per-category: unknown category '{unknown[0]}'; the questions have: "
+                             f"{', '.join(groups)}")
+        chosen = {id(q) for cat, items in groups.items() if overrides.get(cat, default)
+                  for q in take(items, overrides.get(cat, default))}
         questions = [q for q in questions if id(q) in chosen]
     elif limit is not None:
         questions = take(questions, limit)
