@@ -30,6 +30,7 @@ from fastforward.bench import (
     select_questions,
     write_report,
 )
+from fastforward.bench.report import render_markdown
 from fastforward.bench.results import read_rows
 from fastforward.cli import main
 from fastforward.errors import UsageError
@@ -383,6 +384,26 @@ def test_aggregates_math():
     assert m["categories"]["a"]["speedup_arith"] == pytest.approx(2.0)
     assert s["methods"]["ar"]["speedup_geomean"] == pytest.approx(1.0)
     assert math.isclose(geomean([1, 4]), 2.0)
+
+
+def test_jacobi_statistics_are_pooled_per_category():
+    def jac(q, cat, ff, stationary, blocks):
+        r = _row(q, "jacobi", 1.0, tokens=sum(ff), cat=cat, steps=len(ff))
+        r["turns"] = [{"method_stats": {"fast_forward": ff, "stationary_tokens": stationary,
+                                         "blocks_started": blocks}}]
+        return r
+
+    rows = [_row("1", "ar", 1.0), _row("2", "ar", 1.0, cat="b"), _row("3", "ar", 1.0, cat="b"),
+            jac("1", "a", [1, 3, 2], 2, 1), jac("2", "b", [1, 1], 0, 1), jac("3", "b", [4, 1, 1, 2], 3, 2)]
+    s = aggregate(rows)
+    j = s["methods"]["jacobi"]
+    assert j["jacobi"] == {"iterations": 9, "fast_forward_per_iteration": pytest.approx(16 / 9),
+                           "stationary_per_block": pytest.approx(5 / 4), "blocks": 4}
+    assert j["categories"]["b"]["jacobi"]["fast_forward_per_iteration"] == pytest.approx(10 / 6)
+    assert j["categories"]["a"]["jacobi"]["stationary_per_block"] == pytest.approx(2.0)
+    assert "jacobi" not in s["methods"]["ar"]
+    md = render_markdown(s, [])
+    assert "## Jacobi iterations" in md and "`jacobi` fast-forwarded / iteration | 2.00 | 1.67 | 1.78 |" in md
 
 
 def test_report_only_regenerates(tmp_path, capsys):

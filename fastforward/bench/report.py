@@ -60,8 +60,27 @@ def _per_question(rows: list[dict]) -> dict[tuple[str, str], dict]:
             "checked": bool(checked),
             "mismatch": any(c is False for c in checked),
             "near_tie": bool(divs) and all(d.get("near_tie") for d in divs),
+            "jacobi": _jacobi_counts(rs),
         }
     return out
+
+
+def _jacobi_counts(rows: list[dict]) -> list[int] | None:
+    """[iterations, tokens fixed by them, stationary tokens, blocks] pooled over the rows' turns, for methods that
+    report Jacobi statistics (CLLM Table 3's fast-forwarded and stationary counts); None for the others."""
+    acc = [0, 0, 0, 0]
+    seen = False
+    for r in rows:
+        for t in r.get("turns") or []:
+            st = t.get("method_stats") or {}
+            if "fast_forward" not in st:
+                continue
+            seen = True
+            acc[0] += len(st["fast_forward"])
+            acc[1] += sum(st["fast_forward"])
+            acc[2] += int(st.get("stationary_tokens", 0))
+            acc[3] += int(st.get("blocks_started", 0))
+    return acc if seen else None
 
 
 def _stats(label: str, qids: list[str], pq: dict, ref_label: str | None = BASELINE) -> dict:
@@ -79,6 +98,7 @@ def _stats(label: str, qids: list[str], pq: dict, ref_label: str | None = BASELI
                 attempts[d] += a
                 accepts[d] += c
     steps = sum(m["steps"] for m in mine)
+    jac = [m["jacobi"] for m in mine if m.get("jacobi")]
     res = {
         "questions": len(mine),
         "new_tokens": tokens,
@@ -90,6 +110,10 @@ def _stats(label: str, qids: list[str], pq: dict, ref_label: str | None = BASELI
         "mismatches": sum(m["mismatch"] for m in mine),
         "mismatches_near_tie": sum(m["mismatch"] and m["near_tie"] for m in mine),
     }
+    if jac:
+        it, fixed, stat, blocks = (sum(j[i] for j in jac) for i in range(4))
+        res["jacobi"] = {"iterations": it, "fast_forward_per_iteration": fixed / it if it else None,
+                         "stationary_per_block": stat / blocks if blocks else None, "blocks": blocks}
     for suffix, wkey in (("", "wall"), ("_min", "wall_min")):
         ratios, tps, tps_ref, tot, tot_ref = [], [], [], [0.0, 0.0], [0.0, 0.0]
         for q in qids:
@@ -180,6 +204,10 @@ def aggregate(rows: list[dict]) -> dict:
                                    "accepted a token at depth d",
             "mismatches": "questions whose output differs from AR's in at least one repeat (temperature 0 only)",
             "mismatches_near_tie": "mismatches whose first divergence is a floating-point near-tie",
+            "jacobi.fast_forward_per_iteration": "Jacobi methods: tokens fixed per iteration (CLLM Table 3's "
+                                                 "fast-forwarded count; 1 = plain AR)",
+            "jacobi.stationary_per_block": "Jacobi methods: tokens that were already in place before their "
+                                           "prefix converged, per n-token block (CLLM Table 3)",
         },
         "parameters": last.get("parameters", {}),
         "parameter_sets": len(param_sets),
@@ -280,6 +308,19 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
         rows = [[f"`{label}`", _f(m["speedup_geomean"], 2, "×"), _f(m["speedup_geomean_min"], 2, "×"),
                  _f(m["speedup_total"], 2, "×"), _f(m["speedup_total_min"], 2, "×")] for label, m in methods.items()]
         out.append(_table(["method", "geomean (median)", "geomean (min)", "total (median)", "total (min)"], rows))
+    jac = {label: m for label, m in methods.items() if m.get("jacobi")}
+    if jac:
+        out += ["", "## Jacobi iterations (CLLM Table 3)", "",
+                "Fast-forwarded: tokens fixed per Jacobi iteration (one target forward; 1.00 = AR). Stationary: "
+                "tokens already correct in the window before every token ahead of them was, per n-token block.", ""]
+        rows = []
+        for label, m in jac.items():
+            for key, name in (("fast_forward_per_iteration", "fast-forwarded / iteration"),
+                              ("stationary_per_block", "stationary / block")):
+                cells = [_f((m["categories"][c].get("jacobi") or {}).get(key)) if c in m["categories"] else "–"
+                         for c in cats]
+                rows.append([f"`{label}` {name}"] + cells + [_f(m["jacobi"].get(key))])
+        out.append(_table(["method"] + cats + [OVERALL], rows))
     max_depth = max((len(m["acceptance_by_depth"]) for m in methods.values()), default=0)
     if max_depth:
         out += ["", "## Acceptance rate by draft depth", ""]
