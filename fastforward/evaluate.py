@@ -352,7 +352,45 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program (default: 10)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--save", metavar="FILE", default=None, help="write the summary and every sample's result as JSON")
+    p.add_argument("--compare", metavar="FILE", default=None,
+                   help="gsm8k/humaneval: a '--save' file of another model (or method) on the same task; reports how "
+                        "many samples got the same answer and the identical text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _sample_key(task: str, sample: dict):
+    return sample.get("task_id") if task == "humaneval" else sample.get("index")
+
+
+def load_comparison(path: str, task: str) -> dict:
+    """The samples of a previous ``--save`` file, keyed by item (GSM8K index / HumanEval task id)."""
+    p = Path(path).expanduser()
+    try:
+        saved = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--compare: {p} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--compare: {p} is not a 'fastforward eval --save' file ({e})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("samples"), list):
+        raise UsageError(f"--compare: {p} is not a 'fastforward eval --save' file (no samples)")
+    if saved.get("task") != task:
+        raise UsageError(f"--compare: {p} holds task '{saved.get('task')}', not '{task}'")
+    return {"model": saved.get("model"), "method": saved.get("method"),
+            "samples": {_sample_key(task, s): s for s in saved["samples"] if isinstance(s, dict)}}
+
+
+def compare_samples(task: str, samples: list[dict], reference: dict) -> dict:
+    """Agreement with a reference run on the items both hold: the same answer (GSM8K: the same extracted number;
+    HumanEval: the same pass/fail verdict) and the identical output text."""
+    ref = reference["samples"]
+    both = [(s, ref[_sample_key(task, s)]) for s in samples if _sample_key(task, s) in ref]
+    if task == "gsm8k":
+        same_answer = sum(same_number(a.get("pred"), b.get("pred")) or (a.get("pred") is None and b.get("pred") is None)
+                          for a, b in both)
+    else:
+        same_answer = sum(a.get("passed") == b.get("passed") for a, b in both)
+    return {"reference_model": reference.get("model"), "reference_method": reference.get("method"), "n": len(both),
+            "same_answer": same_answer, "same_output": sum(a.get("output") == b.get("output") for a, b in both)}
 
 
 def run(args, name: str) -> int:
@@ -386,6 +424,15 @@ def run(args, name: str) -> int:
             raise UsageError(f"no {args.task} records in {path}")
         if args.max_new_tokens is None:
             args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[args.task]
+    reference = None
+    if args.compare:
+        if args.task == "nll":
+            raise UsageError("--compare applies to the generation tasks (gsm8k, humaneval), not nll")
+        reference = load_comparison(args.compare, args.task)
+    if args.save:
+        parent = Path(args.save).expanduser().resolve().parent
+        if not parent.is_dir():
+            raise UsageError(f"--save: folder {parent} does not exist")
 
     import fastforward as ff
 
@@ -412,6 +459,8 @@ def run(args, name: str) -> int:
     else:
         summary["data"] = args.data
     summary.update({k: v for k, v in result.items() if k != "samples"})
+    if reference is not None:
+        summary["agreement"] = compare_samples(args.task, result["samples"], reference)
     if args.save:
         Path(args.save).expanduser().write_text(json.dumps({**summary, "samples": result["samples"]}, indent=1))
     if args.json:
@@ -432,4 +481,10 @@ def summary_line(s: dict) -> str:
     tail = f"; model {s['model']}"
     if s["task"] != "nll":
         tail += f", method {s['method']} (tau {s['tau']:.2f}, {s['tokens_per_s']:.1f} tok/s)"
-    return f"{head}{tail}; {s['seconds']:.1f}s"
+    agree = ""
+    if s.get("agreement"):
+        a = s["agreement"]
+        what = "answer" if s["task"] == "gsm8k" else "verdict"
+        agree = (f"; vs {a['reference_model']}: same {what} {a['same_answer']}/{a['n']}, identical text "
+                 f"{a['same_output']}/{a['n']}")
+    return f"{head}{tail}{agree}; {s['seconds']:.1f}s"

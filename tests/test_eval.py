@@ -195,6 +195,11 @@ def test_gsm8k_and_humaneval_run_end_to_end(tiny_folder, tmp_path, capsys):
     r = json.loads(out)
     assert r["n"] == 2 and 0.0 <= r["accuracy"] <= 1.0 and r["method"] == "ar"
     assert len(json.loads((tmp_path / "g.json").read_text())["samples"]) == 2
+    # --compare: the same model and method against itself agrees on everything
+    code, out, err = run_cli(capsys, "eval", "--task", "gsm8k", "--model", tiny_folder, "--data", gsm,
+                             "--max-new-tokens", 8, "--quiet", "--method", "jacobi", "--compare", tmp_path / "g.json")
+    assert code == 0, err
+    assert "same answer 2/2, identical text 2/2" in out
     he = tmp_path / "he.jsonl.gz"
     with gzip.open(he, "wt") as f:
         f.write(json.dumps(PROBLEM) + "\n")
@@ -204,7 +209,31 @@ def test_gsm8k_and_humaneval_run_end_to_end(tiny_folder, tmp_path, capsys):
     assert out.startswith("humaneval pass@1 0.000 (0/1)")
 
 
+def test_compare_counts_same_answers_and_texts():
+    from fastforward.evaluate import compare_samples
+
+    ref = {"model": "base", "method": "ar", "samples": {
+        0: {"index": 0, "pred": "3", "output": "so 3"}, 1: {"index": 1, "pred": "4.0", "output": "4.0"},
+        2: {"index": 2, "pred": None, "output": "?"}, 9: {"index": 9, "pred": "1", "output": "1"}}}
+    mine = [{"index": 0, "pred": "3", "output": "so 3"}, {"index": 1, "pred": "4", "output": "4"},
+            {"index": 2, "pred": "5", "output": "5"}, {"index": 3, "pred": "7", "output": "7"}]
+    a = compare_samples("gsm8k", mine, ref)
+    assert (a["n"], a["same_answer"], a["same_output"]) == (3, 2, 1)
+    he_ref = {"model": "b", "method": "ar", "samples": {"H/0": {"task_id": "H/0", "passed": True, "output": "x"},
+                                                         "H/1": {"task_id": "H/1", "passed": False, "output": "y"}}}
+    a = compare_samples("humaneval", [{"task_id": "H/0", "passed": True, "output": "z"},
+                                      {"task_id": "H/1", "passed": True, "output": "y"}], he_ref)
+    assert (a["n"], a["same_answer"], a["same_output"]) == (2, 1, 1)
+
+
 def test_usage_errors(tiny_folder, data_file, tmp_path, capsys):
+    (tmp_path / "nll.json").write_text(json.dumps({"task": "nll", "samples": []}))
+    assert_one_line_error(capsys, "eval", "--task", "gsm8k", "--model", tiny_folder, "--compare",
+                          tmp_path / "none.json", match="does not exist")
+    assert_one_line_error(capsys, "eval", "--task", "gsm8k", "--model", tiny_folder, "--compare",
+                          tmp_path / "nll.json", match="holds task 'nll'")
+    assert_one_line_error(capsys, "eval", "--task", "gsm8k", "--model", tiny_folder, "--save",
+                          tmp_path / "no" / "x.json", match="does not exist")
     assert_one_line_error(capsys, "eval", "--task", "bleu", "--model", tiny_folder, match="invalid choice")
     assert_one_line_error(capsys, "eval", "--task", "nll", "--model", tiny_folder, match="--data")
     assert_one_line_error(capsys, "eval", "--task", "nll", "--model", tiny_folder, "--data", tmp_path / "x.json",
