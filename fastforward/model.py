@@ -531,7 +531,10 @@ def load(
         if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
             model, tokenizer = load_hf(cached, dtype)
         else:
-            model, tokenizer = convert_gguf(path, cached, dtype)
+            # Read the converted folder back rather than keep the GGUF-loaded model: transformers still marks
+            # that one as quantised (no .float(), no training), which the cached folder never is.
+            convert_gguf(path, cached, dtype)
+            model, tokenizer = load_hf(cached, dtype)
     return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max)
 
 

@@ -121,3 +121,13 @@ def test_second_load_reads_the_cached_conversion(default_model, monkeypatch):
     again = ff.load()
     assert again.backend_name == "lean"
     assert again.vocab_size == default_model.vocab_size
+
+
+def test_first_load_converts_to_a_plain_trainable_model(tmp_path, monkeypatch):
+    """The very first load (empty cache) returns the same kind of model as later loads: not flagged as quantised,
+    so `.float()` and training work on a fresh machine (they once failed only there)."""
+    monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path))
+    first = ff.load(backend="hf")
+    assert any(tmp_path.iterdir())
+    assert not getattr(first.hf_model, "is_quantized", False)
+    assert first.hf_model.float() is first.hf_model
