@@ -246,27 +246,51 @@ def load_humaneval(path: Path, limit: int | None = None) -> list[dict]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def response_nll(hf_model, encoded) -> tuple[float, int, list[float]]:
-    """(summed NLL, response tokens, per-record mean NLL) of teacher-forced response tokens, one record at a time
-    (no padding, so the numbers do not depend on batching)."""
+def response_nll(hf_model, encoded, noise_length: int = 0, seed: int = 0) -> dict:
+    """Teacher-forced response NLL, one record at a time (no padding, so the numbers do not depend on batching).
+
+    Returns ``total`` (summed NLL), ``count`` (response tokens), ``per`` (per-record mean NLL), ``correct`` (top-1
+    hits). With ``noise_length`` L > 0 it also measures what MSN trains: one seeded segment of L response tokens is
+    replaced by ahead noise (as in ``fastforward train msn``), and the L predictions made *from* noisy inputs (each
+    one's own input token is noise) are scored against the clean labels -- ``noisy_nll``/``noisy_correct``, next to
+    ``clean_nll``/``clean_correct`` at the same positions of the clean forward, over ``noisy_count`` predictions.
+    """
     import torch
     import torch.nn.functional as F
 
-    total, count, per = 0.0, 0, []
+    from .train.msn import apply_ahead_noise, random_starts
+
+    out = {"total": 0.0, "count": 0, "per": [], "correct": 0,
+           "noisy_nll": 0.0, "noisy_correct": 0, "clean_nll": 0.0, "clean_correct": 0, "noisy_count": 0}
+    generator = torch.Generator().manual_seed(seed)
     hf_model.eval()
     with torch.inference_mode():
         for e in encoded:
             ids = torch.tensor([e.input_ids], dtype=torch.long)
             logits = hf_model(input_ids=ids, use_cache=False).logits[0].float()
-            p = e.prompt_len
+            p, n = e.prompt_len, len(e.input_ids)
             nll = F.cross_entropy(logits[p - 1 : -1], ids[0, p:], reduction="sum").item()
-            total += nll
-            count += len(e.input_ids) - p
-            per.append(nll / (len(e.input_ids) - p))
-    return total, count, per
+            out["total"] += nll
+            out["count"] += n - p
+            out["per"].append(nll / (n - p))
+            out["correct"] += int((logits[p - 1 : -1].argmax(-1) == ids[0, p:]).sum())
+            if noise_length <= 0:
+                continue
+            start = int(random_starts(torch.tensor([p]), torch.tensor([n]), noise_length, generator)[0])
+            if start < 0:
+                continue
+            noisy = apply_ahead_noise(ids, torch.tensor([start]), noise_length, generator)
+            noisy_logits = hf_model(input_ids=noisy, use_cache=False).logits[0].float()
+            span = slice(start, start + noise_length)
+            labels = ids[0, start + 1 : start + noise_length + 1]
+            for key, lg in (("noisy", noisy_logits[span]), ("clean", logits[span])):
+                out[f"{key}_nll"] += F.cross_entropy(lg, labels, reduction="sum").item()
+                out[f"{key}_correct"] += int((lg.argmax(-1) == labels).sum())
+            out["noisy_count"] += noise_length
+    return out
 
 
-def eval_nll(target, data: str, *, heldout: float, max_length: int, limit: int | None) -> dict:
+def eval_nll(target, data: str, *, heldout: float, max_length: int, limit: int | None, noise_length: int = 4) -> dict:
     from .train.data import encode_examples, read_examples, split_examples
 
     _, held = split_examples(read_examples(data), heldout)
@@ -276,13 +300,21 @@ def eval_nll(target, data: str, *, heldout: float, max_length: int, limit: int |
     encoded, dropped = encode_examples(target.tokenizer, held, max_length)
     if not encoded:
         raise UsageError(f"no held-out record fits --max-length {max_length}")
-    total, count, per = response_nll(target.hf_model, encoded)
-    nll = total / count
-    return {
-        "nll": nll, "ppl": math.exp(nll), "tokens": count, "records": len(encoded), "dropped": dropped,
-        "heldout": heldout, "max_length": max_length,
-        "samples": [{"index": i, "nll": v} for i, v in enumerate(per)],
+    r = response_nll(target.hf_model, encoded, noise_length)
+    nll = r["total"] / r["count"]
+    result = {
+        "nll": nll, "ppl": math.exp(nll), "accuracy": r["correct"] / r["count"], "tokens": r["count"],
+        "records": len(encoded), "dropped": dropped, "heldout": heldout, "max_length": max_length,
     }
+    if r["noisy_count"]:
+        k = r["noisy_count"]
+        result["ahead_noise"] = {
+            "noise_length": noise_length, "predictions": k,
+            "noisy_accuracy": r["noisy_correct"] / k, "noisy_nll": r["noisy_nll"] / k,
+            "clean_accuracy": r["clean_correct"] / k, "clean_nll": r["clean_nll"] / k,
+        }
+    result["samples"] = [{"index": i, "nll": v} for i, v in enumerate(r["per"])]
+    return result
 
 
 def _generate(target, prompt, args, options):
@@ -350,6 +382,10 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--max-length", type=int, default=512,
                    help="nll: tokens per record, as given to 'fastforward train' (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program (default: 10)")
+    p.add_argument("--noise-length", type=int, default=4,
+                   help="nll: also score the predictions made from one seeded ahead-noise segment of this many "
+                        "response tokens per record, as 'fastforward train msn' trains them "
+                        "(0 = off; default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--save", metavar="FILE", default=None, help="write the summary and every sample's result as JSON")
     p.add_argument("--compare", metavar="FILE", default=None,
@@ -413,6 +449,8 @@ def run(args, name: str) -> int:
         check_heldout(args.heldout)
         if args.max_length < 2:
             raise UsageError(f"--max-length must be at least 2, got {args.max_length}")
+        if args.noise_length < 0:
+            raise UsageError(f"--noise-length must be 0 (off) or positive, got {args.noise_length}")
     else:
         from .proposers import available_methods
 
@@ -447,7 +485,8 @@ def run(args, name: str) -> int:
                     dynamic_ncols=True, mininterval=1.0)
 
     if args.task == "nll":
-        result = eval_nll(target, args.data, heldout=args.heldout, max_length=args.max_length, limit=args.limit)
+        result = eval_nll(target, args.data, heldout=args.heldout, max_length=args.max_length, limit=args.limit,
+                          noise_length=args.noise_length)
     elif args.task == "gsm8k":
         result = eval_gsm8k(target, rows, args, options, progress)
     else:
@@ -472,8 +511,13 @@ def run(args, name: str) -> int:
 
 def summary_line(s: dict) -> str:
     if s["task"] == "nll":
-        head = (f"nll {s['nll']:.4f} (ppl {s['ppl']:.2f}) over {s['tokens']} response tokens of {s['records']} "
-                f"held-out records")
+        head = (f"nll {s['nll']:.4f} (ppl {s['ppl']:.2f}, top-1 {s['accuracy']:.3f}) over {s['tokens']} response "
+                f"tokens of {s['records']} held-out records")
+        if s.get("ahead_noise"):
+            a = s["ahead_noise"]
+            head += (f"; from ahead-noised inputs (L={a['noise_length']}, {a['predictions']} predictions): top-1 "
+                     f"{a['noisy_accuracy']:.3f} (clean {a['clean_accuracy']:.3f}), nll {a['noisy_nll']:.3f} "
+                     f"(clean {a['clean_nll']:.3f})")
     elif s["task"] == "gsm8k":
         head = f"gsm8k accuracy {s['accuracy']:.3f} ({s['correct']}/{s['n']})"
     else:

@@ -181,8 +181,53 @@ def test_nll_is_finite_deterministic_and_held_out(tiny_folder, data_file, capsys
     # the held-out records are exactly those training never sees
     train, held = split_examples(read_examples(data_file), 0.05)
     assert len(held) >= 8 and not {e.key for e in train} & {e.key for e in held}
+    noise = r1["ahead_noise"]  # on by default: L=4 predictions from noisy inputs per record
+    assert noise["noise_length"] == 4 and noise["predictions"] == 4 * 8 and 0 <= noise["noisy_accuracy"] <= 1
     code, out, err = run_cli(capsys, *argv)  # the one-line summary
-    assert code == 0 and out.count("\n") == 1 and out.startswith("nll ")
+    assert code == 0 and out.count("\n") == 1 and out.startswith("nll ") and "ahead-noised" in out
+
+
+class _StubLM:
+    """A stand-in causal LM over a vocabulary of 50. ``mode="oracle"`` knows the clean sequence and predicts its next
+    token whatever the inputs (a perfect denoiser); ``mode="bigram"`` predicts the clean successor of its *own input*
+    token (perfect on clean inputs, fooled by noise)."""
+
+    def __init__(self, clean, mode):
+        self.clean, self.mode = clean, mode
+        self.successor = {a: b for a, b in zip(clean, clean[1:], strict=False)}
+
+    def eval(self):
+        return self
+
+    def __call__(self, input_ids, use_cache=False):
+        import types
+
+        import torch
+
+        ids = input_ids[0].tolist()
+        logits = torch.zeros(1, len(ids), 50)
+        for j, tok in enumerate(ids[:-1]):
+            want = self.clean[j + 1] if self.mode == "oracle" else self.successor.get(tok, 0)
+            logits[0, j, want] = 10.0
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_ahead_noise_scores_predictions_from_noisy_inputs():
+    from fastforward.evaluate import response_nll
+    from fastforward.train.data import Encoded
+
+    clean = [1, 2, 3] + list(range(10, 40))  # 3 prompt tokens, 30 distinct response tokens
+    enc = [Encoded(input_ids=clean, prompt_len=3)]
+    oracle = response_nll(_StubLM(clean, "oracle"), enc, noise_length=4, seed=0)
+    bigram = response_nll(_StubLM(clean, "bigram"), enc, noise_length=4, seed=0)
+    for r in (oracle, bigram):
+        assert r["count"] == 30 and r["correct"] == 30 and r["noisy_count"] == 4 and r["clean_correct"] == 4
+    assert oracle["noisy_correct"] == 4  # a perfect denoiser is not fooled
+    # ahead noise copies strictly earlier tokens; with all tokens distinct each noisy input's clean successor is
+    # never the label, so the input-following bigram model misses all 4
+    assert bigram["noisy_correct"] == 0 and bigram["noisy_nll"] > bigram["clean_nll"]
+    assert response_nll(_StubLM(clean, "bigram"), enc, noise_length=4, seed=0) == bigram  # seeded: same noise
+    assert response_nll(_StubLM(clean, "bigram"), enc, noise_length=0)["noisy_count"] == 0
 
 
 def test_gsm8k_and_humaneval_run_end_to_end(tiny_folder, tmp_path, capsys):
@@ -245,3 +290,5 @@ def test_usage_errors(tiny_folder, data_file, tmp_path, capsys):
                           match="unknown method")
     assert_one_line_error(capsys, "eval", "--task", "nll", "--model", tiny_folder, "--data", data_file,
                           "--heldout", 2, match="--heldout")
+    assert_one_line_error(capsys, "eval", "--task", "nll", "--model", tiny_folder, "--data", data_file,
+                          "--noise-length", -1, match="--noise-length")

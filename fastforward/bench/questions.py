@@ -222,8 +222,8 @@ def select_questions(
 ) -> list[Question]:
     """Filter by category (a category or an MT-Bench subcategory), then take ``per_category`` from each category
     or ``limit`` overall (``per_category`` may be ``"4,gsm8k=40"``: see :func:`parse_per_category`; a category
-    with no count and no default is left out). ``spread`` picks evenly spaced questions (so 8 of Spec-Bench's 80 MT-Bench questions
-    cover all 8 subcategories) instead of the first ones. The order of the files is kept."""
+    with no count and no default is left out). ``spread`` picks evenly spaced questions (so 8 of Spec-Bench's 80
+    MT-Bench questions cover all 8 subcategories) instead of the first ones. The order of the files is kept."""
     default, overrides = (None, {}) if per_category is None else parse_per_category(per_category)
     if limit is not None and limit <= 0:
         raise UsageError(f"--limit must be a positive integer, got {limit}")
