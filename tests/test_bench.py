@@ -527,7 +527,10 @@ def test_kill_midway_and_resume(tmp_path):
         return len(results.read_text().splitlines()) if results.exists() else 0
 
     def start_and_stop(sig, after_rows):
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # A child of a shell's background job inherits SIGINT ignored (and Python then keeps it ignored), which
+        # would turn the Ctrl-C below into a no-op; give the child the default disposition a terminal user has.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 120
         while lines() < after_rows and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)

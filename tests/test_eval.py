@@ -273,12 +273,12 @@ def test_compare_counts_same_answers_and_texts():
 
 def test_usage_errors(tiny_folder, data_file, tmp_path, capsys):
     (tmp_path / "nll.json").write_text(json.dumps({"task": "nll", "samples": []}))
-    assert_one_line_error(capsys, "eval", "--task", "gsm8k", "--model", tiny_folder, "--compare",
-                          tmp_path / "none.json", match="does not exist")
-    assert_one_line_error(capsys, "eval", "--task", "gsm8k", "--model", tiny_folder, "--compare",
-                          tmp_path / "nll.json", match="holds task 'nll'")
-    assert_one_line_error(capsys, "eval", "--task", "gsm8k", "--model", tiny_folder, "--save",
-                          tmp_path / "no" / "x.json", match="does not exist")
+    gsm = tmp_path / "gsm.jsonl"  # its own file: the shared data need not exist beside a fresh clone
+    gsm.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
+    gsm8k = ("eval", "--task", "gsm8k", "--model", tiny_folder, "--data", gsm)
+    assert_one_line_error(capsys, *gsm8k, "--compare", tmp_path / "none.json", match="does not exist")
+    assert_one_line_error(capsys, *gsm8k, "--compare", tmp_path / "nll.json", match="holds task 'nll'")
+    assert_one_line_error(capsys, *gsm8k, "--save", tmp_path / "no" / "x.json", match="does not exist")
     assert_one_line_error(capsys, "eval", "--task", "bleu", "--model", tiny_folder, match="invalid choice")
     assert_one_line_error(capsys, "eval", "--task", "nll", "--model", tiny_folder, match="--data")
     assert_one_line_error(capsys, "eval", "--task", "nll", "--model", tiny_folder, "--data", tmp_path / "x.json",

@@ -417,7 +417,8 @@ def test_grad_accumulation_equals_one_big_batch(tiny_folder, data_file, tmp_path
         outs.append(weights(out))
     base = weights(tiny_folder)
     for name in base:
-        torch.testing.assert_close(outs[0][name] - base[name], outs[1][name] - base[name], rtol=1e-3, atol=1e-8)
+        # atol: float32 sums in another order differ by ~1e-8 on updates of ~1e-5 (seen at 3e-8 on one element)
+        torch.testing.assert_close(outs[0][name] - base[name], outs[1][name] - base[name], rtol=1e-3, atol=1e-7)
     assert any(not torch.equal(outs[0][n], base[n]) for n in base)
 
 
