@@ -137,73 +137,175 @@ def _full_mask(q: int, prefix: int, tree_mask: torch.Tensor | None) -> torch.Ten
     return torch.cat([torch.ones(q, prefix, dtype=torch.bool), local], dim=1)
 
 
+@dataclass
+class LlamaLayer:
+    """One decoder layer's weights: fused q|k|v and gate|up, as linears (dense or packed) plus norm vectors."""
+
+    in_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    qkv: object  # Linear: [hidden] -> [(n_heads + 2 n_kv_heads) head_dim]
+    o: object  # [n_heads head_dim] -> [hidden]
+    gate_up: object  # [hidden] -> [2 intermediate]
+    down: object  # [intermediate] -> [hidden]
+    bqkv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+
+
+def rope_tables(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[max_positions, head_dim]`` of the default (unscaled) rotary embedding, computed exactly as
+    transformers' ``LlamaRotaryEmbedding`` does (fp32 inverse frequencies times positions, duplicated halves)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+    freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
 class LeanLlama:
     """A compact forward for Llama-architecture decoders over fused weights and a :class:`StaticKVCache`.
 
-    Weights are fused per layer (q|k|v and gate|up) and kept in two layouts: ``[in, out]`` (``x @ W``), which MKL
-    runs fastest for one to a few rows, and ``[out, in]`` (``F.linear``), fastest for more rows. Which one a call
-    uses is decided by the number of new tokens (``small_q_max``, measurable with ``fastforward profile``).
-    For fp32 models, calls of up to ``kernel_max_q`` rows run instead on fastforward's skinny-GEMM kernel over the
-    ``[in, out]`` weights when it is available (:mod:`fastforward.kernels`); ``matmul_kernel`` names what runs.
+    Weights are :mod:`fastforward.linear` objects: fp32 for HF folders (the skinny-GEMM kernel for a few rows, MKL
+    beyond), or GGUF blocks kept packed and multiplied by the native quantised kernel. ``matmul_kernel`` names
+    what runs. Build it with :meth:`from_hf` or :meth:`from_gguf`.
     """
 
-    def __init__(self, hf_model, small_q_max: int = 4, kernel_max_q: int = 128):
+    def __init__(self, *, n_heads, n_kv_heads, head_dim, hidden_size, intermediate_size, eps, embed, head, norm,
+                 layers: list[LlamaLayer], cos, sin, matmul_kernel: str, dtype=torch.float32):
+        self.n_layers = len(layers)
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.hidden_size, self.intermediate_size, self.eps = hidden_size, intermediate_size, eps
+        self.embed, self.head, self.norm, self.layers = embed, head, norm, layers
+        self.cos, self.sin = cos, sin
+        self.max_positions = cos.shape[0]
+        self.matmul_kernel = matmul_kernel
+        self.dtype = dtype
+
+    @classmethod
+    def from_hf(cls, hf_model, small_q_max: int = 4, kernel_max_q: int = 128) -> LeanLlama:
+        from .linear import DenseLinear
+
         cfg = hf_model.config
-        self.config = cfg
-        self.n_layers = cfg.num_hidden_layers
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.hidden_size = cfg.hidden_size
-        self.intermediate_size = cfg.intermediate_size
-        self.eps = cfg.rms_norm_eps
-        self.small_q_max = small_q_max
+        n_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
         inner = hf_model.model
-        self.embed = inner.embed_tokens.weight.detach()
-        self.norm = inner.norm.weight.detach()
-        self.layers = []
+        dtype = inner.embed_tokens.weight.dtype
+        # The skinny kernel reads each weight once however many rows there are and computes every row exactly as
+        # alone; fp32 only. Longer prefills stay on MKL all the same.
+        native = None
+        if dtype == torch.float32 and kernel_max_q > 0:
+            from .kernels import load_native
+
+            native = load_native()
+
+        def dense(w):
+            return DenseLinear(w.detach(), native=native, kernel_max_q=kernel_max_q, small_q_max=small_q_max)
+
+        layers = []
         with torch.no_grad():
             for layer in inner.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                wqkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0).detach()
                 bqkv = None
                 if attn.q_proj.bias is not None:
                     bqkv = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], 0).detach()
-                wgu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0).detach()
-                out = [wqkv, attn.o_proj.weight.detach(), wgu, mlp.down_proj.weight.detach()]
-                self.layers.append(
-                    {
-                        "in_norm": layer.input_layernorm.weight.detach(),
-                        "post_norm": layer.post_attention_layernorm.weight.detach(),
-                        "bqkv": bqkv,
-                        "bo": None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
-                        "w_out_in": [w.contiguous() for w in out],
-                        "w_in_out": [w.t().contiguous() for w in out],
-                    }
-                )
-            head = hf_model.get_output_embeddings().weight.detach()
-            self.head_out_in = head.contiguous()
-            self.head_in_out = head.t().contiguous()
+                layers.append(LlamaLayer(
+                    in_norm=layer.input_layernorm.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    qkv=dense(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)),
+                    o=dense(attn.o_proj.weight),
+                    gate_up=dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)),
+                    down=dense(mlp.down_proj.weight),
+                    bqkv=bqkv,
+                    bo=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+                ))
+            embed = dense(inner.embed_tokens.weight)
+            head_w = hf_model.get_output_embeddings().weight
+            head = embed if head_w is inner.embed_tokens.weight else dense(head_w)  # tied: one copy
             # RoPE tables from the model's own rotary module, so every rope variant (scaling types) is honoured.
             max_pos = int(getattr(cfg, "max_position_embeddings", 4096))
-            pos = torch.arange(max_pos).unsqueeze(0)
-            dummy = torch.zeros(1, 1, self.head_dim, dtype=self.embed.dtype)
-            cos, sin = inner.rotary_emb(dummy, pos)
-            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
-        self.max_positions = max_pos
-        # The kernel reads each weight once however many rows there are and computes every row exactly as alone;
-        # fp32 only. On an AVX-512 AMD EPYC it beats MKL ~1.4x at 1 row and 2-3x at 2..512 rows; longer prefills
-        # stay on MKL all the same.
-        self.kernel_max_q = kernel_max_q
-        self.skinny = None
-        if self.embed.dtype == torch.float32 and kernel_max_q > 0:
-            from .kernels import kernel_name, load_kernel
+            dummy = torch.zeros(1, 1, head_dim, dtype=dtype)
+            cos, sin = inner.rotary_emb(dummy, torch.arange(max_pos).unsqueeze(0))
+        return cls(
+            n_heads=n_heads, n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads, head_dim=head_dim,
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+            embed=embed, head=head, norm=inner.norm.weight.detach(), layers=layers,
+            cos=cos[0].contiguous(), sin=sin[0].contiguous(),
+            matmul_kernel=f"skinny-{native.isa}" if native is not None else "mkl", dtype=dtype,
+        )
 
-            self.skinny = load_kernel()
-        self.matmul_kernel = kernel_name() if self.skinny is not None else "mkl"
+    @classmethod
+    def from_gguf(cls, model, native) -> LeanLlama:
+        """From a :class:`~fastforward.gguf_file.GGUFModel`: quantised weights stay packed (``native`` given)."""
+        from .gguf_file import linear_from_tensor, unpermute_rows, vector
+        from .linear import concat_linears
+
+        hp, t = model.hparams, model.tensors
+        if hp["rope_scaling"] not in ("none", ""):
+            raise UsageError(f"GGUF rope scaling '{hp['rope_scaling']}' is not supported by the direct GGUF path")
+        # llama.cpp permutes Q/K rows for llama only (qwen2 GGUFs keep HF's order).
+        pq, pk = (hp["n_heads"], hp["n_kv_heads"]) if model.architecture == "llama" else (None, None)
+
+        def lin(name, permute=None):
+            return linear_from_tensor(t[name], native=native, permute_heads=permute)
+
+        def bias(name, permute=None):
+            if name not in t:
+                return None
+            v = vector(t[name])
+            return v if permute is None else v[unpermute_rows(v.numel(), permute)]
+
+        layers = []
+        for i in range(hp["n_layers"]):
+            p = f"blk.{i}."
+            bq, bk, bv = bias(p + "attn_q.bias", pq), bias(p + "attn_k.bias", pk), bias(p + "attn_v.bias")
+            layers.append(LlamaLayer(
+                in_norm=vector(t[p + "attn_norm.weight"]),
+                post_norm=vector(t[p + "ffn_norm.weight"]),
+                qkv=concat_linears([lin(p + "attn_q.weight", pq), lin(p + "attn_k.weight", pk),
+                                    lin(p + "attn_v.weight")]),
+                o=lin(p + "attn_output.weight"),
+                gate_up=concat_linears([lin(p + "ffn_gate.weight"), lin(p + "ffn_up.weight")]),
+                down=lin(p + "ffn_down.weight"),
+                bqkv=None if bq is None else torch.cat([bq, bk, bv]),
+                bo=bias(p + "attn_output.bias"),
+            ))
+        embed = lin("token_embd.weight")
+        head = lin("output.weight") if "output.weight" in t else embed  # tied: the embedding, packed
+        cos, sin = rope_tables(hp["head_dim"], hp["rope_theta"], hp["max_positions"])
+        kinds = sorted({getattr(x, "format_name", "f32") for layer in layers for x in (layer.qkv, layer.down)}
+                       | {getattr(head, "format_name", "f32")})
+        return cls(
+            n_heads=hp["n_heads"], n_kv_heads=hp["n_kv_heads"], head_dim=hp["head_dim"],
+            hidden_size=hp["hidden_size"], intermediate_size=hp["intermediate_size"], eps=hp["eps"],
+            embed=embed, head=head, norm=vector(t["output_norm.weight"]), layers=layers, cos=cos, sin=sin,
+            matmul_kernel=(f"quant-{native.isa} ({'/'.join(kinds)})" if native is not None else "mkl (dequantised)"),
+        )
+
+    def _linears(self) -> list:
+        return [self.embed, self.head] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up,
+                                                                           layer.down)]
+
+    @property
+    def skinny(self):
+        """The fp32 skinny-GEMM kernel the dense weights use, or None."""
+        return next((lin.skinny for lin in self._linears() if getattr(lin, "skinny", None) is not None), None)
+
+    @property
+    def kernel_max_q(self) -> int:
+        """Up to how many rows dense fp32 weights run on the skinny kernel (MKL beyond)."""
+        return max((getattr(lin, "kernel_max_q", 0) for lin in self._linears()), default=0)
+
+    @kernel_max_q.setter
+    def kernel_max_q(self, value: int) -> None:
+        for lin in self._linears():
+            if hasattr(lin, "kernel_max_q"):
+                lin.kernel_max_q = value
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weight storage (packed bytes, or fp32 copies)."""
+        return sum({id(lin): lin.nbytes for lin in self._linears()}.values())
 
     def new_cache(self, capacity: int) -> StaticKVCache:
-        return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.embed.dtype)
+        return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
 
     def _rms(self, x, w):
         var = x.pow(2).mean(-1, keepdim=True)
@@ -221,28 +323,18 @@ class LeanLlama:
         end = start + q
         if end > cache.capacity:
             raise UsageError(f"KV cache capacity {cache.capacity} exceeded ({end} tokens)")
-        small = q <= self.small_q_max
-        skinny = self.skinny if q <= self.kernel_max_q else None
-        key = "w_in_out" if small or skinny is not None else "w_out_in"
-
-        def mm(x, w):
-            if skinny is not None:
-                return skinny(x, w)
-            return x @ w if small else F.linear(x, w)
-
         nh, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        x = F.embedding(ids, self.embed)
+        x = self.embed.rows(ids)
         cos = self.cos[positions].unsqueeze(0)  # [1, q, d]
         sin = self.sin[positions].unsqueeze(0)
         mask = None if q == 1 and tree_mask is None else _full_mask(q, start, tree_mask)
         wanted = set(hidden_layers)
         hidden = {}
         for i, layer in enumerate(self.layers):
-            w_qkv, w_o, w_gu, w_down = layer[key]
-            h = self._rms(x, layer["in_norm"])
-            qkv = mm(h, w_qkv)
-            if layer["bqkv"] is not None:
-                qkv = qkv + layer["bqkv"]
+            h = self._rms(x, layer.in_norm)
+            qkv = layer.qkv(h)
+            if layer.bqkv is not None:
+                qkv = qkv + layer.bqkv
             qh = qkv[:, : nh * d].view(q, nh, d).transpose(0, 1)
             kh = qkv[:, nh * d : (nh + nkv) * d].view(q, nkv, d).transpose(0, 1)
             vh = qkv[:, (nh + nkv) * d :].view(q, nkv, d).transpose(0, 1)
@@ -257,13 +349,13 @@ class LeanLlama:
                 attn_mask=mask,
                 enable_gqa=nh != nkv,
             )
-            o = mm(o[0].transpose(0, 1).reshape(q, nh * d), w_o)
-            if layer["bo"] is not None:
-                o = o + layer["bo"]
+            o = layer.o(o[0].transpose(0, 1).reshape(q, nh * d))
+            if layer.bo is not None:
+                o = o + layer.bo
             x = x + o
-            h = self._rms(x, layer["post_norm"])
-            gate, up = mm(h, w_gu).split(self.intermediate_size, dim=-1)
-            x = x + mm(F.silu(gate) * up, w_down)
+            h = self._rms(x, layer.post_norm)
+            gate, up = layer.gate_up(h).split(self.intermediate_size, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
             if i in wanted:
                 hidden[i] = x.clone()
         if -1 in wanted:  # the final normed states of every new token, like the other layers' (and HF's)
@@ -275,11 +367,7 @@ class LeanLlama:
             if last_only:
                 x = x[-1:]
             x = self._rms(x, self.norm)
-        if self.skinny is not None and x.shape[0] <= self.kernel_max_q:
-            logits = self.skinny(x, self.head_in_out)
-        else:
-            logits = x @ self.head_in_out if small or last_only else F.linear(x, self.head_out_in)
-        return ForwardOutput(logits, hidden)
+        return ForwardOutput(self.head(x), hidden)
 
 
 class HFForward:
@@ -356,11 +444,13 @@ class HFForward:
 
 
 class TargetModel:
-    """A loaded causal LM: tokenizer, HF model, and the forward backend the decoders use."""
+    """A loaded causal LM: tokenizer, the forward backend the decoders use, and (for peers, training and the HF
+    backend) the HF model -- made on first use when the target was built straight from a GGUF file."""
 
     def __init__(self, name: str, hf_model, tokenizer, backend: str = "auto", small_q_max: int = 4):
         self.name = name
-        self.hf_model = hf_model.eval()
+        self._hf_model = hf_model.eval()
+        self._hf_loader = None
         self.tokenizer = tokenizer
         self.config = hf_model.config
         model_type = getattr(self.config, "model_type", "")
@@ -372,10 +462,34 @@ class TargetModel:
         if backend not in ("lean", "hf"):
             raise UsageError(f"unknown backend '{backend}' (use auto, lean or hf)")
         self.backend_name = backend
-        self.backend = LeanLlama(hf_model, small_q_max) if backend == "lean" else HFForward(hf_model)
+        self.backend = LeanLlama.from_hf(hf_model, small_q_max) if backend == "lean" else HFForward(hf_model)
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         self.max_context = self.backend.max_positions
         self.eos_token_ids = _eos_ids(hf_model, tokenizer)
+
+    @classmethod
+    def from_gguf(cls, name: str, gguf_model, tokenizer, native, hf_loader) -> TargetModel:
+        """The lean forward straight over a GGUF file's packed weights; ``hf_loader()`` gives the HF model when
+        something asks for it (peers, training)."""
+        self = cls.__new__(cls)
+        self.name = name
+        self._hf_model = None
+        self._hf_loader = hf_loader
+        self.tokenizer = tokenizer
+        self.config = _GGUFConfig(gguf_model)
+        self.backend_name = "lean"
+        self.backend = LeanLlama.from_gguf(gguf_model, native)
+        self.vocab_size = self.backend.head.out_features
+        self.max_context = self.backend.max_positions
+        eos = {gguf_model.metadata.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)}
+        self.eos_token_ids = {int(e) for e in eos if e is not None}
+        return self
+
+    @property
+    def hf_model(self):
+        if self._hf_model is None:
+            self._hf_model = self._hf_loader().eval()
+        return self._hf_model
 
     # The decoding primitives ------------------------------------------------------------------------------------
     def new_cache(self, capacity: int):
@@ -412,6 +526,25 @@ class TargetModel:
 
     def __repr__(self) -> str:
         return f"TargetModel({self.name!r}, backend={self.backend_name}, layers={self.config.num_hidden_layers})"
+
+
+class _GGUFConfig:
+    """The HF-config attributes the package reads, from a GGUF file's hyper-parameters."""
+
+    def __init__(self, gguf_model):
+        hp = gguf_model.hparams
+        self.model_type = gguf_model.architecture
+        self.num_hidden_layers = hp["n_layers"]
+        self.hidden_size = hp["hidden_size"]
+        self.intermediate_size = hp["intermediate_size"]
+        self.num_attention_heads = hp["n_heads"]
+        self.num_key_value_heads = hp["n_kv_heads"]
+        self.head_dim = hp["head_dim"]
+        self.rms_norm_eps = hp["eps"]
+        self.rope_theta = hp["rope_theta"]
+        self.max_position_embeddings = hp["max_positions"]
+        self.eos_token_id = gguf_model.metadata.get("eos_token_id")
+        self.bos_token_id = gguf_model.metadata.get("bos_token_id")
 
 
 def _eos_ids(hf_model, tokenizer) -> set[int]:
@@ -506,6 +639,35 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype=torch.float32):
     return model, tokenizer
 
 
+def _gguf_tokenizer(gguf: Path):
+    """The GGUF file's tokenizer, converted by transformers once and then read from the cache."""
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    converted = _gguf_cache_dir(gguf)
+    folder = converted.with_name(converted.name + "-tokenizer")
+    for candidate in (folder, converted):
+        if (candidate / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(candidate, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return tokenizer
+
+
+def _converted_gguf(gguf: Path, dtype=torch.float32):
+    """The GGUF model dequantised into an HF model and tokenizer (converted once, cached as safetensors)."""
+    cached = _gguf_cache_dir(gguf)
+    if not ((cached / "config.json").is_file() and (cached / "model.safetensors").is_file()):
+        # Read the converted folder back rather than keep the GGUF-loaded model: transformers still marks
+        # that one as quantised (no .float(), no training), which the cached folder never is.
+        convert_gguf(gguf, cached, dtype)
+    return load_hf(cached, dtype)
+
+
 def load(
     name: str = DEFAULT_MODEL,
     *,
@@ -513,11 +675,14 @@ def load(
     dtype=torch.float32,
     threads: int | None = None,
     small_q_max: int = 4,
+    packed: bool = True,
 ) -> TargetModel:
     """Load a model by alias (default ``smollm2-135m``), local HF folder, or ``.gguf`` path.
 
-    A GGUF file is dequantised once and cached as safetensors under ``$FASTFORWARD_CACHE``
-    (default ``~/.cache/fastforward``), so later loads take about a second.
+    A Llama-family GGUF file runs on the lean forward straight from its packed quantised weights (``packed``, the
+    default, when the native kernels are available). Its HF model, for peers and training, is made on first use
+    by dequantising the file once into a cached safetensors folder under ``$FASTFORWARD_CACHE`` (default
+    ``~/.cache/fastforward``); ``packed=False`` or ``backend='hf'`` run that dequantised fp32 model instead.
     """
     if threads is not None:
         if threads < 1:
@@ -526,15 +691,22 @@ def load(
     kind, path = resolve_model(name)
     if kind == "hf":
         model, tokenizer = load_hf(path, dtype)
-    else:
-        cached = _gguf_cache_dir(path)
-        if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
-            model, tokenizer = load_hf(cached, dtype)
-        else:
-            # Read the converted folder back rather than keep the GGUF-loaded model: transformers still marks
-            # that one as quantised (no .float(), no training), which the cached folder never is.
-            convert_gguf(path, cached, dtype)
-            model, tokenizer = load_hf(cached, dtype)
+        return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max)
+    if packed and backend in ("auto", "lean") and dtype == torch.float32:
+        from .gguf_file import UnsupportedGGUF, read_gguf
+        from .kernels import load_native
+
+        native = load_native()
+        try:
+            gguf_model = read_gguf(path)
+        except UnsupportedGGUF:
+            gguf_model = None
+        hp = gguf_model.hparams if gguf_model is not None else {}
+        if native is not None and hp and not hp["sliding_window"] and hp["rope_scaling"] in ("none", ""):
+            tokenizer = _gguf_tokenizer(path)
+            return TargetModel.from_gguf(str(name), gguf_model, tokenizer, native,
+                                         hf_loader=lambda: _converted_gguf(path, dtype)[0])
+    model, tokenizer = _converted_gguf(path, dtype)
     return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max)
 
 

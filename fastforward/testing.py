@@ -111,3 +111,98 @@ def tiny_hf_folder(path, *, max_positions=512, seed=0, hidden_size=64, layers=2,
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def write_tiny_gguf(path, *, vocab_size=96, hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128,
+                    max_positions=512, seed=0, init_std=0.3, linear_type="Q4_1", embed_type="Q8_0",
+                    tied=True, rope_theta=10000.0, eps=1e-5):
+    """Write a tiny random Llama GGUF file as llama.cpp's converter lays one out (quantised linears, Q/K rows
+    permuted for interleaved RoPE, tied or separate output head). Returns the HF-order fp32 weights the file
+    dequantises to (a dict of HF state-dict names), so tests can build the reference model."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    from .gguf_file import unpermute_rows
+
+    g = torch.Generator().manual_seed(seed)
+    qlin, qemb = GGMLQuantizationType[linear_type], GGMLQuantizationType[embed_type]
+    head_dim = hidden_size // heads
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(max_positions)
+    writer.add_embedding_length(hidden_size)
+    writer.add_feed_forward_length(intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(vocab_size)
+    state = {}
+
+    def quantised(name, hf_name, out_f, in_f, qtype, permute=None):
+        w = (torch.randn(out_f, in_f, generator=g) * init_std).numpy().astype(np.float32)
+        data = quants.quantize(w, qtype)
+        deq = torch.from_numpy(quants.dequantize(data, qtype).reshape(out_f, in_f).astype(np.float32))
+        if permute is not None:  # the file holds llama.cpp's row order; HF's is data[unpermute_rows]
+            order = unpermute_rows(out_f, permute)
+            stored = np.empty_like(data)
+            stored[order.numpy()] = data
+            data = stored
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        state[hf_name] = deq
+
+    def norm(name, hf_name, n):
+        v = (1.0 + 0.1 * torch.randn(n, generator=g)).numpy().astype(np.float32)
+        writer.add_tensor(name, v)
+        state[hf_name] = torch.from_numpy(v.copy())
+
+    quantised("token_embd.weight", "model.embed_tokens.weight", vocab_size, hidden_size, qemb)
+    for i in range(layers):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        norm(p + "attn_norm.weight", h + "input_layernorm.weight", hidden_size)
+        quantised(p + "attn_q.weight", h + "self_attn.q_proj.weight", heads * head_dim, hidden_size, qlin, heads)
+        quantised(p + "attn_k.weight", h + "self_attn.k_proj.weight", kv_heads * head_dim, hidden_size, qlin,
+                  kv_heads)
+        quantised(p + "attn_v.weight", h + "self_attn.v_proj.weight", kv_heads * head_dim, hidden_size, qlin)
+        quantised(p + "attn_output.weight", h + "self_attn.o_proj.weight", hidden_size, heads * head_dim, qlin)
+        norm(p + "ffn_norm.weight", h + "post_attention_layernorm.weight", hidden_size)
+        quantised(p + "ffn_gate.weight", h + "mlp.gate_proj.weight", intermediate_size, hidden_size, qlin)
+        quantised(p + "ffn_up.weight", h + "mlp.up_proj.weight", intermediate_size, hidden_size, qlin)
+        quantised(p + "ffn_down.weight", h + "mlp.down_proj.weight", hidden_size, intermediate_size, qlin)
+    norm("output_norm.weight", "model.norm.weight", hidden_size)
+    if tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    else:
+        quantised("output.weight", "lm_head.weight", vocab_size, hidden_size, qemb)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return state
+
+
+def tiny_gguf_target(path, **kw):
+    """(packed target over a freshly written tiny GGUF, the fp32 HF model with the weights it dequantises to).
+
+    The packed target's ``hf_model`` is that fp32 model, so peers and references see the same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .gguf_file import read_gguf
+    from .kernels import load_native
+
+    state = write_tiny_gguf(path, **kw)
+    gguf_model = read_gguf(path)
+    hp = gguf_model.hparams
+    config = AutoConfig.for_model(
+        "llama", vocab_size=state["model.embed_tokens.weight"].shape[0], hidden_size=hp["hidden_size"],
+        num_hidden_layers=hp["n_layers"], num_attention_heads=hp["n_heads"], num_key_value_heads=hp["n_kv_heads"],
+        intermediate_size=hp["intermediate_size"], max_position_embeddings=hp["max_positions"],
+        rms_norm_eps=hp["eps"], rope_theta=hp["rope_theta"], tie_word_embeddings=kw.get("tied", True),
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    hf = AutoModelForCausalLM.from_config(config).float().eval()
+    hf.load_state_dict(state, strict=False)
+    tok = TinyTokenizer(config.vocab_size)
+    target = TargetModel.from_gguf("tiny-gguf", gguf_model, tok, load_native(), hf_loader=lambda: hf)
+    return target, hf

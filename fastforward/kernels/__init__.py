@@ -25,15 +25,19 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("skinny_gemm.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / name for name in ("native.cpp", "skinny_gemm.cpp", "quant_gemm.cpp")]
+HEADERS = [HERE / "isa.h"]
 ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx2", "-mfma", "-DFF_ISA_AVX512"],
-    "avx2": ["-mavx2", "-mfma", "-DFF_ISA_AVX2"],
+    "avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-DFF_ISA_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DFF_ISA_AVX2"],
 }
-BASE_FLAGS = ["-O3", "-fopenmp"]  # without OpenMP, at::parallel_for runs on one thread
+# Without OpenMP, at::parallel_for runs on one thread; no contraction of a*b+c into fma beyond the explicit ones,
+# so that weights decode to exactly the values the reference dequantisation gives.
+BASE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
 _lock = threading.Lock()
-_state: dict = {}  # "kernel": callable | None once tried
+_state: dict = {}  # "module": the native module, or None once tried and unavailable
 
 
 def cpu_flags() -> set[str]:
@@ -66,12 +70,13 @@ def pick_isa(flags: set[str] | None = None) -> str | None:
 def _build_id(isa: str, flags: list[str]) -> tuple[str, str]:
     """(extension name, digest) for this source, these flags, this CPU and this torch/Python."""
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for path in SOURCES + HEADERS:
+        h.update(path.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(" ".join(sorted(cpu_flags())).encode())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}".encode())
     digest = h.hexdigest()[:16]
-    return f"ff_skinny_{isa}_{digest}", digest
+    return f"ff_native_{isa}_{digest}", digest
 
 
 def _import_built(name: str, directory: Path):
@@ -95,18 +100,18 @@ def _compile(name: str, directory: Path, flags: list[str]):
     import torch.utils.cpp_extension as cpp
 
     directory.mkdir(parents=True, exist_ok=True)
-    print("fastforward: compiling the skinny-GEMM kernel for this CPU (once)", file=sys.stderr)
-    return cpp.load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    print("fastforward: compiling the native kernels for this CPU (once, 20-60 s)", file=sys.stderr)
+    return cpp.load(name, [str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(directory), verbose=False)
 
 
-def load_kernel():
-    """The compiled ``skinny_mm(x, w)``, or None when unavailable (warned about once on stderr)."""
+def load_native():
+    """The compiled native module (``skinny_mm``, ``quant_mm``, ``quant_rows``, ``isa``), or None when it cannot
+    be had (warned about once on stderr)."""
     with _lock:
-        if "kernel" in _state:
-            return _state["kernel"]
-        _state["kernel"] = None
-        _state["isa"] = None
+        if "module" in _state:
+            return _state["module"]
+        _state["module"] = None
         if os.environ.get("FASTFORWARD_NO_KERNEL", "") not in ("", "0"):
             return None
         isa = pick_isa()
@@ -124,7 +129,7 @@ def load_kernel():
             failed = directory / "FAILED"
             module = _import_built(name, directory) or _import_built(name, default)
             if module is None and failed.is_file():
-                print(f"fastforward: the skinny-GEMM kernel failed to build earlier (delete {failed} to retry); "
+                print(f"fastforward: the native kernels failed to build earlier (delete {failed} to retry); "
                       "using torch matmuls", file=sys.stderr)
                 return None
             if module is None:
@@ -133,17 +138,22 @@ def load_kernel():
                 except Exception as exc:
                     failed.write_text(f"{type(exc).__name__}: {exc}\n")
                     raise
-        except Exception as exc:  # a missing compiler/ninja or a failed build: run without the kernel
+        except Exception as exc:  # a missing compiler/ninja or a failed build: run without the kernels
             msg = " ".join(str(exc).split())[:200]
-            print(f"fastforward: skinny-GEMM kernel unavailable ({type(exc).__name__}: {msg}); "
+            print(f"fastforward: native kernels unavailable ({type(exc).__name__}: {msg}); "
                   "using torch matmuls", file=sys.stderr)
             return None
-        _state["kernel"] = module.skinny_mm
-        _state["isa"] = module.isa
-        return _state["kernel"]
+        _state["module"] = module
+        return module
+
+
+def load_kernel():
+    """The compiled ``skinny_mm(x, w)`` (fp32 weights ``[in, out]``), or None when unavailable."""
+    module = load_native()
+    return None if module is None else module.skinny_mm
 
 
 def kernel_name() -> str | None:
-    """'skinny-avx512' / 'skinny-avx2' once :func:`load_kernel` has succeeded, else None."""
-    load_kernel()
-    return f"skinny-{_state['isa']}" if _state.get("isa") else None
+    """'skinny-avx512' / 'skinny-avx2' once the native module loads, else None."""
+    module = load_native()
+    return None if module is None else f"skinny-{module.isa}"

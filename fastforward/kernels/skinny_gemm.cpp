@@ -1,7 +1,6 @@
 // skinny_mm: out[M, N] = x[M, K] @ w[K, N] in fp32 for a few rows M (1..~32), with w row-major [in, out].
 //
-// Built by fastforward/kernels/__init__.py with -fopenmp (at::parallel_for is serial without it) and exactly one
-// of FF_ISA_AVX512 / FF_ISA_AVX2 defined.
+// Part of the native module (native.cpp); built with -fopenmp (at::parallel_for is serial without it).
 //
 // Design
 // * Threads split the columns: at::parallel_for hands each an equal run of vectors of columns, so every weight is
@@ -26,60 +25,28 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <immintrin.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "isa.h"
+
 namespace {
 
 #if defined(FF_ISA_AVX512)
-constexpr const char* kIsaName = "avx512";
-struct Isa {
-  using Reg = __m512;
-  using Mask = __mmask16;
-  static constexpr int kLanes = 16;
-  static inline Mask mask(int n) { return static_cast<Mask>((1u << n) - 1u); }  // first n lanes, n in 1..16
-  static inline Reg zero() { return _mm512_setzero_ps(); }
-  static inline Reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline Reg load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
-  static inline void store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
-  static inline void store(float* p, Reg v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
-  static inline Reg bcast(const float* p) { return _mm512_set1_ps(*p); }
-  static inline Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static inline Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
-};
 // Plans (MR rows, NR vectors) for M = 1, 2, 3..4 and more (32 zmm registers: MR*NR accumulators + NR + 1).
 constexpr int kPlan1 = 8, kPlan2 = 6, kPlan4 = 5, kRowsBig = 8, kVecsBig = 3;
-#elif defined(FF_ISA_AVX2)
-constexpr const char* kIsaName = "avx2";
-struct Isa {
-  using Reg = __m256;
-  using Mask = __m256i;
-  static constexpr int kLanes = 8;
-  static inline Mask mask(int n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  }
-  static inline Reg zero() { return _mm256_setzero_ps(); }
-  static inline Reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static inline Reg load(const float* p, Mask m) { return _mm256_maskload_ps(p, m); }
-  static inline void store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
-  static inline void store(float* p, Reg v, Mask m) { _mm256_maskstore_ps(p, m, v); }
-  static inline Reg bcast(const float* p) { return _mm256_broadcast_ss(p); }
-  static inline Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static inline Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
-};
+#else
 // 16 ymm registers.
 constexpr int kPlan1 = 4, kPlan2 = 6, kPlan4 = 3, kRowsBig = 4, kVecsBig = 3;
-#else
-#error "define FF_ISA_AVX512 or FF_ISA_AVX2"
 #endif
 
-using Reg = Isa::Reg;
-using Mask = Isa::Mask;
-constexpr int kLanes = Isa::kLanes;
+using ff::Isa;
+using ff::kLanes;
+using ff::Mask;
+using ff::Reg;
 constexpr int64_t kGroup = 1024;  // columns per group: a 4 KB page of a weight row
 constexpr int64_t kKChunk = 64;   // weight rows per chunk
 
@@ -269,7 +236,6 @@ at::Tensor skinny_mm(const at::Tensor& x_in, const at::Tensor& w_in) {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void register_skinny_gemm(pybind11::module& m) {
   m.def("skinny_mm", &skinny_mm, "out = x @ w for few rows of x (fp32, w row-major [K, N])");
-  m.attr("isa") = kIsaName;
 }

@@ -1,0 +1,380 @@
+// quant_mm: out[M, N] = x[M, K] @ W^T for a GGUF-quantised weight W [N, K] kept packed, with fp32 activations.
+//
+// W is stored as GGUF stores it: N rows of K/QK blocks (row_bytes each), in one of the block formats below.
+// Each block of 32 weights is decoded in registers to exactly the fp32 values the reference dequantisation
+// (gguf-py's `dequantize`) gives -- the same multiplies and adds in the same order, no fused multiply-add there
+// (the build passes -ffp-contract=off) -- and multiplied with fp32 activations. So the product is the one of the
+// dequantised fp32 model, up to the order of summation, while memory carries the file's 4.5-8.5 bits per weight.
+//
+// Numerics, the same for every M (row m of quant_mm(x) is bitwise equal to quant_mm(x[m:m+1])):
+//   every output element has one vector accumulator of kLanes lanes; it takes fma(x[k + lane], w[k + lane], acc)
+//   for k = 0, kLanes, 2 kLanes, ... in order, and its lanes are then reduced by a fixed tree (Isa::hsum).
+//   Tiling over rows and columns, threading and the choice between decoding in registers (one or two rows) or
+//   into an L1 scratch (more rows) never change that arithmetic.
+//
+// Formats (QK = weights per block, bytes per block): Q4_0 (32, 18), Q4_1 (32, 20), Q8_0 (32, 34),
+// Q4_K (256, 144), Q6_K (256, 210). Any other GGUF type is dequantised at load by the Python side.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+
+namespace {
+
+using ff::Isa;
+using ff::kLanes;
+using ff::Reg;
+
+constexpr int kSlots = 32 / kLanes;  // vectors per 32-weight block
+
+// GGML type ids (gguf.GGMLQuantizationType).
+enum Fmt : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
+
+// 32 unsigned bytes -> slot s of int32 lanes (element s*kLanes + lane).
+#if defined(FF_ISA_AVX512)
+using IReg = __m512i;
+inline IReg widen_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline IReg widen_s8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline IReg iand(IReg a, int v) { return _mm512_and_si512(a, _mm512_set1_epi32(v)); }
+inline IReg isrl(IReg a, int n) { return _mm512_srli_epi32(a, n); }
+inline IReg isub(IReg a, int v) { return _mm512_sub_epi32(a, _mm512_set1_epi32(v)); }
+inline IReg ior(IReg a, IReg b) { return _mm512_or_si512(a, b); }
+inline IReg isll(IReg a, int n) { return _mm512_slli_epi32(a, n); }
+inline Reg tofloat(IReg a) { return _mm512_cvtepi32_ps(a); }
+#else
+using IReg = __m256i;
+inline IReg widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline IReg widen_s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline IReg iand(IReg a, int v) { return _mm256_and_si256(a, _mm256_set1_epi32(v)); }
+inline IReg isrl(IReg a, int n) { return _mm256_srli_epi32(a, n); }
+inline IReg isub(IReg a, int v) { return _mm256_sub_epi32(a, _mm256_set1_epi32(v)); }
+inline IReg ior(IReg a, IReg b) { return _mm256_or_si256(a, b); }
+inline IReg isll(IReg a, int n) { return _mm256_slli_epi32(a, n); }
+inline Reg tofloat(IReg a) { return _mm256_cvtepi32_ps(a); }
+#endif
+
+// The 4-bit values of 32 weights whose low nibbles are elements 0..15 of 16 bytes and high nibbles 16..31
+// (Q4_0 / Q4_1 layout), slot by slot.
+inline void nibbles_split16(const uint8_t* qs, IReg q[kSlots]) {
+#if defined(FF_ISA_AVX512)
+  const IReg b = widen_u8(qs);
+  q[0] = iand(b, 0xF);
+  q[1] = isrl(b, 4);
+#else
+  const IReg b0 = widen_u8(qs), b1 = widen_u8(qs + 8);
+  q[0] = iand(b0, 0xF);
+  q[1] = iand(b1, 0xF);
+  q[2] = isrl(b0, 4);
+  q[3] = isrl(b1, 4);
+#endif
+}
+
+// The low (hi = false) or high nibbles of 32 consecutive bytes: elements 0..31 in order (Q4_K / Q6_K layout).
+inline void nibbles32(const uint8_t* qs, bool hi, IReg q[kSlots]) {
+  for (int s = 0; s < kSlots; ++s) {
+    const IReg b = widen_u8(qs + s * kLanes);
+    q[s] = hi ? isrl(b, 4) : iand(b, 0xF);
+  }
+}
+
+// Decoders: Fmt -> block geometry and decode(row, b, w) giving the fp32 weights of 32-weight block b of a row.
+template <int F>
+struct Decoder;
+
+template <>
+struct Decoder<kQ4_0> {
+  static constexpr int64_t kQK = 32, kBytes = 18;
+  static inline void decode(const uint8_t* row, int64_t b, Reg w[kSlots]) {
+    const uint8_t* blk = row + b * kBytes;
+    const Reg d = Isa::set1(fp16(blk));
+    IReg q[kSlots];
+    nibbles_split16(blk + 2, q);
+    for (int s = 0; s < kSlots; ++s) w[s] = Isa::mul(d, tofloat(isub(q[s], 8)));
+  }
+};
+
+template <>
+struct Decoder<kQ4_1> {
+  static constexpr int64_t kQK = 32, kBytes = 20;
+  static inline void decode(const uint8_t* row, int64_t b, Reg w[kSlots]) {
+    const uint8_t* blk = row + b * kBytes;
+    const Reg d = Isa::set1(fp16(blk)), m = Isa::set1(fp16(blk + 2));
+    IReg q[kSlots];
+    nibbles_split16(blk + 4, q);
+    for (int s = 0; s < kSlots; ++s) w[s] = Isa::add(Isa::mul(d, tofloat(q[s])), m);
+  }
+};
+
+template <>
+struct Decoder<kQ8_0> {
+  static constexpr int64_t kQK = 32, kBytes = 34;
+  static inline void decode(const uint8_t* row, int64_t b, Reg w[kSlots]) {
+    const uint8_t* blk = row + b * kBytes;
+    const Reg d = Isa::set1(fp16(blk));
+    for (int s = 0; s < kSlots; ++s) w[s] = Isa::mul(d, tofloat(widen_s8(blk + 2 + s * kLanes)));
+  }
+};
+
+// Q4_K: super-blocks of 256 = 8 sub-blocks of 32: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes
+// of nibbles (64-weight chunks: low nibbles first 32, high nibbles next 32). w = (d * sc) * q - (dmin * m).
+template <>
+struct Decoder<kQ4_K> {
+  static constexpr int64_t kQK = 256, kBytes = 144;
+  static inline void decode(const uint8_t* row, int64_t b, Reg w[kSlots]) {
+    const uint8_t* blk = row + (b >> 3) * kBytes;
+    const int j = static_cast<int>(b & 7);
+    const uint8_t* sc6 = blk + 4;
+    int sc, mn;
+    if (j < 4) {
+      sc = sc6[j] & 0x3F;
+      mn = sc6[j + 4] & 0x3F;
+    } else {
+      sc = (sc6[j + 4] & 0x0F) | ((sc6[j - 4] >> 2) & 0x30);
+      mn = (sc6[j + 4] >> 4) | ((sc6[j] >> 2) & 0x30);
+    }
+    const float dsc = fp16(blk) * static_cast<float>(sc);
+    const float dmn = fp16(blk + 2) * static_cast<float>(mn);
+    const Reg vd = Isa::set1(dsc), vm = Isa::set1(dmn);
+    IReg q[kSlots];
+    nibbles32(blk + 16 + (j >> 1) * 32, j & 1, q);
+    for (int s = 0; s < kSlots; ++s) w[s] = Isa::sub(Isa::mul(vd, tofloat(q[s])), vm);
+  }
+};
+
+// Q6_K: super-blocks of 256: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8 scales (one per 16 weights),
+// d (fp16). Per 128-weight half: element e < 64 takes ql[e] & 15, else ql[e-64] >> 4; its high bits are
+// (qh[e % 32] >> 2*(e / 32)) & 3. w = (d * scale) * (q - 32).
+template <>
+struct Decoder<kQ6_K> {
+  static constexpr int64_t kQK = 256, kBytes = 210;
+  static inline void decode(const uint8_t* row, int64_t b, Reg w[kSlots]) {
+    const uint8_t* blk = row + (b >> 3) * kBytes;
+    const int j = static_cast<int>(b & 7);
+    const int half = j >> 2, e0 = (j & 3) * 32;
+    const uint8_t* ql = blk + half * 64 + (e0 & 63);
+    const uint8_t* qh = blk + 128 + half * 32;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = fp16(blk + 208);
+    const int si = (half * 128 + e0) / 16;
+    const Reg d0 = Isa::set1(d * static_cast<float>(scales[si]));
+    const Reg d1 = Isa::set1(d * static_cast<float>(scales[si + 1]));
+    IReg lo[kSlots];
+    nibbles32(ql, e0 >= 64, lo);
+    const int shift = 2 * (e0 / 32);
+    for (int s = 0; s < kSlots; ++s) {
+      const IReg h = iand(isrl(widen_u8(qh + s * kLanes), shift), 3);
+      const Reg q = tofloat(isub(ior(lo[s], isll(h, 4)), 32));
+      w[s] = Isa::mul(s * kLanes < 16 ? d0 : d1, q);
+    }
+  }
+};
+
+// Rows [0, MR) of x times weight rows [0, NR) (row r at wrows[r]), decoded in registers block by block.
+template <int F, int MR, int NR>
+inline void direct_tile(const float* x, int64_t K, const uint8_t* const* wrows, float* out, int64_t N, int64_t n) {
+  using D = Decoder<F>;
+  Reg acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = Isa::zero();
+  const int64_t blocks = K / 32;
+  for (int64_t b = 0; b < blocks; ++b) {
+    Reg w[NR][kSlots];
+    for (int r = 0; r < NR; ++r) D::decode(wrows[r], b, w[r]);
+    for (int s = 0; s < kSlots; ++s)
+      for (int i = 0; i < MR; ++i) {
+        const Reg xv = Isa::load(x + i * K + b * 32 + s * kLanes);
+        for (int r = 0; r < NR; ++r) acc[i][r] = Isa::fma(xv, w[r][s], acc[i][r]);
+      }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) out[i * N + n + r] = Isa::hsum(acc[i][r]);
+}
+
+// Rows [0, MR) of x times NR weight rows already decoded into `wf` (NR x K floats, row r at wf + r * K).
+template <int MR, int NR>
+inline void scratch_tile(const float* x, int64_t K, const float* wf, float* out, int64_t N, int64_t n) {
+  Reg acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = Isa::zero();
+  for (int64_t k = 0; k < K; k += kLanes) {
+    Reg w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = Isa::load(wf + r * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const Reg xv = Isa::load(x + i * K + k);
+      for (int r = 0; r < NR; ++r) acc[i][r] = Isa::fma(xv, w[r], acc[i][r]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) out[i * N + n + r] = Isa::hsum(acc[i][r]);
+}
+
+#if defined(FF_ISA_AVX512)
+constexpr int kDirectRows = 2;  // up to this many activation rows: decode in registers
+constexpr int kTileRows = 6;    // scratch path: 6 activation rows x 4 weight rows = 24 accumulators
+constexpr int kTileCols = 4;
+#else
+constexpr int kDirectRows = 2;
+constexpr int kTileRows = 4;  // 4 x 3 accumulators + 3 weights + 1 activation = 16 ymm
+constexpr int kTileCols = 3;
+#endif
+
+// All activation rows x NR decoded weight rows: tiles of kTileRows rows, the remainder 2 and 1 at a time.
+template <int NR>
+inline void scratch_rows(const float* x, int64_t M, int64_t K, const float* wf, float* out, int64_t N, int64_t n) {
+  int64_t m0 = 0;
+  for (; m0 + kTileRows <= M; m0 += kTileRows) scratch_tile<kTileRows, NR>(x + m0 * K, K, wf, out + m0 * N, N, n);
+  for (; m0 + 2 <= M; m0 += 2) scratch_tile<2, NR>(x + m0 * K, K, wf, out + m0 * N, N, n);
+  if (m0 < M) scratch_tile<1, NR>(x + m0 * K, K, wf, out + m0 * N, N, n);
+}
+
+template <int F>
+void decode_row(const uint8_t* wrow, int64_t K, float* wf) {
+  using D = Decoder<F>;
+  const int64_t blocks = K / 32;
+  for (int64_t b = 0; b < blocks; ++b) {
+    Reg w[kSlots];
+    D::decode(wrow, b, w);
+    for (int s = 0; s < kSlots; ++s) Isa::store(wf + b * 32 + s * kLanes, w[s]);
+  }
+}
+
+template <int F, int MR, int NR>
+inline void direct_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* out, int64_t N,
+                        int64_t n) {
+  const uint8_t* rows[NR];
+  for (int r = 0; r < NR; ++r) rows[r] = w + (n + r) * row_bytes;
+  direct_tile<F, MR, NR>(x, K, rows, out, N, n);
+}
+
+template <int F>
+void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out) {
+  // Equal runs of weight rows per thread (multiples of 4, so that tiles stay whole); a share should be worth
+  // a fork.
+  const int64_t groups = (N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K * M));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * 4, n1 = std::min(N, g1 * 4);
+    if (M <= kDirectRows) {
+      int64_t n = n0;
+      if (M == 1) {
+        for (; n + 2 <= n1; n += 2) direct_rows<F, 1, 2>(x, K, w, row_bytes, out, N, n);
+        for (; n < n1; ++n) direct_rows<F, 1, 1>(x, K, w, row_bytes, out, N, n);
+      } else {
+        for (; n + 2 <= n1; n += 2) direct_rows<F, 2, 2>(x, K, w, row_bytes, out, N, n);
+        for (; n < n1; ++n) direct_rows<F, 2, 1>(x, K, w, row_bytes, out, N, n);
+      }
+      return;
+    }
+    thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < kTileCols * K) buf.resize(kTileCols * K);
+    float* wf = buf.data();
+    int64_t n = n0;
+    for (; n + kTileCols <= n1; n += kTileCols) {
+      for (int r = 0; r < kTileCols; ++r) decode_row<F>(w + (n + r) * row_bytes, K, wf + r * K);
+      scratch_rows<kTileCols>(x, M, K, wf, out, N, n);
+    }
+    for (; n < n1; ++n) {
+      decode_row<F>(w + n * row_bytes, K, wf);
+      scratch_rows<1>(x, M, K, wf, out, N, n);
+    }
+  });
+}
+
+int64_t block_size(int fmt) {
+  switch (fmt) {
+    case kQ4_0: case kQ4_1: case kQ8_0: return 32;
+    case kQ4_K: case kQ6_K: return 256;
+    default: return 0;
+  }
+}
+
+int64_t block_bytes(int fmt) {
+  switch (fmt) {
+    case kQ4_0: return Decoder<kQ4_0>::kBytes;
+    case kQ4_1: return Decoder<kQ4_1>::kBytes;
+    case kQ8_0: return Decoder<kQ8_0>::kBytes;
+    case kQ4_K: return Decoder<kQ4_K>::kBytes;
+    case kQ6_K: return Decoder<kQ6_K>::kBytes;
+    default: return 0;
+  }
+}
+
+void check_weight(const at::Tensor& w, int fmt, int64_t K) {
+  TORCH_CHECK(block_size(fmt) > 0, "quant_mm: unsupported GGML type ", fmt);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
+              "quant_mm: the weight must be a contiguous CPU uint8 tensor [N, row_bytes]");
+  TORCH_CHECK(K > 0 && K % block_size(fmt) == 0, "quant_mm: K=", K, " is not a multiple of the block size ",
+              block_size(fmt));
+  TORCH_CHECK(w.size(1) == K / block_size(fmt) * block_bytes(fmt), "quant_mm: a row of ", K, " weights takes ",
+              K / block_size(fmt) * block_bytes(fmt), " bytes, the tensor has ", w.size(1));
+}
+
+template <typename Fn>
+void dispatch(int fmt, Fn&& fn) {
+  switch (fmt) {
+    case kQ4_0: fn(std::integral_constant<int, kQ4_0>{}); break;
+    case kQ4_1: fn(std::integral_constant<int, kQ4_1>{}); break;
+    case kQ8_0: fn(std::integral_constant<int, kQ8_0>{}); break;
+    case kQ4_K: fn(std::integral_constant<int, kQ4_K>{}); break;
+    case kQ6_K: fn(std::integral_constant<int, kQ6_K>{}); break;
+    default: TORCH_CHECK(false, "unsupported GGML type ", fmt);
+  }
+}
+
+// out[M, N] = x[M, K] @ dequantize(w)^T
+at::Tensor quant_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K) {
+  check_weight(w, static_cast<int>(fmt), K);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "quant_mm: x must be a 2-D fp32 CPU tensor");
+  TORCH_CHECK(x_in.size(1) == K, "quant_mm: x has ", x_in.size(1), " columns, the weight ", K);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  dispatch(static_cast<int>(fmt), [&](auto f) {
+    run<decltype(f)::value>(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(1), N, out.data_ptr<float>());
+  });
+  return out;
+}
+
+// The fp32 values of the given rows of w (an embedding lookup), decoded exactly as quant_mm uses them.
+at::Tensor quant_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids_in) {
+  check_weight(w, static_cast<int>(fmt), K);
+  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong, "quant_rows: ids must be 1-D int64");
+  const at::Tensor ids = ids_in.contiguous();
+  const int64_t R = ids.size(0), N = w.size(0);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(idp[r] >= 0 && idp[r] < N, "quant_rows: row ", idp[r], " out of range");
+  at::Tensor out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t rb = w.size(1);
+  dispatch(static_cast<int>(fmt), [&](auto f) {
+    for (int64_t r = 0; r < R; ++r) decode_row<decltype(f)::value>(wp + idp[r] * rb, K, op + r * K);
+  });
+  return out;
+}
+
+}  // namespace
+
+void register_quant_gemm(pybind11::module& m) {
+  m.def("quant_mm", &quant_mm, "out[M, N] = x[M, K] @ dequantize(w)^T for a packed GGUF weight w [N, row_bytes]",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("fmt"), pybind11::arg("k"));
+  m.def("quant_rows", &quant_rows, "fp32 rows of a packed GGUF weight (embedding lookup)", pybind11::arg("w"),
+        pybind11::arg("fmt"), pybind11::arg("k"), pybind11::arg("ids"));
+}

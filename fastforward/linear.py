@@ -1,0 +1,131 @@
+"""Weight matrices as the lean forward uses them: ``y = x @ W^T`` for ``x [q, in]``, whatever the storage.
+
+* :class:`DenseLinear` -- fp32 weights (HF folders): fastforward's skinny-GEMM kernel for up to ``kernel_max_q``
+  rows, MKL beyond. Kept in the two layouts those want (``[in, out]`` and ``[out, in]``).
+* :class:`PackedLinear` -- a GGUF block-quantised weight kept packed as the file stores it (``[out, row_bytes]``
+  uint8) and multiplied by the native ``quant_mm`` kernel with fp32 activations: the product of the dequantised
+  model, reading 4.5-8.5 bits per weight. Without the native kernels it is dequantised once to fp32 (the plain
+  PyTorch path).
+
+Both compute each output row independently of the other rows in the call (bitwise), which is what makes a tree
+verification give exactly the logits of decoding its path token by token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# GGML block formats the native kernel multiplies packed: type id -> (name, weights per block, bytes per block).
+PACKED_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+                  14: ("Q6_K", 256, 210)}
+
+
+def dequantize(data: torch.Tensor, fmt: int, n_in: int) -> torch.Tensor:
+    """The reference fp32 values of a packed weight ``[out, row_bytes]`` (gguf-py's dequantisation)."""
+    from gguf import GGMLQuantizationType, quants
+
+    out = quants.dequantize(data.numpy(), GGMLQuantizationType(fmt))
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(data.shape[0], n_in)
+
+
+class DenseLinear:
+    """fp32 ``W [out, in]``."""
+
+    def __init__(self, w_out_in: torch.Tensor, *, native=None, kernel_max_q: int = 128, small_q_max: int = 4):
+        self.w_out_in = w_out_in.detach().contiguous()
+        self._w_in_out = None  # made on first use: an embedding never needs it
+        self.out_features, self.in_features = self.w_out_in.shape
+        self.skinny = None if native is None else native.skinny_mm
+        self.kernel_max_q = kernel_max_q
+        self.small_q_max = small_q_max
+
+    @property
+    def w_in_out(self) -> torch.Tensor:
+        if self._w_in_out is None:
+            self._w_in_out = self.w_out_in.t().contiguous()
+        return self._w_in_out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.shape[0]
+        if self.skinny is not None and q <= self.kernel_max_q:
+            return self.skinny(x, self.w_in_out)
+        return x @ self.w_in_out if q <= self.small_q_max else F.linear(x, self.w_out_in)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.w_out_in)
+
+    def dense(self) -> torch.Tensor:
+        return self.w_out_in
+
+    @property
+    def nbytes(self) -> int:
+        return self.w_out_in.nbytes + (0 if self._w_in_out is None else self._w_in_out.nbytes)
+
+
+class PackedLinear:
+    """A GGUF block-quantised ``W [out, in]`` kept packed (``data [out, row_bytes]`` uint8, GGML type ``fmt``)."""
+
+    def __init__(self, data: torch.Tensor, fmt: int, in_features: int, *, native=None):
+        name, qk, nb = PACKED_FORMATS[fmt]
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != in_features // qk * nb:
+            raise ValueError(f"a {name} weight with {in_features} inputs needs [out, {in_features // qk * nb}] uint8")
+        self.fmt, self.format_name = fmt, name
+        self.out_features, self.in_features = data.shape[0], in_features
+        self.native = native
+        if native is not None:
+            self.data = data.contiguous()
+            self._dense = None
+        else:  # the plain PyTorch path: dequantise once
+            self.data = None
+            self._dense = DenseLinear(dequantize(data, fmt, in_features))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dense is not None:
+            return self._dense(x)
+        return self.native.quant_mm(x, self.data, self.fmt, self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of W as fp32 (an embedding lookup)."""
+        if self._dense is not None:
+            return self._dense.rows(ids)
+        return self.native.quant_rows(self.data, self.fmt, self.in_features, ids)
+
+    def dense(self) -> torch.Tensor:
+        """All of W as fp32 (for tests and conversions; not used by the forward)."""
+        if self._dense is not None:
+            return self._dense.dense()
+        return dequantize(self.data, self.fmt, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self._dense.nbytes if self._dense is not None else self.data.numel()
+
+    @staticmethod
+    def concat(parts: list[PackedLinear]) -> PackedLinear | None:
+        """One weight whose outputs are the parts' outputs in order (q|k|v, gate|up), or None when the parts
+        differ in format or inputs."""
+        first = parts[0]
+        if first.data is None or any(p.fmt != first.fmt or p.in_features != first.in_features or p.data is None
+                                     for p in parts):
+            return None
+        return PackedLinear(torch.cat([p.data for p in parts]), first.fmt, first.in_features, native=first.native)
+
+
+def concat_linears(parts: list) -> object:
+    """Fuse weights sharing an input into one (outputs concatenated in order): packed when they share a format,
+    else dense fp32."""
+    if all(isinstance(p, PackedLinear) for p in parts):
+        fused = PackedLinear.concat(parts)
+        if fused is not None:
+            return fused
+    first = parts[0]
+    native = getattr(first, "native", None) or (None if getattr(first, "skinny", None) is None else _native())
+    return DenseLinear(torch.cat([p.dense() for p in parts]), native=native)
+
+
+def _native():
+    from .kernels import load_native
+
+    return load_native()
