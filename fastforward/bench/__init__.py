@@ -11,7 +11,7 @@ Python use (the CLI does the same)::
 from .methods import EngineRunner, MethodSpec, TurnOutcome, parse_spec, parse_specs, resolve_specs
 from .questions import Question, load_question_file, load_questions, select_questions
 from .report import aggregate, geomean, write_report
-from .runner import first_divergence, logit_gap, run_bench
+from .runner import agreement, first_divergence, logit_gap, run_bench
 
 __all__ = [
     "EngineRunner",
@@ -19,6 +19,7 @@ __all__ = [
     "Question",
     "TurnOutcome",
     "aggregate",
+    "agreement",
     "first_divergence",
     "geomean",
     "load_question_file",

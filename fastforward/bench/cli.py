@@ -34,8 +34,9 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("-o", "--method-option", action="append", metavar="LABEL.KEY=VALUE",
                    help="an option of the method with that label (repeatable)")
     p.add_argument("--peers", default=None, metavar="PEERS",
-                   help="also run other libraries on the same prompts: hf-generate, hf-pld (comma-separated, "
-                        "same spec syntax)")
+                   help="also run other libraries on the same prompts: hf-generate, hf-pld, llama-cpp, "
+                        "llama-cpp-pld (comma-separated, same spec syntax; llama-cpp needs a .gguf model and "
+                        "llama-cpp-python)")
     p.add_argument("--model", default="smollm2-135m",
                    help="alias, local HF folder or .gguf file (default: %(default)s)")
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"], help="target forward (default: auto)")
@@ -97,6 +98,8 @@ def _print_overall(summary: dict, out_dir: Path) -> None:
             return "-" if x is None else f"{x:.{nd}f}"
 
         mism = "n/a" if not m["checked"] else str(m["mismatches"])
+        if not m["checked"] and m.get("agreement"):  # a peer with other arithmetic: its agreement with AR
+            mism = f"~{m['agreement']['identical_prefix_fraction']:.0%}"
         print(f"{label:<20} {f(m['tokens_per_s'], 1):>8} {f(m['speedup_geomean']):>8} {f(m['speedup_arith']):>8} "
               f"{f(m['speedup_total']):>8} {f(m['tau']):>6} {mism:>8}")
     print(f"report: {out_dir / 'report.md'}")
@@ -140,6 +143,9 @@ def run(args, name: str) -> int:
     peers = parse_specs([args.peers] if args.peers else [], kind="peer")
     apply_option_flags(methods + peers, args.method_option)
     specs = resolve_specs(methods, peers)
+    from .peers import check_peers
+
+    check_peers(peers, args.model)  # llama.cpp peers: a GGUF model and llama-cpp-python, before any work
     questions = load_questions(_split(args.questions), fold_mt_bench=not args.mt_bench_subcategories)
     questions = select_questions(questions, _split([args.categories]) if args.categories else None,
                                  args.per_category, args.limit, spread=args.select == "spread")

@@ -1,8 +1,10 @@
 """What the benchmark runs: method specs (``[label=]method[:key=value...]``) and the runners that time them.
 
 A *runner* generates one turn and reports what happened (:class:`TurnOutcome`). :class:`EngineRunner` runs a
-registered fastforward method through the engine; the HF peers live in :mod:`.peers`. Anything with the same
-interface can be benchmarked (the tests use this to inject a deliberately broken method).
+registered fastforward method through the engine; the peers (HF, llama.cpp) live in :mod:`.peers`. Anything with the
+same interface can be benchmarked (the tests use this to inject a deliberately broken method). A runner whose
+``exact`` attribute is False (llama.cpp: other arithmetic) is not checked token by token against AR; its agreement
+with AR is recorded instead.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ class EngineRunner:
 
 def make_runner(spec: MethodSpec):
     if spec.kind == "peer":
-        from .peers import PeerRunner
+        from .peers import make_peer_runner
 
-        return PeerRunner(spec)
+        return make_peer_runner(spec)
     return EngineRunner(spec)

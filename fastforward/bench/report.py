@@ -11,6 +11,11 @@ tokens is still compared fairly). Three averages over questions are reported, an
 Timing per (question, method) is the median over repeats (``*_min`` fields use the fastest repeat instead).
 ``tau`` is tokens per target forward pooled over all steps (prefill included, AR = 1.00); ``acceptance_by_depth``
 [d-1] is, over all decode steps whose draft reached depth d, the fraction that accepted a token at depth d.
+``ttft`` is the time to the first token of a turn (prefill included), averaged over turns, then questions.
+
+Against a reference peer (``hf-generate``, ``llama-cpp``), every method also gets the geometric-mean ratio of its
+tokens/s to the peer's (``speedup_vs_hf_generate_geomean``, ``speedup_vs_llama_cpp_geomean``), computed like the
+speedup over AR. Peers that compute differently (llama.cpp) get ``agreement`` with AR instead of mismatches.
 """
 
 from __future__ import annotations
@@ -25,7 +30,18 @@ from .methods import BASELINE
 from .results import write_atomic
 
 HF_GENERATE = "hf-generate"
+LLAMA_CPP = "llama-cpp"
 OVERALL = "overall"
+
+#: peers every method is also compared with when they ran: (label, summary.json key, report title, explanation)
+REFERENCE_PEERS = (
+    (HF_GENERATE, "speedup_vs_hf_generate_geomean", "Against Hugging Face transformers",
+     "Geometric-mean speedup over `hf-generate` (transformers' greedy `generate` on the same prompts)."),
+    (LLAMA_CPP, "speedup_vs_llama_cpp_geomean", "Against llama.cpp",
+     "Geometric-mean ratio of tokens/s over `llama-cpp` (llama.cpp's autoregressive decoding, through "
+     "llama-cpp-python, of the same GGUF file on the same prompt tokens; its weights stay quantised as in the file "
+     "and its activations are quantised to 8 bits, so its text differs from ours -- see its agreement with AR)."),
+)
 
 
 def geomean(xs: list[float]) -> float:
@@ -61,8 +77,16 @@ def _per_question(rows: list[dict]) -> dict[tuple[str, str], dict]:
             "mismatch": any(c is False for c in checked),
             "near_tie": bool(divs) and all(d.get("near_tie") for d in divs),
             "jacobi": _jacobi_counts(rs),
+            "ttft": _ttft(rs),
+            "agreement": [r["agreement"] for r in rs if r.get("agreement")],
         }
     return out
+
+
+def _ttft(rows: list[dict]) -> float | None:
+    """Median over repeats of the mean time to first token per turn; None when the runner does not measure it."""
+    values = [r["prefill_time"] / max(1, len(r.get("turns") or [None])) for r in rows if r.get("prefill_time")]
+    return statistics.median(values) if values else None
 
 
 def _jacobi_counts(rows: list[dict]) -> list[int] | None:
@@ -110,6 +134,18 @@ def _stats(label: str, qids: list[str], pq: dict, ref_label: str | None = BASELI
         "mismatches": sum(m["mismatch"] for m in mine),
         "mismatches_near_tie": sum(m["mismatch"] and m["near_tie"] for m in mine),
     }
+    ttft = [m["ttft"] for m in mine if m.get("ttft") is not None]
+    res["ttft"] = mean(ttft) if ttft else None
+    agreed = [m["agreement"] for m in mine if m.get("agreement")]
+    if agreed:
+        res["agreement"] = {
+            "questions": len(agreed),
+            "identical_prefix_fraction": mean([mean([a["fraction"] for a in rs]) for rs in agreed]),
+            "identical_prefix_tokens": mean([mean([a["identical_prefix"] for a in rs]) for rs in agreed]),
+            "identical_questions": sum(all(a["identical"] for a in rs) for rs in agreed),
+            "identical_turns": sum(a["identical_turns"] for rs in agreed for a in rs),
+            "turns": sum(a["turns"] for rs in agreed for a in rs),
+        }
     if jac:
         it, fixed, stat, blocks = (sum(j[i] for j in jac) for i in range(4))
         res["jacobi"] = {"iterations": it, "fast_forward_per_iteration": fixed / it if it else None,
@@ -162,7 +198,7 @@ def aggregate(rows: list[dict]) -> dict:
     first = {}
     for r in rows + failed:
         first.setdefault(r["label"], r)
-    has_hf = any(lab == HF_GENERATE for lab in labels)
+    refs = [(ref, key) for ref, key, _, _ in REFERENCE_PEERS if ref in labels]
     methods = {}
     for label in labels:
         qids = [q for (lab, q) in pq if lab == label]
@@ -171,15 +207,15 @@ def aggregate(rows: list[dict]) -> dict:
                  "options": r0.get("options", {}), "lossless_claimed": r0.get("lossless_claimed", True)}
         entry.update(_stats(label, qids, pq))
         entry["errors"] = sum(r["label"] == label for r in failed)
-        if has_hf:
-            entry["speedup_vs_hf_generate_geomean"] = _stats(label, qids, pq, HF_GENERATE)["speedup_geomean"]
+        for ref, key in refs:
+            entry[key] = _stats(label, qids, pq, ref)["speedup_geomean"]
         entry["categories"] = {}
         for cat in categories:
             cq = [q for q in qids if pq[(label, q)]["category"] == cat]
             if cq:
                 c = _stats(label, cq, pq)
-                if has_hf:
-                    c["speedup_vs_hf_generate_geomean"] = _stats(label, cq, pq, HF_GENERATE)["speedup_geomean"]
+                for ref, key in refs:
+                    c[key] = _stats(label, cq, pq, ref)["speedup_geomean"]
                 entry["categories"][cat] = c
         methods[label] = entry
 
@@ -204,6 +240,16 @@ def aggregate(rows: list[dict]) -> dict:
                                    "accepted a token at depth d",
             "mismatches": "questions whose output differs from AR's in at least one repeat (temperature 0 only)",
             "mismatches_near_tie": "mismatches whose first divergence is a floating-point near-tie",
+            "speedup_vs_hf_generate_geomean": "geometric mean over questions of (method tokens/s) / (hf-generate "
+                                              "tokens/s), when hf-generate ran",
+            "speedup_vs_llama_cpp_geomean": "geometric mean over questions of (method tokens/s) / (llama-cpp "
+                                            "tokens/s), when llama-cpp ran",
+            "ttft": "seconds to the first token of a turn (prefill included), mean over turns and questions "
+                    "(median over repeats); null when the runner does not measure it",
+            "agreement": "peers with other arithmetic (llama.cpp), temperature 0: identical_prefix_fraction = mean "
+                         "over questions of (tokens identical to AR's before the first difference) / (AR's tokens); "
+                         "identical_turns of turns: turns identical to AR's (in an identical conversation); "
+                         "identical_questions: questions whose every turn is identical",
             "jacobi.fast_forward_per_iteration": "Jacobi methods: tokens fixed per iteration (CLLM Table 3's "
                                                  "fast-forwarded count; 1 = plain AR)",
             "jacobi.stationary_per_block": "Jacobi methods: tokens that were already in place before their "
@@ -231,6 +277,14 @@ def aggregate(rows: list[dict]) -> dict:
 
 def _f(x, nd=2, suffix="") -> str:
     return "–" if x is None else f"{x:.{nd}f}{suffix}"
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x) -> str:
+    return "–" if x is None else f"{1000 * x:.0f}"
 
 
 def _opts(entry: dict) -> str:
@@ -271,6 +325,8 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
                  for d in range(depth_n)]
         mism = "n/a" if not m["checked"] else str(m["mismatches"]) + (
             f" ({m['mismatches_near_tie']} near-tie)" if m["mismatches"] else "")
+        if not m["checked"] and m.get("agreement"):
+            mism = f"n/a ({_pct(m['agreement']['identical_prefix_fraction'])} agreement)"
         name = f"`{label}`" + (" (peer)" if m["kind"] == "peer" else "")
         rows.append([name, _opts(m), str(m["questions"]), _f(m["tokens_per_s"], 1),
                      _f(m["speedup_geomean"], 2, "×"), _f(m["speedup_arith"], 2, "×"),
@@ -294,15 +350,43 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
             cells = [_f(m["categories"][c][key], nd, suffix) if c in m["categories"] else "–" for c in cats]
             rows.append([f"`{label}`"] + cells + [_f(m[key], nd, suffix)])
         out.append(_table(["method"] + cats + [OVERALL], rows))
-    if any("speedup_vs_hf_generate_geomean" in m for m in methods.values()):
-        out += ["", "## Against Hugging Face transformers", "",
-                "Geometric-mean speedup over `hf-generate` (transformers' greedy `generate` on the same prompts).", ""]
+    for _, key, title, text in REFERENCE_PEERS:
+        if not any(key in m for m in methods.values()):
+            continue
+        out += ["", f"## {title}", "", text, ""]
         rows = []
         for label, m in methods.items():
-            cells = [_f(m["categories"][c].get("speedup_vs_hf_generate_geomean"), 2, "×")
-                     if c in m["categories"] else "–" for c in cats]
-            rows.append([f"`{label}`"] + cells + [_f(m.get("speedup_vs_hf_generate_geomean"), 2, "×")])
+            cells = [_f(m["categories"][c].get(key), 2, "×") if c in m["categories"] else "–" for c in cats]
+            rows.append([f"`{label}`"] + cells + [_f(m.get(key), 2, "×")])
         out.append(_table(["method"] + cats + [OVERALL], rows))
+    timed = {label: m for label, m in methods.items() if m.get("ttft") is not None}
+    if timed:
+        out += ["", "## Time to first token per category (ms)", "",
+                "Mean over turns and questions of the time from the start of a turn to its first token (the "
+                "prefill and the first token's choice).", ""]
+        rows = []
+        for label, m in timed.items():
+            cells = [_ms(m["categories"][c].get("ttft")) if c in m["categories"] else "–" for c in cats]
+            rows.append([f"`{label}`"] + cells + [_ms(m["ttft"])])
+        out.append(_table(["method"] + cats + [OVERALL], rows))
+    agreeing = {label: m for label, m in methods.items() if m.get("agreement")}
+    if agreeing:
+        out += ["", "## Agreement with AR (peers with other arithmetic)", "",
+                "llama.cpp quantises activations to 8 bits (and keeps the GGUF file's weights), so its greedy text "
+                "is not expected to be token-identical to ours; instead of a losslessness check, its agreement with "
+                "`ar` is measured: the identical prefix (tokens before the first difference, as a fraction of AR's "
+                "tokens, mean over questions) and the turns identical to AR's.", ""]
+        rows = []
+        for label, m in agreeing.items():
+            a = m["agreement"]
+            cells = [_pct((m["categories"][c].get("agreement") or {}).get("identical_prefix_fraction"))
+                     if c in m["categories"] else "–" for c in cats]
+            rows.append([f"`{label}`"] + cells + [_pct(a["identical_prefix_fraction"]),
+                                                  _f(a["identical_prefix_tokens"], 1),
+                                                  f"{a['identical_turns']}/{a['turns']}",
+                                                  f"{a['identical_questions']}/{a['questions']}"])
+        out.append(_table(["method"] + cats + [OVERALL, "identical prefix (tokens)", "identical turns",
+                                               "identical questions"], rows))
     if p.get("repeats", 1) and p.get("repeats", 1) > 1:
         out += ["", "## Repeats: median vs fastest", ""]
         rows = [[f"`{label}`", _f(m["speedup_geomean"], 2, "×"), _f(m["speedup_geomean_min"], 2, "×"),
@@ -348,6 +432,10 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
                            "logit gap", "near-tie"], rows, left=2))
         if len(details) > 50:
             out.append(f"\n… and {len(details) - 50} more (summary.json has all of them).")
+    unchecked = [label for label, m in methods.items() if m.get("agreement")]
+    if unchecked and any(m["checked"] for m in methods.values()):
+        out += ["", "Not checked (other arithmetic; see their agreement with AR above): "
+                + ", ".join(f"`{label}`" for label in unchecked) + "."]
     errors = summary.get("errors", [])
     if errors:
         out += ["", "## Failed runs", "", "Excluded from every number above; rerunning the command retries them.", ""]

@@ -8,6 +8,10 @@ first divergence is located (turn, index, the two tokens) and the target's logit
 that position is recomputed with one plain forward over prompt + AR tokens: a gap within :data:`NEAR_TIE` of zero
 is a floating-point near-tie (two kernels rounding differently), a large gap is a bug.
 
+Peers that compute differently (llama.cpp quantises activations to 8 bits; runner attribute ``exact = False``) are
+not checked: their row records ``agreement`` instead -- the prefix identical to AR's tokens, in tokens and as a
+fraction of AR's length, and how many turns are identical.
+
 Multi-turn questions: each turn is conditioned on the *same method's* previous answers, as Spec-Bench does. For a
 lossless method they equal AR's; if a method diverges, its later turns see a different conversation, which is
 reported through the first divergence (always in the earliest diverging turn, whose prompt is still AR's).
@@ -72,6 +76,15 @@ def environment() -> dict:
 
     from .. import __version__
 
+    software = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "fastforward": __version__,
+    }
+    llama_cpp = sys.modules.get("llama_cpp")  # imported when a llama.cpp peer runs
+    if llama_cpp is not None:
+        software["llama-cpp-python"] = getattr(llama_cpp, "__version__", "unknown")
     return {
         "machine": {
             "cpu": _cpu_model(),
@@ -79,12 +92,7 @@ def environment() -> dict:
             "arch": platform.machine(),
             "os": platform.platform(terse=True),
         },
-        "software": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "fastforward": __version__,
-        },
+        "software": software,
         "commit": git_commit(),
     }
 
@@ -110,6 +118,32 @@ def turn_prompt(target, turns: list[str], answers: list[str]) -> list[int]:
         if i < len(answers):
             parts.append(answers[i])
     return target.encode("\n\n".join(parts), chat=False)
+
+
+def agreement(reference: list[list[int]], tokens: list[list[int]]) -> dict:
+    """How far ``tokens`` (per turn) agrees with AR's ``reference``: the identical prefix over the concatenated turns
+    (a later turn counts only while every earlier one was identical, as its prompt is then AR's), in tokens and as a
+    fraction of AR's length, and the number of leading turns that are identical."""
+    prefix = identical_turns = 0
+    for ref, out in zip(reference, tokens, strict=False):
+        if ref == out:
+            prefix += len(ref)
+            identical_turns += 1
+            continue
+        n = min(len(ref), len(out))
+        prefix += next((i for i in range(n) if ref[i] != out[i]), n)
+        break
+    ar_tokens = sum(len(r) for r in reference)
+    identical = identical_turns == len(reference) == len(tokens)
+    return {
+        "identical_prefix": prefix,
+        "ar_tokens": ar_tokens,
+        "fraction": prefix / ar_tokens if ar_tokens else float(identical),
+        "identical_turns": identical_turns,
+        "turns": len(reference),
+        "identical": identical,
+        "first_divergence": first_divergence(reference, tokens),
+    }
 
 
 def first_divergence(reference: list[list[int]], tokens: list[list[int]]) -> dict | None:
@@ -196,7 +230,8 @@ def make_row(question: Question, spec: MethodSpec, repeat: int, lossless_claimed
         "verify_time": sum(o.verify_time for o in outs),
         "turns": [
             {"prompt_tokens": len(p), "new_tokens": len(o.token_ids), "wall_time": o.wall_time,
-             "decoding_steps": o.decoding_steps, "finish_reason": o.finish_reason, "method_stats": o.method_stats}
+             "prefill_time": o.prefill_time, "decoding_steps": o.decoding_steps, "finish_reason": o.finish_reason,
+             "method_stats": o.method_stats}
             for p, o in turns
         ],
         "output_ids": [list(o.token_ids) for o in outs],
@@ -294,6 +329,10 @@ def run_bench(
     for spec in specs:
         if spec.label not in runners:
             runners[spec.label] = make_runner(spec)
+    for spec in specs:  # what a runner needs from the target (llama.cpp: a GGUF file), checked before any work
+        requirement = getattr(runners[spec.label], "check", None)
+        if requirement is not None:
+            requirement(target)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads)  # fixed for the whole run (recorded in every row)
@@ -376,6 +415,10 @@ def run_bench(
                 reference[q.question_id] = ref = row
             if not check or ref is None:
                 row["lossless"], row["first_divergence"] = None, None
+            elif not getattr(runner, "exact", True):
+                # other arithmetic (llama.cpp's 8-bit activations): how far it agrees, not a losslessness verdict
+                row["lossless"], row["first_divergence"] = None, None
+                row["agreement"] = agreement(ref["output_ids"], row["output_ids"])
             else:
                 div = first_divergence(ref["output_ids"], row["output_ids"])
                 row["lossless"] = div is None
