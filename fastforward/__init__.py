@@ -68,9 +68,11 @@ def generate(
     chat: bool = True,
     system: str | None = None,
     method_options: dict | None = None,
+    on_prefill=None,
 ) -> GenerationResult:
     """Generate a continuation of ``prompt`` (text, chat messages, or token ids) with a decoding ``method``.
 
+    ``on_prefill(done, total)``, if given, is called as the prompt is read (in chunks of 256 tokens).
     Every lossless method returns exactly what ``method="ar"`` returns at temperature 0, and samples from the
     same distribution at temperature > 0.
     """
@@ -79,7 +81,8 @@ def generate(
         {"temperature": temperature, "top_k": top_k, "top_p": top_p},
     )
     gen = Generation(
-        target, prompt_ids, proposer, stop=stop, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed
+        target, prompt_ids, proposer, stop=stop, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+        on_prefill=on_prefill,
     )
     return gen.run()
 
@@ -98,6 +101,7 @@ def stream(
     chat: bool = True,
     system: str | None = None,
     method_options: dict | None = None,
+    on_prefill=None,
 ) -> Generation:
     """Like :func:`generate`, but returns a :class:`Generation` to iterate for text deltas (``.result`` after)."""
     target, prompt_ids, proposer, sampling = _prepare(
@@ -105,5 +109,6 @@ def stream(
         {"temperature": temperature, "top_k": top_k, "top_p": top_p},
     )
     return Generation(
-        target, prompt_ids, proposer, stop=stop, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed
+        target, prompt_ids, proposer, stop=stop, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+        on_prefill=on_prefill,
     )

@@ -9,6 +9,20 @@ import time
 from .errors import UsageError
 
 
+def _prefill_progress(min_tokens: int = 1024):
+    """A callback printing how far a long prompt has been read (on stderr, one line rewritten in place)."""
+    t0 = time.perf_counter()
+
+    def report(done: int, total: int) -> None:
+        if total < min_tokens:
+            return
+        end = "\n" if done == total else ""
+        print(f"\rreading the prompt: {done}/{total} tokens ({time.perf_counter() - t0:.1f}s)", end=end,
+              file=sys.stderr, flush=True)
+
+    return report
+
+
 def add_model_arguments(p) -> None:
     """Options shared by every command that loads a model."""
     p.add_argument(
@@ -82,6 +96,7 @@ def run(args, name: str) -> int:
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop=args.stop, chat=not args.no_chat, system=args.system, method_options=options,
+        on_prefill=_prefill_progress(),
     )
     if args.no_stream or args.json:
         result = ff.generate(target, prompt, args.method, **kwargs)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import UsageError
-from .model import TargetModel
+from .model import ForwardOutput, TargetModel
 from .tree import DraftTree
 from .verify import SamplingConfig, Verdict, next_token, verify
 
@@ -217,6 +217,7 @@ def decode_steps(
     seed: int | None = None,
     stop: list[str] | str | None = None,
     stats: GenerationStats | None = None,
+    on_prefill=None,
 ) -> Iterator[list[int]]:
     """Run the decode loop, yielding the list of newly emitted token ids after every target forward.
 
@@ -229,10 +230,33 @@ def decode_steps(
         raise UsageError("the prompt is empty")
     if n_prompt >= target.max_context:
         raise UsageError(f"the prompt has {n_prompt} tokens; the model's context is {target.max_context}")
-    return _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, stops, stats)
+    return _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, stops, stats, on_prefill)
 
 
-def _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, stops, stats):
+PREFILL_CHUNK = 256  # prompt tokens per prefill forward: bounded activations, and progress to report
+
+
+def _prefill(target, prompt, cache, hidden_layers, on_prefill=None) -> ForwardOutput:
+    """The prompt's KV in chunks of :data:`PREFILL_CHUNK` tokens; the last position's logits and every prompt
+    token's requested hidden states. ``on_prefill(done, total)`` is called after each chunk."""
+    n = prompt.numel()
+    hidden: dict[int, list] = {}
+    out = None
+    for start in range(0, n, PREFILL_CHUNK):
+        end = min(n, start + PREFILL_CHUNK)
+        out = target.forward(prompt[start:end], torch.arange(start, end), cache, hidden_layers=hidden_layers,
+                             last_only=True)
+        cache.keep(range(end - start))
+        for layer, h in out.hidden.items():
+            hidden.setdefault(layer, []).append(h)
+        if on_prefill is not None:
+            on_prefill(end, n)
+    if len(hidden) and n > PREFILL_CHUNK:
+        out = ForwardOutput(out.logits, {layer: torch.cat(parts) for layer, parts in hidden.items()})
+    return out
+
+
+def _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, stops, stats, on_prefill=None):
     n_prompt = len(prompt_ids)
     stats = stats if stats is not None else GenerationStats(proposer.name)
     stats.prompt_tokens = n_prompt
@@ -290,10 +314,7 @@ def _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, 
         return taken, reason
 
     # Prefill: the prompt's KV, and the first token from its last position.
-    out = target.forward(
-        ids[:n_prompt], torch.arange(n_prompt), cache, hidden_layers=proposer.hidden_layers, last_only=True
-    )
-    cache.keep(range(n_prompt))
+    out = _prefill(target, ids[:n_prompt], cache, proposer.hidden_layers, on_prefill)
     first = next_token(out.logits[-1], sampling, generator)
     stats.target_forwards = 1
     stats.prefill_time = time.perf_counter() - t_start

@@ -12,11 +12,12 @@ undoes it so that the HF (rotate-half) RoPE applies, as transformers' GGUF loade
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .errors import UsageError
@@ -33,17 +34,17 @@ class GGUFTensor:
     name: str
     type_id: int  # GGML type
     shape: tuple[int, ...]  # torch order: (out, in) for a matrix
-    data: np.ndarray  # memory-mapped raw bytes ([out, row_bytes] for quantised matrices) or values (F32/F16)
     offset: int  # of the data in the file
+    nbytes: int
     path: Path
 
     def read(self) -> torch.Tensor:
         """The tensor's bytes, read from the file into fresh memory (``[out, row_bytes]`` uint8 for a matrix).
 
-        Reading rather than copying from the memory map keeps the file's pages out of the process's resident
-        memory: the weights then take their packed size once."""
-        rows = self.data.shape[0] if self.data.ndim == 2 else 1
-        buf = torch.empty(self.data.nbytes, dtype=torch.uint8)
+        Reading rather than memory-mapping keeps the file's pages out of the process's resident memory: the
+        weights take their packed size once."""
+        rows = self.shape[0] if len(self.shape) == 2 else 1
+        buf = torch.empty(self.nbytes, dtype=torch.uint8)
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             if f.readinto(memoryview(buf.numpy())) != buf.numel():
@@ -70,8 +71,42 @@ def _field(reader, key, default=None):
         return default
 
 
-def read_gguf(path: Path) -> GGUFModel:
-    """Hyper-parameters and memory-mapped tensors of a Llama-family GGUF file (UsageError if it is not one)."""
+INDEX_VERSION = 1
+
+
+def read_gguf(path: Path, index_file: Path | None = None) -> GGUFModel:
+    """Hyper-parameters and the tensor table of a Llama-family GGUF file (:class:`UnsupportedGGUF` for another
+    architecture, UsageError for an unreadable file).
+
+    Parsing a GGUF header means walking its whole tokenizer vocabulary (seconds in Python); with ``index_file``
+    the result is saved there once and read back on later calls."""
+    path = Path(path)
+    if index_file is not None and index_file.is_file():
+        try:
+            index = json.loads(index_file.read_text())
+            if index.get("version") == INDEX_VERSION:
+                return _from_index(path, index)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged index is rebuilt
+    index = _parse(path)
+    if index_file is not None:
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_file.with_name(index_file.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(index))
+        tmp.replace(index_file)
+    return _from_index(path, index)
+
+
+def _from_index(path: Path, index: dict) -> GGUFModel:
+    tensors = {name: GGUFTensor(name, t["type"], tuple(t["shape"]), t["offset"], t["nbytes"], path)
+               for name, t in index["tensors"].items()}
+    if index["architecture"] not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedGGUF(f"GGUF architecture '{index['architecture']}' is not one the lean forward runs "
+                              f"({sorted(SUPPORTED_ARCHITECTURES)})")
+    return GGUFModel(path, index["architecture"], index["hparams"], tensors, index["metadata"])
+
+
+def _parse(path: Path) -> dict:
     from gguf import GGUFReader
 
     try:
@@ -79,36 +114,43 @@ def read_gguf(path: Path) -> GGUFModel:
     except Exception as exc:  # noqa: BLE001 - truncated or not a GGUF file
         raise UsageError(f"cannot read {path} as a GGUF file ({type(exc).__name__}: {exc})") from None
     arch = str(_field(reader, "general.architecture", ""))
+    index = {"version": INDEX_VERSION, "architecture": arch, "hparams": {}, "tensors": {}, "metadata": {}}
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedGGUF(f"GGUF architecture '{arch}' is not one the lean forward runs "
-                              f"({sorted(SUPPORTED_ARCHITECTURES)})")
+        return index
 
     def hp(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
 
-    n_heads = int(hp("attention.head_count"))
-    hidden = int(hp("embedding_length"))
-    hparams = {
-        "n_layers": int(hp("block_count")),
-        "hidden_size": hidden,
-        "intermediate_size": int(hp("feed_forward_length")),
-        "n_heads": n_heads,
-        "n_kv_heads": int(hp("attention.head_count_kv", n_heads)),
-        "head_dim": int(hp("attention.key_length", hidden // n_heads)),
-        "eps": float(hp("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(hp("rope.freq_base", 10000.0)),
-        "rope_dim": int(hp("rope.dimension_count", hidden // n_heads)),
-        "rope_scaling": str(hp("rope.scaling.type", "none") or "none"),
-        "max_positions": int(hp("context_length", 4096)),
-        "sliding_window": hp("attention.sliding_window"),
-    }
-    tensors = {}
+    try:
+        n_heads = int(hp("attention.head_count"))
+        hidden = int(hp("embedding_length"))
+        index["hparams"] = {
+            "n_layers": int(hp("block_count")),
+            "hidden_size": hidden,
+            "intermediate_size": int(hp("feed_forward_length")),
+            "n_heads": n_heads,
+            "n_kv_heads": int(hp("attention.head_count_kv", n_heads)),
+            "head_dim": int(hp("attention.key_length", hidden // n_heads)),
+            "eps": float(hp("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(hp("rope.freq_base", 10000.0)),
+            "rope_dim": int(hp("rope.dimension_count", hidden // n_heads)),
+            "rope_scaling": str(hp("rope.scaling.type", "none") or "none"),
+            "max_positions": int(hp("context_length", 4096)),
+            "sliding_window": hp("attention.sliding_window"),
+        }
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{path}: missing or malformed {arch} hyper-parameters ({exc})") from None
     for t in reader.tensors:
-        shape = tuple(int(s) for s in reversed(list(t.shape)))  # GGUF lists dims innermost first
-        tensors[t.name] = GGUFTensor(t.name, int(t.tensor_type), shape, t.data, int(t.data_offset), Path(path))
-    metadata = {"bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-                "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id")}
-    return GGUFModel(Path(path), arch, hparams, tensors, metadata)
+        shape = [int(s) for s in reversed(list(t.shape))]  # GGUF lists dims innermost first
+        index["tensors"][t.name] = {"type": int(t.tensor_type), "shape": shape, "offset": int(t.data_offset),
+                                    "nbytes": int(t.n_bytes)}
+    for key in ("bos_token_id", "eos_token_id"):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        index["metadata"][key] = None if value is None else int(value)
+    end = max((t["offset"] + t["nbytes"] for t in index["tensors"].values()), default=0)
+    if end > path.stat().st_size:
+        raise UsageError(f"{path} is truncated: its tensors end at byte {end}, the file has {path.stat().st_size}")
+    return index
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
@@ -132,7 +174,7 @@ def linear_from_tensor(t: GGUFTensor, *, native, permute_heads: int | None = Non
         data = data.index_select(0, order) if order is not None else data
         return PackedLinear(data, t.type_id, in_features, native=native)
     if t.type_id in (0, 1):  # F32, F16
-        dense = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(out_features, in_features)
+        dense = _values(t).reshape(out_features, in_features)
     else:
         if t.type_id not in PACKED_FORMATS:
             _notice_dequantised(t)
@@ -154,6 +196,12 @@ def _notice_dequantised(t: GGUFTensor) -> None:
         print(f"fastforward: {name} weights have no packed kernel; dequantised to fp32 at load", file=sys.stderr)
 
 
+def _values(t: GGUFTensor) -> torch.Tensor:
+    if t.type_id not in (0, 1):
+        raise UsageError(f"{t.path}: tensor {t.name} should be F32 or F16")
+    return t.read().view(torch.float32 if t.type_id == 0 else torch.float16).reshape(-1).float()
+
+
 def vector(t: GGUFTensor) -> torch.Tensor:
     """A 1-D F32/F16 tensor (norm weights, biases) as fp32."""
-    return torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(-1)
+    return _values(t)

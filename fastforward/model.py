@@ -640,22 +640,25 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype=torch.float32):
 
 
 def _gguf_tokenizer(gguf: Path):
-    """The GGUF file's tokenizer, converted by transformers once and then read from the cache."""
-    from transformers import AutoTokenizer
+    """The GGUF file's tokenizer: converted by transformers once into a cached folder, then always read from that
+    folder by the light :class:`~fastforward.tokenizer.LightTokenizer` (no transformers import)."""
+    from .tokenizer import LightTokenizer
 
-    _quiet_transformers()
     converted = _gguf_cache_dir(gguf)
     folder = converted.with_name(converted.name + "-tokenizer")
     for candidate in (folder, converted):
         if (candidate / "tokenizer.json").is_file():
-            return AutoTokenizer.from_pretrained(candidate, local_files_only=True)
+            return LightTokenizer.from_folder(candidate)
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
-    return tokenizer
+    return LightTokenizer.from_folder(folder)
 
 
 def _converted_gguf(gguf: Path, dtype=torch.float32):
@@ -698,7 +701,8 @@ def load(
 
         native = load_native()
         try:
-            gguf_model = read_gguf(path)
+            converted = _gguf_cache_dir(path)
+            gguf_model = read_gguf(path, index_file=converted.with_name(converted.name + "-index.json"))
         except UnsupportedGGUF:
             gguf_model = None
         hp = gguf_model.hparams if gguf_model is not None else {}

@@ -262,7 +262,7 @@ inline void direct_rows(const float* x, int64_t K, const uint8_t* w, int64_t row
 }
 
 template <int F>
-void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out) {
+void run_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out) {
   // Equal runs of weight rows per thread (multiples of 4, so that tiles stay whole); a share should be worth
   // a fork.
   const int64_t groups = (N + 3) / 4;
@@ -293,6 +293,16 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_byt
       scratch_rows<1>(x, M, K, wf, out, N, n);
     }
   });
+}
+
+// Long inputs (prefill) in chunks of activation rows that stay in L2 while every weight row passes by; each
+// chunk decodes the weights again, which costs little next to its multiply-adds.
+constexpr int64_t kRowChunk = 48;
+
+template <int F>
+void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk)
+    run_rows<F>(x + m0 * K, std::min(kRowChunk, M - m0), K, w, row_bytes, N, out + m0 * N);
 }
 
 int64_t block_size(int fmt) {

@@ -1,0 +1,156 @@
+"""Packed GGUF weights: exact block decoding, bitwise row independence, the tiny and the default model against
+their dequantised fp32 selves, and every method's greedy output equal to AR's on the packed path."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastforward as ff
+from fastforward import kernels
+from fastforward.linear import PACKED_FORMATS, PackedLinear, dequantize
+from fastforward.model import TargetModel
+from fastforward.testing import TinyTokenizer, tiny_gguf_target
+
+pytestmark = pytest.mark.skipif(kernels.load_native() is None, reason="the native kernels are unavailable here")
+
+# Byte offsets of each format's fp16 scales inside a block (random bytes there could be inf/nan).
+SCALE_OFFSETS = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 14: [208]}
+
+
+def random_blocks(fmt: int, n_out: int, n_in: int, seed: int = 0) -> torch.Tensor:
+    """Random packed rows of a format: random quants and sub-scales, sane fp16 block scales."""
+    _, qk, nb = PACKED_FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n_out, n_in // qk, nb), dtype=np.uint8)
+    scales = rng.uniform(-0.05, 0.05, size=(n_out, n_in // qk, len(SCALE_OFFSETS[fmt]))).astype(np.float16)
+    for j, off in enumerate(SCALE_OFFSETS[fmt]):
+        raw[:, :, off : off + 2] = scales[:, :, j : j + 1].view(np.uint8)
+    return torch.from_numpy(raw.reshape(n_out, -1))
+
+
+FORMATS = sorted(PACKED_FORMATS)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=[PACKED_FORMATS[f][0] for f in FORMATS])
+def test_rows_decode_to_exactly_the_reference_dequantisation(fmt):
+    data = random_blocks(fmt, 37, 512)
+    native = kernels.load_native()
+    assert torch.equal(native.quant_rows(data, fmt, 512, torch.arange(37)), dequantize(data, fmt, 512))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=[PACKED_FORMATS[f][0] for f in FORMATS])
+def test_product_matches_dense_and_rows_are_bitwise_independent(fmt):
+    k = 512 if PACKED_FORMATS[fmt][1] == 256 else 544
+    lin = PackedLinear(random_blocks(fmt, 45, k, seed=fmt), fmt, k, native=kernels.load_native())
+    x = torch.randn(61, k)
+    dense = lin.dense()
+    ref = x.double() @ dense.double().T
+    out = lin(x)
+    assert (out.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item() * 10
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(61)])
+    for m in (1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 48, 49, 61):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    lin = PackedLinear(random_blocks(3, 300, 576), 3, 576, native=kernels.load_native())
+    x = torch.randn(9, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+        torch.set_num_threads(2)
+        two = lin(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_bad_arguments_raise_clear_errors():
+    native = kernels.load_native()
+    data = random_blocks(3, 4, 64)
+    with pytest.raises(RuntimeError, match="columns"):
+        native.quant_mm(torch.randn(2, 32), data, 3, 64)
+    with pytest.raises(RuntimeError, match="bytes"):
+        native.quant_mm(torch.randn(2, 96), data, 3, 96)
+    with pytest.raises(RuntimeError, match="unsupported"):
+        native.quant_mm(torch.randn(2, 64), data, 7, 64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.quant_rows(data, 3, 64, torch.tensor([4]))
+    with pytest.raises(ValueError):
+        PackedLinear(data[:, :-1], 3, 64, native=native)
+
+
+@pytest.fixture(scope="module")
+def tiny_packed(tmp_path_factory):
+    """A tiny random GGUF (Q4_1 linears, tied Q8_0 embedding) on the packed path, and its fp32 twin."""
+    packed, hf = tiny_gguf_target(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    return packed, TargetModel("tiny-fp32", hf, TinyTokenizer(hf.config.vocab_size), backend="lean")
+
+
+def test_tiny_gguf_matches_its_dequantised_fp32_model(tiny_packed):
+    packed, fp32 = tiny_packed
+    assert packed.backend.matmul_kernel.startswith("quant-")
+    prompt = torch.tensor([3, 17, 42, 8, 91, 5, 60, 23, 11, 4, 77])
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    tokens, positions = torch.tensor([14, 7, 33, 2]), torch.tensor([11, 12, 12, 13])
+    for target in tiny_packed:
+        cache = target.new_cache(64)
+        target.first = target.forward(prompt, torch.arange(len(prompt)), cache).logits
+        cache.keep(range(len(prompt)))
+        target.tree = target.forward(tokens, positions, cache, tree).logits
+    assert (packed.first - fp32.first).abs().max().item() < 1e-4
+    assert (packed.tree - fp32.tree).abs().max().item() < 1e-4
+    with torch.no_grad():
+        hf = fp32.hf_model(prompt[None]).logits[0]
+    assert (packed.first - hf).abs().max().item() < 1e-4
+
+
+def test_tiny_gguf_weights_equal_the_dequantised_state(tmp_path):
+    from fastforward.testing import write_tiny_gguf
+
+    path = tmp_path / "sep.gguf"
+    state = write_tiny_gguf(path, tied=False, linear_type="Q8_0", embed_type="Q4_0", seed=3)
+    packed, _ = tiny_gguf_target(tmp_path / "again.gguf", tied=False, linear_type="Q8_0", embed_type="Q4_0", seed=3)
+    layer = packed.backend.layers[1]
+    ref = torch.cat([state[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(layer.qkv.dense(), ref)  # Q/K rows back in HF order
+    assert torch.equal(packed.backend.head.dense(), state["lm_head.weight"])
+    assert packed.backend.head is not packed.backend.embed
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt=st.lists(st.integers(0, 95), min_size=1, max_size=20),
+    max_new=st.integers(1, 40),
+    method=st.sampled_from(["jacobi", "pld", "lookahead", "tr-jacobi"]),
+)
+def test_every_method_equals_ar_on_the_packed_path(tiny_packed, prompt, max_new, method):
+    packed, _ = tiny_packed
+    ar = ff.generate(packed, prompt, "ar", max_new_tokens=max_new).token_ids
+    assert ff.generate(packed, prompt, method, max_new_tokens=max_new).token_ids == ar
+
+
+@pytest.mark.slow
+def test_default_model_packed_matches_dequantised_fp32(default_model):
+    fp32 = ff.load(packed=False)
+    assert default_model.backend.matmul_kernel.startswith("quant-")
+    assert default_model.backend.weight_bytes < 110e6  # the file's packed size (96 MB), not fp32's 538 MB
+    prompt = torch.tensor(default_model.encode("Write a short story about a robot who learns to paint."))
+    n = prompt.numel()
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    tokens, positions = torch.tensor([504, 3458, 30, 216, 1345]), n + torch.tensor([0, 1, 1, 2, 2])
+    logits = []
+    for target in (default_model, fp32):
+        cache = target.new_cache(n + 8)
+        first = target.forward(prompt, torch.arange(n), cache).logits
+        cache.keep(range(n))
+        logits.append((first, target.forward(tokens, positions, cache, tree).logits))
+    assert (logits[0][0] - logits[1][0]).abs().max().item() < 1e-4
+    assert (logits[0][1] - logits[1][1]).abs().max().item() < 1e-4
+    hf = fp32.hf_model.model.layers[0].self_attn
+    qkv = torch.cat([hf.q_proj.weight, hf.k_proj.weight, hf.v_proj.weight])
+    assert torch.equal(default_model.backend.layers[0].qkv.dense(), qkv)
