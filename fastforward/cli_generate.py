@@ -30,6 +30,10 @@ def add_model_arguments(p) -> None:
     )
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"], help="target forward (default: auto)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8"],
+                   help="weight storage: auto (a GGUF's own quantised blocks, packed; an HF folder's fp32), fp32 "
+                        "(a GGUF dequantised), bf16 / int8 (HF folders, opt-in: a different model, reproduced "
+                        "exactly by every method) (default: auto)")
 
 
 def add_arguments(p, name: str) -> None:
@@ -91,7 +95,8 @@ def run(args, name: str) -> int:
     if args.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     t_load = time.perf_counter()
-    target = ff.load(args.model, backend=args.backend, threads=args.threads)
+    target = ff.load(args.model, backend=args.backend, threads=args.threads,
+                     weights=getattr(args, "weights", "auto"))
     load_seconds = time.perf_counter() - t_load
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

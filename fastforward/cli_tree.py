@@ -135,13 +135,15 @@ def run(args, name: str) -> int:
         built = questions[0]
         if model_key(str(built.get("model", ""))) != model_key(args.model):
             raise UsageError(f"--from: that tree was calibrated on '{built.get('model')}', not '{args.model}'")
-        target = ff.load(args.model, backend=args.backend, threads=args.threads)
+        target = ff.load(args.model, backend=args.backend, threads=args.threads,
+                     weights=getattr(args, "weights", "auto"))
         qs = cost_qs(len(built["greedy_order"]), int(built["retrieval_len"]))
         costs, sweeps = measure_costs(target, qs, args.kv, args.repeats, 2, progress)
         data = size_tree(built, costs, budget, sweeps, args.kv, target)
         data["resized_from"] = str(args.from_tree)
     else:
-        target = ff.load(args.model, backend=args.backend, threads=args.threads)
+        target = ff.load(args.model, backend=args.backend, threads=args.threads,
+                     weights=getattr(args, "weights", "auto"))
         progress(f"{len(questions)} calibration prompts: "
                  + ", ".join(f"{q.category}:{q.question_id}" for q in questions))
         prompts = [target.encode(q.turns[0]) for q in questions]

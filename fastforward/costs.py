@@ -79,7 +79,12 @@ def machine_cost_curve(target, refresh: bool = False) -> CostCurve:
         except (OSError, ValueError, KeyError):
             curve = None
     if curve is None:
+        import sys
+
         from .profile import measure_forward_costs
+
+        print(f"fastforward: measuring this machine's forward cost curve for {target.name} "
+              f"({torch.get_num_threads()} threads; once, a few seconds; cached in {path.parent})", file=sys.stderr)
 
         kv = min(256, max(1, target.max_context - max(CURVE_QS) - 1))
         curve = CostCurve(measure_forward_costs(target, CURVE_QS, kv=kv, repeats=3))

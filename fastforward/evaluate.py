@@ -476,7 +476,8 @@ def run(args, name: str) -> int:
 
     t0 = time.perf_counter()
     backend = "hf" if args.task == "nll" and args.backend == "auto" else args.backend
-    target = ff.load(args.model, backend=backend, threads=args.threads)
+    target = ff.load(args.model, backend=backend, threads=args.threads,
+                     weights=getattr(args, "weights", "auto"))
 
     def progress(items):
         from tqdm.auto import tqdm

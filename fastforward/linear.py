@@ -19,13 +19,16 @@ import torch.nn.functional as F
 
 # GGML block formats the native kernel multiplies packed: type id -> (name, weights per block, bytes per block).
 PACKED_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
-                  14: ("Q6_K", 256, 210)}
+                  14: ("Q6_K", 256, 210), 30: ("BF16", 32, 64)}
+FORMAT_IDS = {name: fmt for fmt, (name, _, _) in PACKED_FORMATS.items()}
 
 
 def dequantize(data: torch.Tensor, fmt: int, n_in: int) -> torch.Tensor:
     """The reference fp32 values of a packed weight ``[out, row_bytes]`` (gguf-py's dequantisation)."""
     from gguf import GGMLQuantizationType, quants
 
+    if fmt == FORMAT_IDS["BF16"]:
+        return data.contiguous().view(torch.bfloat16).float().reshape(data.shape[0], n_in)
     out = quants.dequantize(data.numpy(), GGMLQuantizationType(fmt))
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(data.shape[0], n_in)
 
@@ -111,6 +114,17 @@ class PackedLinear:
                                      for p in parts):
             return None
         return PackedLinear(torch.cat([p.data for p in parts]), first.fmt, first.in_features, native=first.native)
+
+
+def quantize(w: torch.Tensor, format_name: str) -> torch.Tensor:
+    """Pack an fp32 ``W [out, in]`` into ``format_name`` blocks (``BF16``: rounded to bfloat16; ``Q8_0``: int8 with
+    one fp16 scale per 32 weights, gguf-py's quantisation), as ``[out, row_bytes]`` uint8."""
+    w = w.detach().float().contiguous()
+    if format_name == "BF16":
+        return w.to(torch.bfloat16).view(torch.uint8).reshape(w.shape[0], -1)
+    from gguf import GGMLQuantizationType, quants
+
+    return torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType[format_name]))
 
 
 def concat_linears(parts: list) -> object:

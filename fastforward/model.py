@@ -43,6 +43,7 @@ PACKAGED_MODELS = {
 MODEL_ALIASES = {"default": "smollm2-135m", "smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
 
 LEAN_ARCHITECTURES = {"llama", "qwen2", "mistral"}
+WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,8 +181,10 @@ class LeanLlama:
         self.dtype = dtype
 
     @classmethod
-    def from_hf(cls, hf_model, small_q_max: int = 4, kernel_max_q: int = 128) -> LeanLlama:
-        from .linear import DenseLinear
+    def from_hf(cls, hf_model, small_q_max: int = 4, kernel_max_q: int = 128, weights: str = "fp32") -> LeanLlama:
+        """From an HF model; ``weights`` 'bf16' or 'int8' (Q8_0: int8 with an fp16 scale per 32 weights) store its
+        linear weights that way -- a different model, which every method then reproduces exactly."""
+        from .linear import FORMAT_IDS, DenseLinear, PackedLinear, quantize
 
         cfg = hf_model.config
         n_heads = cfg.num_attention_heads
@@ -191,12 +194,17 @@ class LeanLlama:
         # The skinny kernel reads each weight once however many rows there are and computes every row exactly as
         # alone; fp32 only. Longer prefills stay on MKL all the same.
         native = None
-        if dtype == torch.float32 and kernel_max_q > 0:
+        if dtype == torch.float32 and (kernel_max_q > 0 or weights != "fp32"):
             from .kernels import load_native
 
             native = load_native()
+        packed_format = {"bf16": "BF16", "int8": "Q8_0"}.get(weights)
+        if packed_format is not None and (native is None or dtype != torch.float32):
+            raise UsageError(f"--weights {weights} needs fp32 activations and the native kernels")
 
         def dense(w):
+            if packed_format is not None:
+                return PackedLinear(quantize(w, packed_format), FORMAT_IDS[packed_format], w.shape[1], native=native)
             return DenseLinear(w.detach(), native=native, kernel_max_q=kernel_max_q, small_q_max=small_q_max)
 
         layers = []
@@ -228,7 +236,8 @@ class LeanLlama:
             hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps,
             embed=embed, head=head, norm=inner.norm.weight.detach(), layers=layers,
             cos=cos[0].contiguous(), sin=sin[0].contiguous(),
-            matmul_kernel=f"skinny-{native.isa}" if native is not None else "mkl", dtype=dtype,
+            matmul_kernel=(f"quant-{native.isa} ({packed_format})" if packed_format else
+                           f"skinny-{native.isa}" if native is not None else "mkl"), dtype=dtype,
         )
 
     @classmethod
@@ -447,7 +456,8 @@ class TargetModel:
     """A loaded causal LM: tokenizer, the forward backend the decoders use, and (for peers, training and the HF
     backend) the HF model -- made on first use when the target was built straight from a GGUF file."""
 
-    def __init__(self, name: str, hf_model, tokenizer, backend: str = "auto", small_q_max: int = 4):
+    def __init__(self, name: str, hf_model, tokenizer, backend: str = "auto", small_q_max: int = 4,
+                 weights: str = "fp32"):
         self.name = name
         self._hf_model = hf_model.eval()
         self._hf_loader = None
@@ -462,7 +472,10 @@ class TargetModel:
         if backend not in ("lean", "hf"):
             raise UsageError(f"unknown backend '{backend}' (use auto, lean or hf)")
         self.backend_name = backend
-        self.backend = LeanLlama.from_hf(hf_model, small_q_max) if backend == "lean" else HFForward(hf_model)
+        if weights != "fp32" and backend != "lean":
+            raise UsageError(f"--weights {weights} needs the lean backend")
+        self.backend = (LeanLlama.from_hf(hf_model, small_q_max, weights=weights) if backend == "lean"
+                        else HFForward(hf_model))
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         self.max_context = self.backend.max_positions
         self.eos_token_ids = _eos_ids(hf_model, tokenizer)
@@ -484,6 +497,11 @@ class TargetModel:
         eos = {gguf_model.metadata.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)}
         self.eos_token_ids = {int(e) for e in eos if e is not None}
         return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype of the forward the decoders use."""
+        return self.backend.dtype if self.backend_name == "lean" else self.hf_model.dtype
 
     @property
     def hf_model(self):
@@ -678,15 +696,23 @@ def load(
     dtype=torch.float32,
     threads: int | None = None,
     small_q_max: int = 4,
-    packed: bool = True,
+    weights: str = "auto",
 ) -> TargetModel:
     """Load a model by alias (default ``smollm2-135m``), local HF folder, or ``.gguf`` path.
 
-    A Llama-family GGUF file runs on the lean forward straight from its packed quantised weights (``packed``, the
-    default, when the native kernels are available). Its HF model, for peers and training, is made on first use
-    by dequantising the file once into a cached safetensors folder under ``$FASTFORWARD_CACHE`` (default
-    ``~/.cache/fastforward``); ``packed=False`` or ``backend='hf'`` run that dequantised fp32 model instead.
+    ``weights``: how the linear weights are stored and multiplied.
+
+    * ``auto`` -- a Llama-family GGUF file runs straight from its packed quantised blocks (when the native kernels
+      are available); an HF folder in fp32.
+    * ``fp32`` -- the GGUF file dequantised (the same model as ``auto``, more bytes per step).
+    * ``bf16`` / ``int8`` -- HF folders only: weights rounded to bfloat16, or int8 with one fp16 scale per 32
+      weights (Q8_0). Opt-in and *a different model*: every method reproduces that model exactly, not the fp32 one.
+
+    A GGUF file's HF model, for peers and training, is made on first use by dequantising the file once into a cached
+    safetensors folder under ``$FASTFORWARD_CACHE`` (default ``~/.cache/fastforward``).
     """
+    if weights not in WEIGHT_CHOICES:
+        raise UsageError(f"unknown --weights '{weights}' (use {', '.join(WEIGHT_CHOICES)})")
     if threads is not None:
         if threads < 1:
             raise UsageError("threads must be >= 1")
@@ -694,8 +720,12 @@ def load(
     kind, path = resolve_model(name)
     if kind == "hf":
         model, tokenizer = load_hf(path, dtype)
-        return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max)
-    if packed and backend in ("auto", "lean") and dtype == torch.float32:
+        return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max,
+                           weights="fp32" if weights == "auto" else weights)
+    if weights in ("bf16", "int8"):
+        raise UsageError(f"--weights {weights} is for Hugging Face folders; a GGUF file runs its own quantised weights "
+                         "(--weights auto) or their fp32 values (--weights fp32)")
+    if weights == "auto" and backend in ("auto", "lean") and dtype == torch.float32:
         from .gguf_file import UnsupportedGGUF, read_gguf
         from .kernels import load_native
 

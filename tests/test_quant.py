@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import fastforward as ff
 from fastforward import kernels
-from fastforward.linear import PACKED_FORMATS, PackedLinear, dequantize
+from fastforward.linear import FORMAT_IDS, PACKED_FORMATS, PackedLinear, dequantize, quantize
 from fastforward.model import TargetModel
 from fastforward.testing import TinyTokenizer, tiny_gguf_target
 
@@ -23,6 +23,8 @@ def random_blocks(fmt: int, n_out: int, n_in: int, seed: int = 0) -> torch.Tenso
     """Random packed rows of a format: random quants and sub-scales, sane fp16 block scales."""
     _, qk, nb = PACKED_FORMATS[fmt]
     rng = np.random.default_rng(seed)
+    if fmt == FORMAT_IDS["BF16"]:
+        return quantize(torch.from_numpy(rng.normal(0, 0.1, size=(n_out, n_in)).astype(np.float32)), "BF16")
     raw = rng.integers(0, 256, size=(n_out, n_in // qk, nb), dtype=np.uint8)
     scales = rng.uniform(-0.05, 0.05, size=(n_out, n_in // qk, len(SCALE_OFFSETS[fmt]))).astype(np.float16)
     for j, off in enumerate(SCALE_OFFSETS[fmt]):
@@ -133,9 +135,35 @@ def test_every_method_equals_ar_on_the_packed_path(tiny_packed, prompt, max_new,
     assert ff.generate(packed, prompt, method, max_new_tokens=max_new).token_ids == ar
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_opt_in_weight_formats_for_hf_models_are_reproduced_exactly(tmp_path, weights):
+    """--weights bf16/int8 on an HF folder: a different model (weights rounded), close to fp32, and every method
+    reproduces it exactly."""
+    from fastforward.testing import tiny_hf_folder
+
+    folder = tiny_hf_folder(tmp_path / "m")
+    fp32 = ff.load(str(folder))
+    target = ff.load(str(folder), weights=weights)
+    assert target.backend.matmul_kernel.startswith("quant-")
+    ids = torch.tensor([5, 9, 33, 17, 2, 41, 8])
+    a = fp32.forward(ids, torch.arange(7), fp32.new_cache(16)).logits
+    b = target.forward(ids, torch.arange(7), target.new_cache(16)).logits
+    assert 0 < (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+    ar = ff.generate(target, ids.tolist(), "ar", max_new_tokens=24).token_ids
+    for method in ("pld", "lookahead", "jacobi"):
+        assert ff.generate(target, ids.tolist(), method, max_new_tokens=24).token_ids == ar
+
+
+def test_weight_choices_are_checked(tmp_path):
+    from fastforward.errors import UsageError
+
+    with pytest.raises(UsageError, match="unknown --weights"):
+        ff.load("smollm2-135m", weights="int4")
+
+
 @pytest.mark.slow
 def test_default_model_packed_matches_dequantised_fp32(default_model):
-    fp32 = ff.load(packed=False)
+    fp32 = ff.load(weights="fp32")
     assert default_model.backend.matmul_kernel.startswith("quant-")
     assert default_model.backend.weight_bytes < 110e6  # the file's packed size (96 MB), not fp32's 538 MB
     prompt = torch.tensor(default_model.encode("Write a short story about a robot who learns to paint."))

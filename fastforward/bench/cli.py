@@ -40,6 +40,8 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="alias, local HF folder or .gguf file (default: %(default)s)")
     p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"], help="target forward (default: auto)")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8"],
+                   help="weight storage (see fastforward generate --help; default: auto)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads, fixed for the run and recorded (default: torch's choice, recorded)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="(default: %(default)s)")
@@ -81,6 +83,8 @@ def canonical_command(args, specs, peers) -> str:
     parts += ["--model", args.model]
     if args.backend != "auto":
         parts += ["--backend", args.backend]
+    if getattr(args, "weights", "auto") != "auto":
+        parts += ["--weights", args.weights]
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
     parts += ["--max-new-tokens", str(args.max_new_tokens), "--temperature", f"{args.temperature:g}",
@@ -160,7 +164,8 @@ def run(args, name: str) -> int:
 
     import fastforward as ff
 
-    target = ff.load(args.model, backend=args.backend, threads=args.threads)
+    target = ff.load(args.model, backend=args.backend, threads=args.threads,
+                     weights=getattr(args, "weights", "auto"))
     command = canonical_command(args, [s for s in specs if s.kind == "method"], [s for s in specs if s.kind == "peer"])
     print(f"fastforward bench: {len(questions)} questions x {len(specs)} methods x {args.repeats} repeat(s) "
           f"-> {out_dir / 'results.jsonl'}", file=sys.stderr)

@@ -340,7 +340,8 @@ def run_bench(
     parameters = {
         "model": target.name,
         "backend": target.backend_name,
-        "dtype": str(target.hf_model.dtype).replace("torch.", ""),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "matmul": getattr(target.backend, "matmul_kernel", "hf"),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,

@@ -7,13 +7,16 @@
 // dequantised fp32 model, up to the order of summation, while memory carries the file's 4.5-8.5 bits per weight.
 //
 // Numerics, the same for every M (row m of quant_mm(x) is bitwise equal to quant_mm(x[m:m+1])):
-//   every output element has one vector accumulator of kLanes lanes; it takes fma(x[k + lane], w[k + lane], acc)
-//   for k = 0, kLanes, 2 kLanes, ... in order, and its lanes are then reduced by a fixed tree (Isa::hsum).
+//   every output element is summed in chunks of kChunk = 128 weights (blocked summation, which keeps the rounding
+//   error near a BLAS's): per chunk one vector accumulator of kLanes lanes starts at 0 and takes
+//   fma(x[k + lane], w[k + lane], acc) for k = chunk start, + kLanes, ... in order; the chunk's vector is added to
+//   the running total of the earlier chunks; at the end the total's lanes are reduced by a fixed tree (Isa::hsum).
 //   Tiling over rows and columns, threading and the choice between decoding in registers (one or two rows) or
 //   into an L1 scratch (more rows) never change that arithmetic.
 //
 // Formats (QK = weights per block, bytes per block): Q4_0 (32, 18), Q4_1 (32, 20), Q8_0 (32, 34),
-// Q4_K (256, 144), Q6_K (256, 210). Any other GGUF type is dequantised at load by the Python side.
+// Q4_K (256, 144), Q6_K (256, 210), and BF16 (32, 64). Any other GGUF type is dequantised at load by the Python
+// side.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -35,7 +38,7 @@ using ff::Reg;
 constexpr int kSlots = 32 / kLanes;  // vectors per 32-weight block
 
 // GGML type ids (gguf.GGMLQuantizationType).
-enum Fmt : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum Fmt : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30 };
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -56,6 +59,10 @@ inline IReg isub(IReg a, int v) { return _mm512_sub_epi32(a, _mm512_set1_epi32(v
 inline IReg ior(IReg a, IReg b) { return _mm512_or_si512(a, b); }
 inline IReg isll(IReg a, int n) { return _mm512_slli_epi32(a, n); }
 inline Reg tofloat(IReg a) { return _mm512_cvtepi32_ps(a); }
+inline Reg bf16_to_float(const uint8_t* p) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
 #else
 using IReg = __m256i;
 inline IReg widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
@@ -66,6 +73,10 @@ inline IReg isub(IReg a, int v) { return _mm256_sub_epi32(a, _mm256_set1_epi32(v
 inline IReg ior(IReg a, IReg b) { return _mm256_or_si256(a, b); }
 inline IReg isll(IReg a, int n) { return _mm256_slli_epi32(a, n); }
 inline Reg tofloat(IReg a) { return _mm256_cvtepi32_ps(a); }
+inline Reg bf16_to_float(const uint8_t* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
 #endif
 
 // The 4-bit values of 32 weights whose low nibbles are elements 0..15 of 16 bytes and high nibbles 16..31
@@ -184,43 +195,70 @@ struct Decoder<kQ6_K> {
   }
 };
 
+// BF16: plain bfloat16 weights (the upper halves of fp32s), read 32 at a time.
+template <>
+struct Decoder<kBF16> {
+  static constexpr int64_t kQK = 32, kBytes = 64;
+  static inline void decode(const uint8_t* row, int64_t b, Reg w[kSlots]) {
+    const uint8_t* blk = row + b * kBytes;
+    for (int s = 0; s < kSlots; ++s) w[s] = bf16_to_float(blk + s * kLanes * 2);
+  }
+};
+
+constexpr int64_t kChunk = 128;  // weights per partial sum (blocked summation), a multiple of 32
+
 // Rows [0, MR) of x times weight rows [0, NR) (row r at wrows[r]), decoded in registers block by block.
 template <int F, int MR, int NR>
 inline void direct_tile(const float* x, int64_t K, const uint8_t* const* wrows, float* out, int64_t N, int64_t n) {
   using D = Decoder<F>;
-  Reg acc[MR][NR];
+  Reg tot[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = Isa::zero();
-  const int64_t blocks = K / 32;
-  for (int64_t b = 0; b < blocks; ++b) {
-    Reg w[NR][kSlots];
-    for (int r = 0; r < NR; ++r) D::decode(wrows[r], b, w[r]);
-    for (int s = 0; s < kSlots; ++s)
-      for (int i = 0; i < MR; ++i) {
-        const Reg xv = Isa::load(x + i * K + b * 32 + s * kLanes);
-        for (int r = 0; r < NR; ++r) acc[i][r] = Isa::fma(xv, w[r][s], acc[i][r]);
-      }
+    for (int r = 0; r < NR; ++r) tot[i][r] = Isa::zero();
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    Reg acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) acc[i][r] = Isa::zero();
+    const int64_t b1 = std::min(K, k0 + kChunk) / 32;
+    for (int64_t b = k0 / 32; b < b1; ++b) {
+      Reg w[NR][kSlots];
+      for (int r = 0; r < NR; ++r) D::decode(wrows[r], b, w[r]);
+      for (int s = 0; s < kSlots; ++s)
+        for (int i = 0; i < MR; ++i) {
+          const Reg xv = Isa::load(x + i * K + b * 32 + s * kLanes);
+          for (int r = 0; r < NR; ++r) acc[i][r] = Isa::fma(xv, w[r][s], acc[i][r]);
+        }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) tot[i][r] = Isa::add(tot[i][r], acc[i][r]);
   }
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) out[i * N + n + r] = Isa::hsum(acc[i][r]);
+    for (int r = 0; r < NR; ++r) out[i * N + n + r] = Isa::hsum(tot[i][r]);
 }
 
 // Rows [0, MR) of x times NR weight rows already decoded into `wf` (NR x K floats, row r at wf + r * K).
 template <int MR, int NR>
 inline void scratch_tile(const float* x, int64_t K, const float* wf, float* out, int64_t N, int64_t n) {
-  Reg acc[MR][NR];
+  Reg tot[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = Isa::zero();
-  for (int64_t k = 0; k < K; k += kLanes) {
-    Reg w[NR];
-    for (int r = 0; r < NR; ++r) w[r] = Isa::load(wf + r * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const Reg xv = Isa::load(x + i * K + k);
-      for (int r = 0; r < NR; ++r) acc[i][r] = Isa::fma(xv, w[r], acc[i][r]);
+    for (int r = 0; r < NR; ++r) tot[i][r] = Isa::zero();
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    Reg acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) acc[i][r] = Isa::zero();
+    const int64_t k1 = std::min(K, k0 + kChunk);
+    for (int64_t k = k0; k < k1; k += kLanes) {
+      Reg w[NR];
+      for (int r = 0; r < NR; ++r) w[r] = Isa::load(wf + r * K + k);
+      for (int i = 0; i < MR; ++i) {
+        const Reg xv = Isa::load(x + i * K + k);
+        for (int r = 0; r < NR; ++r) acc[i][r] = Isa::fma(xv, w[r], acc[i][r]);
+      }
     }
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) tot[i][r] = Isa::add(tot[i][r], acc[i][r]);
   }
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) out[i * N + n + r] = Isa::hsum(acc[i][r]);
+    for (int r = 0; r < NR; ++r) out[i * N + n + r] = Isa::hsum(tot[i][r]);
 }
 
 #if defined(FF_ISA_AVX512)
@@ -307,7 +345,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_byt
 
 int64_t block_size(int fmt) {
   switch (fmt) {
-    case kQ4_0: case kQ4_1: case kQ8_0: return 32;
+    case kQ4_0: case kQ4_1: case kQ8_0: case kBF16: return 32;
     case kQ4_K: case kQ6_K: return 256;
     default: return 0;
   }
@@ -320,6 +358,7 @@ int64_t block_bytes(int fmt) {
     case kQ8_0: return Decoder<kQ8_0>::kBytes;
     case kQ4_K: return Decoder<kQ4_K>::kBytes;
     case kQ6_K: return Decoder<kQ6_K>::kBytes;
+    case kBF16: return Decoder<kBF16>::kBytes;
     default: return 0;
   }
 }
@@ -342,6 +381,7 @@ void dispatch(int fmt, Fn&& fn) {
     case kQ8_0: fn(std::integral_constant<int, kQ8_0>{}); break;
     case kQ4_K: fn(std::integral_constant<int, kQ4_K>{}); break;
     case kQ6_K: fn(std::integral_constant<int, kQ6_K>{}); break;
+    case kBF16: fn(std::integral_constant<int, kBF16>{}); break;
     default: TORCH_CHECK(false, "unsupported GGML type ", fmt);
   }
 }
