@@ -53,6 +53,9 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method (default: 1)")
     p.add_argument("--out", default="bench-results", metavar="DIR", help="output folder (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="re-measure what DIR/results.jsonl already holds")
+    p.add_argument("--compare-ar", default=None, metavar="DIR",
+                   help="after the run, compare its AR outputs with those of an earlier run in DIR (another commit, "
+                        "--weights or machine): identical questions, and each first divergence with its logit gap")
     p.add_argument("--report-only", action="store_true",
                    help="only regenerate summary.json, report.md and plots from DIR/results.jsonl")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -135,6 +138,8 @@ def run(args, name: str) -> int:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.compare_ar and not (Path(args.compare_ar) / "results.jsonl").is_file():
+        raise UsageError(f"--compare-ar: no results.jsonl in {args.compare_ar}")
     from ..proposers import available_methods
 
     methods = []
@@ -174,4 +179,11 @@ def run(args, name: str) -> int:
               progress=not args.no_progress, command=command, report=False)
     summary = write_report(out_dir, require_results(out_dir))
     _print_overall(summary, out_dir)
+    if args.compare_ar:
+        from .compare import compare_ar, write_comparison
+
+        result = compare_ar(target, questions, out_dir, Path(args.compare_ar))
+        path = write_comparison(result, out_dir, Path(args.compare_ar))
+        print(f"AR outputs vs {args.compare_ar}: {result['identical']}/{result['questions']} questions identical "
+              f"({path})", file=sys.stderr)
     return 0

@@ -1,0 +1,700 @@
+// The non-matmul work of a Llama decoder layer in a few native calls: rms_norm, add_rms_norm (residual add fused
+// with the next norm), silu_mul, and attention (RoPE, KV-cache write, GQA attention over a prefix plus a tree of
+// new tokens).
+//
+// exp: every exp here (softmax, SiLU) is exp8 below, a deterministic vector function: x clamped to [-104, 89]
+// (NaN passes through), n = round-to-nearest(x * log2(e)), r = x - n*ln2_hi - n*ln2_lo (Cody-Waite, two fused
+// multiply-adds), e^r by Cephes' degree-7 polynomial (expf's coefficients, Horner with fused multiply-adds), then
+// two exact scalings by 2^(n>>1) and 2^(n - (n>>1)) so that results underflow to subnormals / overflow to inf
+// correctly. Within ~2 ulp of the correctly rounded e^x (tests/test_layer_ops.py measures it).
+//
+// attention: order of operations. Everything below depends only on the query row, its position, and the
+// sequence of keys/values it sees -- never on q, on the other rows, on where the prefix ends or on threads:
+//   1. RoPE (serial): for every new token i and every q and k head, out[e] = x[e]*cos[pos][e] + rh[e]*sin[pos][e]
+//      with rh = cat(-x[d/2:], x[:d/2]): two rounded products, one rounded sum (as torch computes it). The rotated
+//      k and the raw v of token i go to k_cache[:, start+i], v_cache[:, start+i].
+//   2. The keys row i sees form its list: slots 0..start-1, then start+j for every j with visible[i][j], in
+//      ascending order (L_i entries). The list is cut into chunks of kChunk (64) consecutive list positions.
+//   3. Per (row i, head h, chunk c):
+//      a. score of list position t: acc = Σ over d in steps of one vector, ascending, fma(q, k, acc) (masked
+//         tail), then the vector's lanes are summed by a fixed tree (fold to 8 lanes -- AVX-512 adds lane l and
+//         l+8 -- then ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))), then multiplied by scale = 1/sqrt(d) (float).
+//      b. m_c = max of the chunk's scores (exact, order-free).
+//      c. p_t = exp8(s_t - m_c); l_c = 8 lane sums (lane = t mod 8, t ascending), reduced by the same 8-lane tree.
+//      d. o_c[e] = Σ_t p_t * v_t[e], t ascending, one fma per term, starting from 0.
+//   4. Per (row i, head h), over its ceil(L_i / 64) chunks in ascending order: M = max_c m_c; w_c = exp8(m_c - M);
+//      den = Σ_c w_c * l_c (rounded product, then rounded sum, from 0); num[e] = Σ_c fma(w_c, o_c[e], num[e]) from
+//      0; out[e] = num[e] / den. A row that sees no key at all gets zeros.
+// A chunk's members are fixed by list positions, so row i computed among q tokens and row i computed alone on a
+// cache that holds its visible keys at slots 0..L_i-1 run exactly the same arithmetic: bitwise equal outputs.
+// Work split: step 3 runs as tasks (kv head, chunk) over at::parallel_for; a task does every row's queries of the
+// group, tiled (two queries x four keys, or one x eight) over the keys all rows share (list positions < start)
+// and per row over its own new keys. Tiling and threading change neither the arithmetic of any (query, key)
+// pair nor the order of any accumulation. Step 4 runs per (row, head) over at::parallel_for. Steps 3-4 run
+// for blocks of 64 rows at a time (long prefills), which does not matter to any row either.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "isa.h"
+
+namespace {
+
+using ff::Isa;
+using ff::kLanes;
+using ff::Reg;
+
+// ---- 8-lane helpers (AVX2 + FMA are enabled in both builds) ---------------------------------------------------
+
+inline __m256 exp8(__m256 x) {
+  // max/min return their second operand when either is NaN: NaN propagates.
+  x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  const __m256i ni = _mm256_cvtps_epi32(n);  // in [-150, 128]
+  const __m256i n1 = _mm256_srai_epi32(ni, 1);
+  const __m256i n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
+}
+
+inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
+
+// Lane j of the result: the 8 lanes of a[j] summed as ((0+1)+(2+3)) + ((4+5)+(6+7)). Lanes are independent.
+inline __m256 reduce8(const __m256 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The same tree for one vector.
+inline float hsum8(__m256 v) {
+  const __m256 t = _mm256_hadd_ps(v, v);
+  const __m256 u = _mm256_hadd_ps(t, t);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+
+inline __m256 max8(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
+
+inline __m256 first8(int n) {  // lanes < n all-ones
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+// A full-width vector folded to 8 lanes (AVX-512: lane l + lane l+8).
+#if defined(FF_ISA_AVX512)
+inline __m256 fold8(Reg a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+inline Reg vdiv(Reg a, Reg b) { return _mm512_div_ps(a, b); }
+#else
+inline __m256 fold8(Reg a) { return a; }
+inline Reg vdiv(Reg a, Reg b) { return _mm256_div_ps(a, b); }
+#endif
+
+// ---- argument checks --------------------------------------------------------------------------------------------
+
+void check_f32(const at::Tensor& t, const char* fn, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), fn, ": ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, fn, ": ", name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, fn, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
+}
+
+// ---- rms_norm / add_rms_norm -----------------------------------------------------------------------------------
+
+// y = w * (x * (1 / sqrt(mean(x^2) + eps))) per row; the sum of squares by one vector fma chain over ascending
+// columns (masked tail), lanes by the fixed tree.
+inline void rms_row(const float* x, const float* w, float* y, int64_t D, float eps) {
+  const int64_t full = D / kLanes * kLanes;
+  Reg acc = Isa::zero();
+  for (int64_t e = 0; e < full; e += kLanes) {
+    const Reg v = Isa::load(x + e);
+    acc = Isa::fma(v, v, acc);
+  }
+  const int rest = static_cast<int>(D - full);
+  if (rest) {
+    const Reg v = Isa::load(x + full, Isa::mask(rest));
+    acc = Isa::fma(v, v, acc);
+  }
+  const float mean = hsum8(fold8(acc)) / static_cast<float>(D);
+  const float r = 1.0f / std::sqrt(mean + eps);
+  const Reg vr = Isa::set1(r);
+  for (int64_t e = 0; e < full; e += kLanes)
+    Isa::store(y + e, Isa::mul(Isa::load(w + e), Isa::mul(Isa::load(x + e), vr)));
+  if (rest) {
+    const auto m = Isa::mask(rest);
+    Isa::store(y + full, Isa::mul(Isa::load(w + full, m), Isa::mul(Isa::load(x + full, m), vr)), m);
+  }
+}
+
+int64_t row_grain(int64_t D) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, D)); }
+
+void check_norm(const at::Tensor& x, const at::Tensor& w, const char* fn) {
+  check_f32(x, fn, "x", 2);
+  check_f32(w, fn, "w", 1);
+  TORCH_CHECK(w.size(0) == x.size(1), fn, ": w has ", w.size(0), " elements, x has ", x.size(1), " columns");
+  TORCH_CHECK(x.size(1) > 0, fn, ": x has no columns");
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  check_norm(x_in, w_in, "rms_norm");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t Q = x.size(0), D = x.size(1);
+  at::Tensor y = at::empty({Q, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, Q, row_grain(D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * D, wp, yp + r * D, D, e);
+  });
+  return y;
+}
+
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta_in, const at::Tensor& w_in, double eps) {
+  check_norm(x, w_in, "add_rms_norm");
+  TORCH_CHECK(x.is_contiguous(), "add_rms_norm: x is updated in place and must be contiguous");
+  check_f32(delta_in, "add_rms_norm", "delta", 2);
+  TORCH_CHECK(delta_in.sizes() == x.sizes(), "add_rms_norm: delta has shape ", delta_in.sizes(), ", x has ",
+              x.sizes());
+  const at::Tensor delta = delta_in.contiguous(), w = w_in.contiguous();
+  const int64_t Q = x.size(0), D = x.size(1);
+  at::Tensor y = at::empty({Q, D}, x.options());
+  float* xp = x.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  const int64_t full = D / kLanes * kLanes;
+  const int rest = static_cast<int>(D - full);
+  at::parallel_for(0, Q, row_grain(D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* xr = xp + r * D;
+      const float* dr = dp + r * D;
+      for (int64_t c = 0; c < full; c += kLanes) Isa::store(xr + c, Isa::add(Isa::load(xr + c), Isa::load(dr + c)));
+      if (rest) {
+        const auto m = Isa::mask(rest);
+        Isa::store(xr + full, Isa::add(Isa::load(xr + full, m), Isa::load(dr + full, m)), m);
+      }
+      rms_row(xr, wp, yp + r * D, D, e);
+    }
+  });
+  return y;
+}
+
+// ---- silu_mul ----------------------------------------------------------------------------------------------------
+
+// silu(g) * u with silu(g) = g / (1 + exp8(-g)), 8 lanes at a time, masked tail.
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 neg = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(neg))), u);
+}
+
+at::Tensor silu_mul(const at::Tensor& gu_in) {
+  check_f32(gu_in, "silu_mul", "gu", 2);
+  TORCH_CHECK(gu_in.size(1) % 2 == 0, "silu_mul: gu must have an even number of columns [gate | up], got ",
+              gu_in.size(1));
+  const at::Tensor gu = gu_in.contiguous();
+  const int64_t Q = gu.size(0), I = gu.size(1) / 2;
+  at::Tensor out = at::empty({Q, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t full = I / 8 * 8;
+  const int rest = static_cast<int>(I - full);
+  at::parallel_for(0, Q, row_grain(I * 4), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gp + r * 2 * I;
+      const float* u = g + I;
+      float* o = op + r * I;
+      for (int64_t c = 0; c < full; c += 8)
+        _mm256_storeu_ps(o + c, silu_mul8(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
+      if (rest) {
+        const __m256i m = _mm256_castps_si256(first8(rest));
+        _mm256_maskstore_ps(o + full, m, silu_mul8(_mm256_maskload_ps(g + full, m), _mm256_maskload_ps(u + full, m)));
+      }
+    }
+  });
+  return out;
+}
+
+// ---- attention ---------------------------------------------------------------------------------------------------
+
+constexpr int kChunk = 64;           // list positions per partial softmax (a multiple of 8)
+constexpr int kStride = kChunk + 8;  // a score row, with room for a whole 8-wide store past its last key
+constexpr int64_t kRowBlock = 64;   // rows per pass of steps 3-4
+
+// The dot products of step 3a before scaling. All tile shapes run, for every (query, key) pair, the same
+// arithmetic: one vector accumulator, fma over d ascending (masked tail), fold8, the reduce8 tree.
+// Two queries x four keys: lanes [qa.k0 .. qa.k3, qb.k0 .. qb.k3].
+template <int64_t DC>
+inline __m256 dot_2x4(const float* qa, const float* qb, const float* const* k, int64_t d_) {
+  const int64_t d = DC ? DC : d_;
+  Reg acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = Isa::zero();
+  const int64_t full = d / kLanes * kLanes;
+  for (int64_t e = 0; e < full; e += kLanes) {
+    const Reg a = Isa::load(qa + e), b = Isa::load(qb + e);
+    for (int j = 0; j < 4; ++j) {
+      const Reg kv = Isa::load(k[j] + e);
+      acc[j] = Isa::fma(a, kv, acc[j]);
+      acc[4 + j] = Isa::fma(b, kv, acc[4 + j]);
+    }
+  }
+  if (full < d) {
+    const auto m = Isa::mask(static_cast<int>(d - full));
+    const Reg a = Isa::load(qa + full, m), b = Isa::load(qb + full, m);
+    for (int j = 0; j < 4; ++j) {
+      const Reg kv = Isa::load(k[j] + full, m);
+      acc[j] = Isa::fma(a, kv, acc[j]);
+      acc[4 + j] = Isa::fma(b, kv, acc[4 + j]);
+    }
+  }
+  __m256 f[8];
+  for (int j = 0; j < 8; ++j) f[j] = fold8(acc[j]);
+  return reduce8(f);
+}
+
+// One query x eight keys.
+template <int64_t DC>
+inline __m256 dot_1x8(const float* q, const float* const* k, int64_t d_) {
+  const int64_t d = DC ? DC : d_;
+  Reg acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = Isa::zero();
+  const int64_t full = d / kLanes * kLanes;
+  for (int64_t e = 0; e < full; e += kLanes) {
+    const Reg qv = Isa::load(q + e);
+    for (int j = 0; j < 8; ++j) acc[j] = Isa::fma(qv, Isa::load(k[j] + e), acc[j]);
+  }
+  if (full < d) {
+    const auto m = Isa::mask(static_cast<int>(d - full));
+    const Reg qv = Isa::load(q + full, m);
+    for (int j = 0; j < 8; ++j) acc[j] = Isa::fma(qv, Isa::load(k[j] + full, m), acc[j]);
+  }
+  __m256 f[8];
+  for (int j = 0; j < 8; ++j) f[j] = fold8(acc[j]);
+  return reduce8(f);
+}
+
+// Scaled scores of queries qs[0..nq) against keys k[0..n) into S[j * kStride + off + t]. k must hold 8 valid
+// pointers past n (padding; their scores land past the segment and are overwritten or ignored). DC: d known at
+// compile time (0: at run time) -- the same operations, only the loops unrolled.
+template <int64_t DC>
+inline void scores_t(const float* const* qs, int nq, const float* const* k, int n, int64_t d, float scale, float* S,
+                     int off) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  int j = 0;
+  for (; j + 2 <= nq; j += 2) {
+    float* sa = S + j * kStride + off;
+    float* sb = sa + kStride;
+    for (int t = 0; t < n; t += 4) {
+      const __m256 r = _mm256_mul_ps(dot_2x4<DC>(qs[j], qs[j + 1], k + t, d), vs);
+      _mm_storeu_ps(sa + t, _mm256_castps256_ps128(r));
+      _mm_storeu_ps(sb + t, _mm256_extractf128_ps(r, 1));
+    }
+  }
+  if (j < nq) {
+    float* sa = S + j * kStride + off;
+    for (int t = 0; t < n; t += 8) _mm256_storeu_ps(sa + t, _mm256_mul_ps(dot_1x8<DC>(qs[j], k + t, d), vs));
+  }
+}
+
+inline void scores(const float* const* qs, int nq, const float* const* k, int n, int64_t d, float scale, float* S,
+                   int off) {
+  if (d == 64)
+    scores_t<64>(qs, nq, k, n, d, scale, S, off);
+  else if (d == 128)
+    scores_t<128>(qs, nq, k, n, d, scale, S, off);
+  else
+    scores_t<0>(qs, nq, k, n, d, scale, S, off);
+}
+
+// Steps 3b-3c on one score row of n entries: p in place, returns m and l.
+inline void softmax_row(float* s, int n, float* m_out, float* l_out) {
+  const int full = n / 8 * 8, rest = n - full;
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 tail = first8(rest);
+  __m256 mx = ninf;
+  for (int b = 0; b < full; b += 8) mx = max8(mx, _mm256_loadu_ps(s + b));
+  if (rest) mx = max8(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + full), tail));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 lsum = _mm256_setzero_ps();
+  for (int b = 0; b < full; b += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + b), vm));
+    _mm256_storeu_ps(s + b, p);
+    lsum = _mm256_add_ps(lsum, p);
+  }
+  if (rest) {
+    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + full), vm)), tail);
+    _mm256_storeu_ps(s + full, p);
+    lsum = _mm256_add_ps(lsum, p);
+  }
+  *m_out = m;
+  *l_out = hsum8(lsum);
+}
+
+// Step 3d for two queries: o[e] = fma(p[t], v[t][e], o[e]) over t ascending, from 0 (init) or from o's values,
+// for the NR vectors at e0.
+template <int NR>
+inline void pv_2(const float* pa, const float* pb, const float* const* v, int n, int64_t e0, float* oa, float* ob,
+                 bool init) {
+  Reg a[NR], b[NR];
+  for (int r = 0; r < NR; ++r) {
+    a[r] = init ? Isa::zero() : Isa::load(oa + e0 + r * kLanes);
+    b[r] = init ? Isa::zero() : Isa::load(ob + e0 + r * kLanes);
+  }
+  for (int t = 0; t < n; ++t) {
+    const Reg wa = Isa::bcast(pa + t), wb = Isa::bcast(pb + t);
+    const float* vt = v[t] + e0;
+    for (int r = 0; r < NR; ++r) {
+      const Reg vv = Isa::load(vt + r * kLanes);
+      a[r] = Isa::fma(wa, vv, a[r]);
+      b[r] = Isa::fma(wb, vv, b[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    Isa::store(oa + e0 + r * kLanes, a[r]);
+    Isa::store(ob + e0 + r * kLanes, b[r]);
+  }
+}
+
+template <int NR>
+inline void pv_1(const float* p, const float* const* v, int n, int64_t e0, float* o, bool init) {
+  Reg a[NR];
+  for (int r = 0; r < NR; ++r) a[r] = init ? Isa::zero() : Isa::load(o + e0 + r * kLanes);
+  for (int t = 0; t < n; ++t) {
+    const Reg w = Isa::bcast(p + t);
+    const float* vt = v[t] + e0;
+    for (int r = 0; r < NR; ++r) a[r] = Isa::fma(w, Isa::load(vt + r * kLanes), a[r]);
+  }
+  for (int r = 0; r < NR; ++r) Isa::store(o + e0 + r * kLanes, a[r]);
+}
+
+// The masked last partial vector of d (d % kLanes != 0), one query.
+inline void pv_tail(const float* p, const float* const* v, int n, int64_t e0, int rest, float* o, bool init) {
+  const auto m = Isa::mask(rest);
+  Reg a = init ? Isa::zero() : Isa::load(o + e0, m);
+  for (int t = 0; t < n; ++t) a = Isa::fma(Isa::bcast(p + t), Isa::load(v[t] + e0, m), a);
+  Isa::store(o + e0, a, m);
+}
+
+// Step 3d for queries j < nq with probabilities ps[j][0..n) and outputs os[j][0..d).
+inline void pv_queries(const float* const* ps, float* const* os, int nq, const float* const* v, int n, int64_t d,
+                       bool init) {
+  const int64_t full = d / kLanes * kLanes;
+  const int rest = static_cast<int>(d - full);
+  int j = 0;
+  for (; j + 2 <= nq; j += 2) {
+    int64_t e = 0;
+    for (; e + 4 * kLanes <= full; e += 4 * kLanes) pv_2<4>(ps[j], ps[j + 1], v, n, e, os[j], os[j + 1], init);
+    if (e + 2 * kLanes <= full) { pv_2<2>(ps[j], ps[j + 1], v, n, e, os[j], os[j + 1], init); e += 2 * kLanes; }
+    if (e + kLanes <= full) { pv_2<1>(ps[j], ps[j + 1], v, n, e, os[j], os[j + 1], init); e += kLanes; }
+    if (rest) {
+      pv_tail(ps[j], v, n, full, rest, os[j], init);
+      pv_tail(ps[j + 1], v, n, full, rest, os[j + 1], init);
+    }
+  }
+  if (j < nq) {
+    int64_t e = 0;
+    for (; e + 8 * kLanes <= full; e += 8 * kLanes) pv_1<8>(ps[j], v, n, e, os[j], init);
+    if (e + 4 * kLanes <= full) { pv_1<4>(ps[j], v, n, e, os[j], init); e += 4 * kLanes; }
+    if (e + 2 * kLanes <= full) { pv_1<2>(ps[j], v, n, e, os[j], init); e += 2 * kLanes; }
+    if (e + kLanes <= full) { pv_1<1>(ps[j], v, n, e, os[j], init); e += kLanes; }
+    if (rest) pv_tail(ps[j], v, n, full, rest, os[j], init);
+  }
+}
+
+// Step 4 for one (row, head): nc >= 1 chunks' partials -> out[d] (out doubles as the accumulator).
+inline void combine(const float* m, const float* l, const float* o, int64_t nc, int64_t d, float* out) {
+  float M = m[0];
+  for (int64_t c = 1; c < nc; ++c) M = std::max(M, m[c]);
+  const int64_t full = d / kLanes * kLanes;
+  const int rest = static_cast<int>(d - full);
+  std::fill(out, out + d, 0.0f);
+  float den = 0.0f;
+  for (int64_t c = 0; c < nc; ++c) {
+    const float w = exp1(m[c] - M);
+    const float t = w * l[c];
+    den = den + t;
+    const Reg vw = Isa::set1(w);
+    const float* oc = o + c * d;
+    for (int64_t e = 0; e < full; e += kLanes) Isa::store(out + e, Isa::fma(vw, Isa::load(oc + e), Isa::load(out + e)));
+    if (rest) {
+      const auto mk = Isa::mask(rest);
+      Isa::store(out + full, Isa::fma(vw, Isa::load(oc + full, mk), Isa::load(out + full, mk)), mk);
+    }
+  }
+  const Reg vden = Isa::set1(den);
+  for (int64_t e = 0; e < full; e += kLanes) Isa::store(out + e, vdiv(Isa::load(out + e), vden));
+  if (rest) {
+    const auto mk = Isa::mask(rest);
+    Isa::store(out + full, vdiv(Isa::load(out + full, mk), vden), mk);
+  }
+}
+
+// Steps 3 and 4 for rows [i0, i1): rotated queries qr [Q, nh, d], the caches already written; out [Q, nh * d].
+void attend_rows(const float* qr, const float* kc, const float* vc, int64_t cap, int64_t d, int64_t nh, int64_t nkv,
+                 int64_t start, const int64_t* vis_off, const int64_t* vis_idx, int64_t i0, int64_t i1, float scale,
+                 float* op) {
+  const int64_t G = nh / nkv, Q = i1 - i0;
+  // Step 3: partials per (row, head, chunk); tasks are (kv head, chunk), each doing all rows and the group's heads.
+  int64_t max_len = 0, work = 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t len = start + vis_off[i + 1] - vis_off[i];
+    max_len = std::max(max_len, len);
+    work += len;
+  }
+  const int64_t NC = (max_len + kChunk - 1) / kChunk;
+  if (NC == 0) {
+    std::fill(op + i0 * nh * d, op + i1 * nh * d, 0.0f);
+    return;
+  }
+  // Partials (m, l, o) per (row - i0, head, chunk); uninitialised, only chunks a row has are written and read.
+  std::unique_ptr<float[]> pm(new float[Q * nh * NC]), pl(new float[Q * nh * NC]), po(new float[Q * nh * NC * d]);
+  const int64_t tasks = nkv * NC;
+  // Under ~100k multiply-adds a fork costs more than it saves (the split never changes the results).
+  const int64_t grain = work * nh * d < (int64_t{1} << 17) ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    // Per task: the chunk's keys are the same for every row up to `start` (the shared part: slots p0.. in
+    // order, so every row's queries are tiled together there) and the row's own visible new tokens after.
+    // Tiling never changes the per-(query, key) arithmetic, nor the t-order of any accumulation.
+    thread_local std::vector<float> S;
+    thread_local std::vector<const float*> qs, ps, rk, rv;
+    thread_local std::vector<float*> os;
+    thread_local std::vector<int64_t> rows;
+    thread_local std::vector<int> rn;
+    const float* sk[kChunk + 8];
+    const float* sv[kChunk + 8];
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t g = task / NC, c = task % NC, p0 = c * kChunk;
+      const float* kg = kc + g * cap * d;
+      const float* vg = vc + g * cap * d;
+      rows.clear();
+      rn.clear();
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t len = start + vis_off[i + 1] - vis_off[i];
+        if (len > p0) {
+          rows.push_back(i);
+          rn.push_back(static_cast<int>(std::min<int64_t>(kChunk, len - p0)));
+        }
+      }
+      const int nr = static_cast<int>(rows.size()), nq = nr * static_cast<int>(G);
+      if (nq == 0) continue;
+      if (static_cast<int>(S.size()) < nq * kStride) S.resize(static_cast<size_t>(nq) * kStride);
+      qs.resize(nq);
+      ps.resize(nq);
+      os.resize(nq);
+      rk.resize(static_cast<size_t>(nr) * (kChunk + 8));
+      rv.resize(rk.size());
+      for (int a = 0; a < nr; ++a)
+        for (int64_t hh = 0; hh < G; ++hh) {
+          const int64_t h = g * G + hh, r = (rows[a] - i0) * nh + h;
+          const int j = a * static_cast<int>(G) + static_cast<int>(hh);
+          qs[j] = qr + (rows[a] * nh + h) * d;
+          ps[j] = S.data() + static_cast<int64_t>(j) * kStride;
+          os[j] = po.get() + (r * NC + c) * d;
+        }
+      const int nsh = static_cast<int>(std::clamp<int64_t>(start - p0, 0, kChunk));
+      if (nsh > 0) {
+        for (int t = 0; t < nsh + 8; ++t) {
+          const int64_t slot = p0 + std::min(t, nsh - 1);
+          sk[t] = kg + slot * d;
+          sv[t] = vg + slot * d;
+        }
+        scores(qs.data(), nq, sk, nsh, d, scale, S.data(), 0);
+      }
+      for (int a = 0; a < nr; ++a) {
+        const int n_own = rn[a] - nsh;
+        if (n_own <= 0) continue;
+        const float** k = rk.data() + static_cast<size_t>(a) * (kChunk + 8);
+        const float** v = rv.data() + static_cast<size_t>(a) * (kChunk + 8);
+        const int64_t* idx = vis_idx + vis_off[rows[a]] + (p0 + nsh - start);
+        for (int t = 0; t < n_own + 8; ++t) {
+          const int64_t slot = start + idx[std::min(t, n_own - 1)];
+          k[t] = kg + slot * d;
+          v[t] = vg + slot * d;
+        }
+        scores(qs.data() + a * G, static_cast<int>(G), k, n_own, d, scale, S.data() + a * G * kStride, nsh);
+      }
+      for (int a = 0; a < nr; ++a)
+        for (int64_t hh = 0; hh < G; ++hh) {
+          const int j = a * static_cast<int>(G) + static_cast<int>(hh);
+          const int64_t r = ((rows[a] - i0) * nh + g * G + hh) * NC + c;
+          softmax_row(S.data() + static_cast<int64_t>(j) * kStride, rn[a], &pm[r], &pl[r]);
+        }
+      if (nsh > 0) pv_queries(ps.data(), os.data(), nq, sv, nsh, d, true);
+      for (int a = 0; a < nr; ++a) {
+        const int n_own = rn[a] - nsh;
+        if (n_own <= 0) continue;
+        const float* pa[64];
+        const int gq = static_cast<int>(G);
+        for (int hh = 0; hh < gq; hh += 64) {
+          const int cnt = std::min(64, gq - hh);
+          for (int u = 0; u < cnt; ++u) pa[u] = ps[a * gq + hh + u] + nsh;
+          pv_queries(pa, os.data() + a * gq + hh, cnt, rv.data() + static_cast<size_t>(a) * (kChunk + 8), n_own, d,
+                     nsh == 0);
+        }
+      }
+    }
+  });
+
+  // Step 4: combine the chunks of every (row, head).
+  const int64_t grain2 = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, NC * d));
+  at::parallel_for(0, Q * nh, grain2, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = i0 + r / nh, h = r % nh;
+      const int64_t len = start + vis_off[i + 1] - vis_off[i];
+      const int64_t nc = (len + kChunk - 1) / kChunk;
+      float* o = op + i * nh * d + h * d;
+      if (nc == 0) {
+        std::fill(o, o + d, 0.0f);
+        continue;
+      }
+      combine(&pm[r * NC], &pl[r * NC], &po[r * NC * d], nc, d, o);
+    }
+  });
+}
+
+at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& positions_in, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,
+                     const std::optional<at::Tensor>& visible_in, int64_t n_heads, int64_t n_kv_heads) {
+  const char* fn = "attention";
+  TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, fn,
+              ": n_heads must be a positive multiple of n_kv_heads, got n_heads=", n_heads,
+              " n_kv_heads=", n_kv_heads);
+  check_f32(k_cache, fn, "k_cache", 3);
+  check_f32(v_cache, fn, "v_cache", 3);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), fn, ": k_cache ", k_cache.sizes(), " and v_cache ",
+              v_cache.sizes(), " differ in shape");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), fn,
+              ": k_cache and v_cache are written in place and must be contiguous [n_kv_heads, capacity, head_dim]");
+  TORCH_CHECK(!k_cache.is_same(v_cache), fn, ": k_cache and v_cache are the same tensor");
+  const int64_t nh = n_heads, nkv = n_kv_heads;
+  TORCH_CHECK(k_cache.size(0) == nkv, fn, ": k_cache has ", k_cache.size(0), " heads, n_kv_heads is ", nkv);
+  const int64_t cap = k_cache.size(1), d = k_cache.size(2);
+  TORCH_CHECK(d > 0 && d % 2 == 0, fn, ": head_dim (k_cache.size(2)) must be even and positive, got ", d);
+  check_f32(qkv, fn, "qkv", 2);
+  TORCH_CHECK(qkv.is_contiguous(), fn, ": qkv must be contiguous");
+  TORCH_CHECK(qkv.size(1) == (nh + 2 * nkv) * d, fn, ": qkv has ", qkv.size(1),
+              " columns, expected (n_heads + 2 * n_kv_heads) * head_dim = ", (nh + 2 * nkv) * d);
+  const int64_t Q = qkv.size(0);
+  check_f32(cos, fn, "cos", 2);
+  check_f32(sin, fn, "sin", 2);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), fn, ": cos and sin must be contiguous");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == d, fn, ": cos ", cos.sizes(), " and sin ", sin.sizes(),
+              " must both be [max_positions, head_dim=", d, "]");
+  TORCH_CHECK(positions_in.device().is_cpu() && positions_in.scalar_type() == at::kLong && positions_in.dim() == 1 &&
+                  positions_in.size(0) == Q,
+              fn, ": positions must be a 1-D int64 CPU tensor of ", Q, " entries, got ", positions_in.scalar_type(),
+              " of shape ", positions_in.sizes());
+  TORCH_CHECK(start >= 0 && start + Q <= cap, fn, ": slots [", start, ", ", start + Q,
+              ") do not fit a cache of capacity ", cap);
+  const at::Tensor positions = positions_in.contiguous();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t P = cos.size(0);
+  for (int64_t i = 0; i < Q; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < P, fn, ": position ", pos[i], " outside the RoPE tables [0, ", P, ")");
+  at::Tensor visible;
+  if (visible_in.has_value() && visible_in->defined()) {
+    const at::Tensor& vis = *visible_in;
+    TORCH_CHECK(vis.device().is_cpu() && vis.scalar_type() == at::kBool && vis.dim() == 2 && vis.size(0) == Q &&
+                    vis.size(1) == Q,
+                fn, ": visible must be a bool CPU tensor [q, q] = [", Q, ", ", Q, "], got ", vis.scalar_type(),
+                " of shape ", vis.sizes());
+    visible = vis.contiguous();
+  }
+  at::Tensor out = at::empty({Q, nh * d}, qkv.options());
+  if (Q == 0) return out;
+
+  // The new part of each row's list (step 2): vis_idx[vis_off[i] .. vis_off[i+1]) = the j it sees, ascending.
+  std::vector<int64_t> vis_off(Q + 1, 0), vis_idx;
+  vis_idx.reserve(visible.defined() ? Q * 4 : Q * (Q + 1) / 2);
+  const bool* vp = visible.defined() ? visible.data_ptr<bool>() : nullptr;
+  for (int64_t i = 0; i < Q; ++i) {
+    for (int64_t j = 0; j < Q; ++j)
+      if (vp ? vp[i * Q + j] : j <= i) vis_idx.push_back(j);
+    vis_off[i + 1] = static_cast<int64_t>(vis_idx.size());
+  }
+
+  // Step 1: RoPE; k and v into the cache, rotated queries into qr [Q, nh, d].
+  const float* x = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  std::unique_ptr<float[]> qr(new float[Q * nh * d]);  // uninitialised: every element is written
+  const int64_t half = d / 2, width = (nh + 2 * nkv) * d;
+  auto rope = [&](const float* src, const float* c, const float* s, float* dst) {
+    for (int64_t e = 0; e < half; ++e) {
+      const float a = src[e] * c[e];
+      const float b = -src[e + half] * s[e];
+      dst[e] = a + b;
+    }
+    for (int64_t e = half; e < d; ++e) {
+      const float a = src[e] * c[e];
+      const float b = src[e - half] * s[e];
+      dst[e] = a + b;
+    }
+  };
+  for (int64_t i = 0; i < Q; ++i) {
+    const float* row = x + i * width;
+    const float* c = cp + pos[i] * d;
+    const float* s = sp + pos[i] * d;
+    for (int64_t h = 0; h < nh; ++h) rope(row + h * d, c, s, qr.get() + (i * nh + h) * d);
+    for (int64_t g = 0; g < nkv; ++g) {
+      const int64_t slot = (g * cap + start + i) * d;
+      rope(row + (nh + g) * d, c, s, kc + slot);
+      std::copy(row + (nh + nkv + g) * d, row + (nh + nkv + g + 1) * d, vc + slot);
+    }
+  }
+
+  // Steps 3 and 4 for blocks of at most kRowBlock rows (bounding the partials' memory in long prefills).
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  float* op = out.data_ptr<float>();
+  for (int64_t i0 = 0; i0 < Q; i0 += kRowBlock) {
+    const int64_t i1 = std::min(Q, i0 + kRowBlock);
+    attend_rows(qr.get(), kc, vc, cap, d, nh, nkv, start, vis_off.data(), vis_idx.data(), i0, i1, scale, op);
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_layer_ops(pybind11::module& m) {
+  m.def("rms_norm", &rms_norm, "y = w * (x / sqrt(mean(x^2, -1) + eps)) per row of x [q, D] (fp32)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"));
+  m.def("add_rms_norm", &add_rms_norm, "x += delta (in place), then return rms_norm(x, w, eps)", pybind11::arg("x"),
+        pybind11::arg("delta"), pybind11::arg("w"), pybind11::arg("eps"));
+  m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:] for gu [q, 2I] (fp32)", pybind11::arg("gu"));
+  m.def("attention", &attention,
+        "RoPE, KV-cache write and GQA attention of q new tokens over a prefix of `start` cached tokens plus the new "
+        "tokens each sees (visible [q, q] bool, None = causal); returns [q, n_heads * head_dim]. Row i is bitwise "
+        "what row i alone gives on a cache holding exactly its visible keys in order.",
+        pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("start"), pybind11::arg("visible"),
+        pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"));
+}
