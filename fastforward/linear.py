@@ -127,16 +127,46 @@ def quantize(w: torch.Tensor, format_name: str) -> torch.Tensor:
     return torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType[format_name]))
 
 
+class StackedLinear:
+    """Weights sharing an input but stored differently (a mixed-format GGUF such as Q4_K_M keeps attn_v in Q6_K
+    beside a Q4_K attn_q): each part multiplied on its own, the outputs concatenated in order."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def dense(self) -> torch.Tensor:
+        return torch.cat([p.dense() for p in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def format_names(linear) -> set[str]:
+    """The storage formats a linear multiplies ('Q4_1', 'F32', ...)."""
+    if isinstance(linear, StackedLinear):
+        return set().union(*(format_names(p) for p in linear.parts))
+    return {getattr(linear, "format_name", "F32")}
+
+
 def concat_linears(parts: list) -> object:
-    """Fuse weights sharing an input into one (outputs concatenated in order): packed when they share a format,
-    else dense fp32."""
+    """One linear for weights sharing an input (q|k|v, gate|up), outputs in order: packed rows concatenated when the
+    parts share a format, else a :class:`StackedLinear` of the parts."""
     if all(isinstance(p, PackedLinear) for p in parts):
         fused = PackedLinear.concat(parts)
         if fused is not None:
             return fused
-    first = parts[0]
-    native = getattr(first, "native", None) or (None if getattr(first, "skinny", None) is None else _native())
-    return DenseLinear(torch.cat([p.dense() for p in parts]), native=native)
+    if all(isinstance(p, DenseLinear) for p in parts):
+        first = parts[0]
+        native = None if first.skinny is None else _native()
+        return DenseLinear(torch.cat([p.dense() for p in parts]), native=native, kernel_max_q=first.kernel_max_q,
+                           small_q_max=first.small_q_max)
+    return StackedLinear(parts)
 
 
 def _native():

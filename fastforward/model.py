@@ -252,7 +252,7 @@ class LeanLlama:
     def from_gguf(cls, model, native) -> LeanLlama:
         """From a :class:`~fastforward.gguf_file.GGUFModel`: quantised weights stay packed (``native`` given)."""
         from .gguf_file import linear_from_tensor, unpermute_rows, vector
-        from .linear import concat_linears
+        from .linear import concat_linears, format_names
 
         hp, t = model.hparams, model.tensors
         if hp["rope_scaling"] not in ("none", ""):
@@ -287,8 +287,8 @@ class LeanLlama:
         embed = lin("token_embd.weight")
         head = lin("output.weight") if "output.weight" in t else embed  # tied: the embedding, packed
         cos, sin = rope_tables(hp["head_dim"], hp["rope_theta"], hp["max_positions"])
-        kinds = sorted({getattr(x, "format_name", "f32") for layer in layers for x in (layer.qkv, layer.down)}
-                       | {getattr(head, "format_name", "f32")})
+        kinds = sorted(set().union(*(format_names(x) for layer in layers for x in (layer.qkv, layer.o, layer.gate_up,
+                                                                            layer.down)), format_names(head)))
         return cls(
             n_heads=hp["n_heads"], n_kv_heads=hp["n_kv_heads"], head_dim=hp["head_dim"],
             hidden_size=hp["hidden_size"], intermediate_size=hp["intermediate_size"], eps=hp["eps"],

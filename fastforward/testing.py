@@ -115,10 +115,11 @@ def tiny_hf_folder(path, *, max_positions=512, seed=0, hidden_size=64, layers=2,
 
 def write_tiny_gguf(path, *, vocab_size=96, hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128,
                     max_positions=512, seed=0, init_std=0.3, linear_type="Q4_1", embed_type="Q8_0",
-                    tied=True, rope_theta=10000.0, eps=1e-5):
+                    tied=True, rope_theta=10000.0, eps=1e-5, types=None):
     """Write a tiny random Llama GGUF file as llama.cpp's converter lays one out (quantised linears, Q/K rows
-    permuted for interleaved RoPE, tied or separate output head). Returns the HF-order fp32 weights the file
-    dequantises to (a dict of HF state-dict names), so tests can build the reference model."""
+    permuted for interleaved RoPE, tied or separate output head; ``types`` maps a tensor kind such as ``attn_v`` to
+    its own format, as mixed files like Q4_K_M do). Returns the HF-order fp32 weights the file dequantises to (a dict
+    of HF state-dict names), so tests can build the reference model."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
@@ -141,6 +142,9 @@ def write_tiny_gguf(path, *, vocab_size=96, hidden_size=64, layers=2, heads=4, k
     state = {}
 
     def quantised(name, hf_name, out_f, in_f, qtype, permute=None):
+        kind = name.split(".")[-2]
+        if types and kind in types:
+            qtype = GGMLQuantizationType[types[kind]]
         w = (torch.randn(out_f, in_f, generator=g) * init_std).numpy().astype(np.float32)
         data = quants.quantize(w, qtype)
         deq = torch.from_numpy(quants.dequantize(data, qtype).reshape(out_f, in_f).astype(np.float32))

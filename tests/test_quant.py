@@ -123,6 +123,22 @@ def test_tiny_gguf_weights_equal_the_dequantised_state(tmp_path):
     assert packed.backend.head is not packed.backend.embed
 
 
+def test_mixed_format_layers_stay_packed(tmp_path):
+    """A Q4_K_M-style file (attn_v and ffn_down in another format than their neighbours): each part stays packed
+    and the forward matches the dequantised fp32 model."""
+    from fastforward.linear import StackedLinear
+
+    packed, hf = tiny_gguf_target(tmp_path / "mixed.gguf", types={"attn_v": "Q8_0", "ffn_up": "Q4_0"})
+    fp32 = TargetModel("fp32", hf, TinyTokenizer(hf.config.vocab_size), backend="lean")
+    layer = packed.backend.layers[0]
+    assert isinstance(layer.qkv, StackedLinear) and isinstance(layer.gate_up, StackedLinear)
+    assert all(isinstance(p, PackedLinear) for p in layer.qkv.parts + layer.gate_up.parts)
+    ids = torch.tensor([3, 17, 42, 8, 91, 5])
+    a = packed.forward(ids, torch.arange(6), packed.new_cache(8)).logits
+    b = fp32.forward(ids, torch.arange(6), fp32.new_cache(8)).logits
+    assert (a - b).abs().max().item() < 1e-4
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     prompt=st.lists(st.integers(0, 95), min_size=1, max_size=20),
