@@ -388,40 +388,36 @@ class LeanLlama:
             x = self._rms(x, self.norm)
         return ForwardOutput(self.head(x), hidden)
 
-
-def _forward_native(self, ids, positions, cache, tree_mask, hidden_layers, last_only):
-    """The forward in native layer ops: per layer RMSNorm (fused with the residual add), qkv, attention (RoPE, KV
-    write, tree attention), o, RMSNorm, gate|up, SiLU*mul, down."""
-    ops, eps, start = self.ops, self.eps, cache.length
-    positions = positions.to(torch.long)
-    visible = None if tree_mask is None else tree_mask.to(torch.bool).contiguous()
-    wanted = set(hidden_layers)
-    hidden = {}
-    x = self.embed.rows(ids)  # [q, hidden], the residual stream (updated in place by add_rms_norm)
-    h = ops.rms_norm(x, self.layers[0].in_norm, eps)
-    for i, layer in enumerate(self.layers):
-        qkv = layer.qkv(h)  # [q, (nh + 2 nkv) d]
-        if layer.bqkv is not None:
-            qkv = qkv + layer.bqkv
-        o = ops.attention(qkv, self.cos, self.sin, positions, cache.k[i], cache.v[i], start, visible,
-                          self.n_heads, self.n_kv_heads)  # [q, nh d]
-        o = layer.o(o)
-        if layer.bo is not None:
-            o = o + layer.bo
-        h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output
-        down = layer.down(ops.silu_mul(layer.gate_up(h)))
-        last = i + 1 == len(self.layers)
-        h = ops.add_rms_norm(x, down, self.norm if last else self.layers[i + 1].in_norm, eps)  # x += mlp output
-        if i in wanted:
-            hidden[i] = x.clone()
-    if -1 in wanted:  # the final normed states of every new token, like the other layers' (and HF's)
-        hidden[-1] = h.clone()
-    if last_only:
-        h = h[-1:]
-    return ForwardOutput(self.head(h.contiguous()), hidden)
-
-
-LeanLlama._forward_native = _forward_native
+    def _forward_native(self, ids, positions, cache, tree_mask, hidden_layers, last_only):
+        """The forward in native layer ops: per layer RMSNorm (fused with the residual add), qkv, attention (RoPE, KV
+        write, tree attention), o, RMSNorm, gate|up, SiLU*mul, down."""
+        ops, eps, start = self.ops, self.eps, cache.length
+        positions = positions.to(torch.long)
+        visible = None if tree_mask is None else tree_mask.to(torch.bool).contiguous()
+        wanted = set(hidden_layers)
+        hidden = {}
+        x = self.embed.rows(ids)  # [q, hidden], the residual stream (updated in place by add_rms_norm)
+        h = ops.rms_norm(x, self.layers[0].in_norm, eps)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(h)  # [q, (nh + 2 nkv) d]
+            if layer.bqkv is not None:
+                qkv = qkv + layer.bqkv
+            o = ops.attention(qkv, self.cos, self.sin, positions, cache.k[i], cache.v[i], start, visible,
+                              self.n_heads, self.n_kv_heads)  # [q, nh d]
+            o = layer.o(o)
+            if layer.bo is not None:
+                o = o + layer.bo
+            h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output
+            down = layer.down(ops.silu_mul(layer.gate_up(h)))
+            last = i + 1 == len(self.layers)
+            h = ops.add_rms_norm(x, down, self.norm if last else self.layers[i + 1].in_norm, eps)  # x += mlp output
+            if i in wanted:
+                hidden[i] = x.clone()
+        if -1 in wanted:  # the final normed states of every new token, like the other layers' (and HF's)
+            hidden[-1] = h.clone()
+        if last_only:
+            h = h[-1:]
+        return ForwardOutput(self.head(h.contiguous()), hidden)
 
 
 class HFForward:
