@@ -55,7 +55,7 @@ class CostCurve:
 
 
 def _curve_path(target):
-    from .model import cache_root
+    from .paths import costs_dir
 
     backend = target.backend
     kernel = getattr(backend, "matmul_kernel", "mkl") if target.backend_name == "lean" else "hf"
@@ -63,7 +63,7 @@ def _curve_path(target):
         str(x) for x in (target.name, target.backend_name, kernel, torch.get_num_threads(), torch.__version__)
     )
     safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in key)
-    return cache_root() / "costs" / f"{safe}.json"
+    return costs_dir() / f"{safe}.json"
 
 
 def machine_cost_curve(target, refresh: bool = False) -> CostCurve:

@@ -208,7 +208,7 @@ def run_program(program: str, timeout: float = 10.0) -> tuple[bool, str]:
 
 
 def _task_file(task: str, data: str | None) -> Path:
-    from .train.data import data_root
+    from .paths import data_root
 
     path = Path(data).expanduser() if data else data_root() / DEFAULT_FILES[task]
     if not path.is_file():

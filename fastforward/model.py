@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ModelNotFoundError, UsageError
+from .paths import cache_root
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -621,10 +622,6 @@ def _eos_ids(hf_model, tokenizer) -> set[int]:
 # ----------------------------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FASTFORWARD_CACHE", Path.home() / ".cache" / "fastforward"))
 
 
 def packaged_gguf(alias: str) -> Path:

@@ -120,12 +120,12 @@ def load_native():
             return None
         flags = BASE_FLAGS + ISA_FLAGS[isa]
         try:
-            from ..model import cache_root
+            from ..paths import default_cache_root, kernels_dir
 
             name, digest = _build_id(isa, flags)
-            directory = cache_root() / "kernels" / digest
+            directory = kernels_dir() / digest
             # A build in the default cache serves too (the digest pins it to this CPU, source and torch).
-            default = Path.home() / ".cache" / "fastforward" / "kernels" / digest
+            default = default_cache_root() / "kernels" / digest
             failed = directory / "FAILED"
             module = _import_built(name, directory) or _import_built(name, default)
             if module is None and failed.is_file():

@@ -75,9 +75,9 @@ def model_key(name: str) -> str:
 
 def installed_tree_path(model_name: str) -> Path:
     """Where ``fastforward build-tree`` installs a model's machine-sized tree (the default ``tree`` of tr-jacobi)."""
-    from ..model import cache_root
+    from ..paths import trees_dir
 
-    return cache_root() / "trees" / f"{model_key(model_name)}.json"
+    return trees_dir() / f"{model_key(model_name)}.json"
 
 
 def read_tree(spec) -> tuple[list[list[int]], dict]:

@@ -21,25 +21,17 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from ..paths import data_root  # noqa: F401  (re-exported for older imports)
 
 DEFAULT_HELDOUT = 0.05
 
 _CALC_ANNOTATION = re.compile(r"<<[^<>]*>>")
-
-
-def data_root() -> Path:
-    """Where the shared data sets live: ``$FASTFORWARD_DATA``, else ``shared/data`` beside the repository."""
-    env = os.environ.get("FASTFORWARD_DATA")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 @dataclass(frozen=True)
