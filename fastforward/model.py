@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ModelNotFoundError, UsageError
+from .linear import DenseLinear
 from .paths import cache_root
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -101,14 +102,23 @@ class HFDynamicKVCache:
     def _layers(self):
         return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", True)]
 
+    @torch.inference_mode()  # the layers' tensors are inference tensors (written by HFForward.forward)
     def keep(self, indices) -> None:
+        """Commit the pending entries at ``indices`` (relative to ``length``, ascending): written in place at slots
+        ``length .. length+n-1``, then the rest dropped by narrowing; the committed prefix is never copied."""
         idx = torch.as_tensor(indices, dtype=torch.long)
         n = idx.numel()
+        end = self.length + n
+        in_place = int((idx == torch.arange(n)).cumprod(0).sum())  # a leading run 0,1,2,... is already there
+        src = idx[in_place:] + self.length
+        dst = torch.arange(self.length + in_place, end)
         for layer in self._layers():
             for name in ("keys", "values"):
                 t = getattr(layer, name)
-                setattr(layer, name, torch.cat([t[..., : self.length, :], t[..., self.length + idx, :]], dim=-2))
-        self.length += n
+                if src.numel():
+                    t.index_copy_(t.dim() - 2, dst, t.index_select(t.dim() - 2, src))
+                setattr(layer, name, t.narrow(-2, 0, end))
+        self.length = end
 
     def crop(self, n: int) -> None:
         if not 0 <= n <= self.length:
@@ -131,6 +141,21 @@ class HFDynamicKVCache:
 class ForwardOutput:
     logits: torch.Tensor  # [q, vocab] (or [1, vocab] when only the last row was asked for)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> [q, hidden]
+
+
+@dataclass
+class ForwardRequest:
+    """One sequence's part of a target forward: q new tokens at their positions, written into ``cache`` after its
+    committed entries, seeing the whole committed prefix and each other per ``tree_mask`` ([q, q], None = causal)."""
+
+    ids: torch.Tensor  # [q] int64
+    positions: torch.Tensor  # [q] int64, absolute
+    cache: object  # the sequence's KV cache (StaticKVCache / HFDynamicKVCache)
+    tree_mask: torch.Tensor | None = None  # [q, q] bool
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
 
 
 def _full_mask(q: int, prefix: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
@@ -193,7 +218,7 @@ class LeanLlama:
     def from_hf(cls, hf_model, small_q_max: int = 4, kernel_max_q: int = 128, weights: str = "fp32") -> LeanLlama:
         """From an HF model; ``weights`` 'bf16' or 'int8' (Q8_0: int8 with an fp16 scale per 32 weights) store its
         linear weights that way -- a different model, which every method then reproduces exactly."""
-        from .linear import FORMAT_IDS, DenseLinear, PackedLinear, quantize
+        from .linear import FORMAT_IDS, PackedLinear, quantize
 
         cfg = hf_model.config
         n_heads = cfg.num_attention_heads
@@ -342,7 +367,8 @@ class LeanLlama:
         if end > cache.capacity:
             raise UsageError(f"KV cache capacity {cache.capacity} exceeded ({end} tokens)")
         if self.ops is not None:
-            return self._forward_native(ids, positions, cache, tree_mask, hidden_layers, last_only)
+            return self._forward_native([ForwardRequest(ids, positions, cache, tree_mask)], hidden_layers,
+                                        last_only)[0]
         nh, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         x = self.embed.rows(ids)
         cos = self.cos[positions].unsqueeze(0)  # [1, q, d]
@@ -389,23 +415,50 @@ class LeanLlama:
             x = self._rms(x, self.norm)
         return ForwardOutput(self.head(x), hidden)
 
-    def _forward_native(self, ids, positions, cache, tree_mask, hidden_layers, last_only):
+    def batch_rows_limit(self) -> int:
+        """Up to how many rows one forward may carry with every row still computed exactly as alone: packed
+        weights any number, dense fp32 weights as many as the skinny kernel takes (MKL beyond is not row-exact)."""
+        dense = [lin for lin in self._linears() if isinstance(lin, DenseLinear)]
+        return min((lin.kernel_max_q for lin in dense if lin.skinny is not None), default=1 << 30) if \
+            all(lin.skinny is not None for lin in dense) else 0
+
+    def forward_many(self, requests: list[ForwardRequest], hidden_layers=()) -> list[ForwardOutput]:
+        """Several sequences' new tokens in one forward: the weight matmuls run over all rows at once, attention
+        per sequence over its own cache. Each sequence's output is bitwise what :meth:`forward` gives it alone
+        (with the native layer ops and row-exact matmuls; otherwise the sequences run one by one)."""
+        total = sum(r.size for r in requests)
+        if len(requests) == 1 or self.ops is None or total > self.batch_rows_limit():
+            return [self.forward(r.ids, r.positions, r.cache, r.tree_mask, hidden_layers) for r in requests]
+        for r in requests:
+            if r.cache.length + r.size > r.cache.capacity:
+                raise UsageError(f"KV cache capacity {r.cache.capacity} exceeded ({r.cache.length + r.size} tokens)")
+        return self._forward_native(requests, hidden_layers, last_only=False)
+
+    def _forward_native(self, requests: list[ForwardRequest], hidden_layers, last_only):
         """The forward in native layer ops: per layer RMSNorm (fused with the residual add), qkv, attention (RoPE, KV
-        write, tree attention), o, RMSNorm, gate|up, SiLU*mul, down."""
-        ops, eps, start = self.ops, self.eps, cache.length
-        positions = positions.to(torch.long)
-        visible = None if tree_mask is None else tree_mask.to(torch.bool).contiguous()
+        write, tree attention; per sequence), o, RMSNorm, gate|up, SiLU*mul, down. Rows of all sequences are
+        stacked ([T, hidden], T = total new tokens) for the matmuls and the row-wise ops."""
+        ops, eps = self.ops, self.eps
+        bounds, row = [], 0
+        for r in requests:
+            bounds.append((row, row + r.size))
+            row += r.size
+        starts = [r.cache.length for r in requests]
+        positions = [r.positions.to(torch.long) for r in requests]
+        visible = [None if r.tree_mask is None else r.tree_mask.to(torch.bool).contiguous() for r in requests]
         wanted = set(hidden_layers)
         hidden = {}
-        x = self.embed.rows(ids)  # [q, hidden], the residual stream (updated in place by add_rms_norm)
+        ids = requests[0].ids if len(requests) == 1 else torch.cat([r.ids for r in requests])
+        x = self.embed.rows(ids)  # [T, hidden], the residual stream (updated in place by add_rms_norm)
         h = ops.rms_norm(x, self.layers[0].in_norm, eps)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h)  # [q, (nh + 2 nkv) d]
+            qkv = layer.qkv(h)  # [T, (nh + 2 nkv) d]
             if layer.bqkv is not None:
                 qkv = qkv + layer.bqkv
-            o = ops.attention(qkv, self.cos, self.sin, positions, cache.k[i], cache.v[i], start, visible,
-                              self.n_heads, self.n_kv_heads)  # [q, nh d]
-            o = layer.o(o)
+            parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
+                                   requests[j].cache.v[i], starts[j], visible[j], self.n_heads, self.n_kv_heads)
+                     for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]
+            o = layer.o(parts[0] if len(parts) == 1 else torch.cat(parts))
             if layer.bo is not None:
                 o = o + layer.bo
             h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output
@@ -418,7 +471,10 @@ class LeanLlama:
             hidden[-1] = h.clone()
         if last_only:
             h = h[-1:]
-        return ForwardOutput(self.head(h.contiguous()), hidden)
+        logits = self.head(h.contiguous())
+        if len(requests) == 1:
+            return [ForwardOutput(logits, hidden)]
+        return [ForwardOutput(logits[a:b], {k: v[a:b] for k, v in hidden.items()}) for a, b in bounds]
 
 
 class HFForward:
@@ -557,6 +613,19 @@ class TargetModel:
 
     def forward(self, ids, positions, cache, tree_mask=None, hidden_layers=(), last_only=False) -> ForwardOutput:
         return self.backend.forward(ids, positions, cache, tree_mask, hidden_layers, last_only)
+
+    def forward_many(self, requests: list[ForwardRequest], hidden_layers=()) -> list[ForwardOutput]:
+        """One forward over several sequences' new tokens (see :meth:`LeanLlama.forward_many`); backends that
+        cannot share a forward run the sequences one after another. Outputs in the order of ``requests``."""
+        many = getattr(self.backend, "forward_many", None)
+        if many is not None:
+            return many(requests, hidden_layers)
+        return [self.backend.forward(r.ids, r.positions, r.cache, r.tree_mask, hidden_layers) for r in requests]
+
+    def batch_rows_limit(self) -> int:
+        """Rows one shared forward may carry (0: the backend runs sequences one by one)."""
+        limit = getattr(self.backend, "batch_rows_limit", None)
+        return limit() if limit is not None else 0
 
     # Text ----------------------------------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = True, system: str | None = None) -> list[int]:
