@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import UsageError
-from .model import ForwardOutput, TargetModel
-from .tree import DraftTree
+from .model import ForwardOutput, ForwardRequest, TargetModel
+from .tree import DraftTree, TreeShape
+from .validation import check_max_new_tokens, check_stop
 from .verify import SamplingConfig, Verdict, next_token, verify
 
 
@@ -173,25 +174,12 @@ class GenerationResult:
         return self.stats.finish_reason
 
 
-def _validate(max_new_tokens, stop) -> list[str]:
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise UsageError("stop strings must be non-empty strings")
-    return stops
-
-
 def _fit(proposal: Proposal, room: int) -> Proposal:
     """Shrink a proposal that does not fit the remaining KV room: keep a prefix of tree nodes, drop aux tokens."""
     if proposal.size <= room:
         return proposal
     n = max(1, min(room, len(proposal.tree)))
     tree = proposal.tree
-    from .tree import TreeShape
-
     probs = None if tree.draft_probs is None else tree.draft_probs[:n]
     return Proposal(DraftTree(tree.tokens[:n], TreeShape(tree.shape.parents[:n]), probs))
 
@@ -205,32 +193,6 @@ def _full_mask(proposal: Proposal) -> torch.Tensor | None:
     mask[:n, :n] = tree.shape.ancestor_mask
     mask[n:] = proposal.aux_mask
     return mask
-
-
-def decode_steps(
-    target: TargetModel,
-    prompt_ids: list[int],
-    proposer: Proposer,
-    *,
-    max_new_tokens: int = 256,
-    sampling: SamplingConfig = SamplingConfig(),
-    seed: int | None = None,
-    stop: list[str] | str | None = None,
-    stats: GenerationStats | None = None,
-    on_prefill=None,
-) -> Iterator[list[int]]:
-    """Run the decode loop, yielding the list of newly emitted token ids after every target forward.
-
-    Statistics accumulate in ``stats`` (pass your own to read them while or after iterating). Bad arguments raise
-    here, before the first step, not when iteration starts.
-    """
-    stops = _validate(max_new_tokens, stop)
-    n_prompt = len(prompt_ids)
-    if n_prompt == 0:
-        raise UsageError("the prompt is empty")
-    if n_prompt >= target.max_context:
-        raise UsageError(f"the prompt has {n_prompt} tokens; the model's context is {target.max_context}")
-    return _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, stops, stats, on_prefill)
 
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward: bounded activations, and progress to report
@@ -256,46 +218,70 @@ def _prefill(target, prompt, cache, hidden_layers, on_prefill=None) -> ForwardOu
     return out
 
 
-def _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, stops, stats, on_prefill=None):
-    n_prompt = len(prompt_ids)
-    stats = stats if stats is not None else GenerationStats(proposer.name)
-    stats.prompt_tokens = n_prompt
-    t_start = time.perf_counter()
-    capacity = min(target.max_context, n_prompt + max_new_tokens + proposer.max_proposal_size() + 1)
-    cache = target.new_cache(capacity)
-    ids = torch.zeros(n_prompt + max_new_tokens + 1, dtype=torch.long)
-    ids[:n_prompt] = torch.as_tensor(prompt_ids, dtype=torch.long)
-    generator = None
-    if not sampling.greedy:
-        generator = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2**63))
-    state = DecodeState(
-        target, ids, n_prompt, n_prompt, sampling, random.Random(seed), generator, max_new_tokens
-    )
-    eos = target.eos_token_ids
-    emitted: list[int] = []
-    text_len_checked = 0
+class SequenceRun:
+    """One sequence being decoded: its token ids, KV cache, proposer, sampling RNG, stop conditions and stats.
 
-    def emit(tokens: list[int]) -> tuple[list[int], str]:
+    The engine drives it in three calls per step -- :meth:`propose` (the draft, fitted to the cache), a target
+    forward over :meth:`forward_request` (alone, or together with other sequences'), :meth:`complete` (verify,
+    keep the accepted path in the cache, emit, let the proposer observe) -- after one :meth:`prefill`. A run's
+    output does not depend on which other runs share its forwards: every row of a forward is computed as alone.
+    """
+
+    def __init__(self, target: TargetModel, prompt_ids: list[int], proposer: Proposer, *, max_new_tokens: int,
+                 sampling: SamplingConfig, seed: int | None, stops=(), stats: GenerationStats | None = None,
+                 on_prefill=None, observers=()):
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise UsageError("the prompt is empty")
+        if n_prompt >= target.max_context:
+            raise UsageError(f"the prompt has {n_prompt} tokens; the model's context is {target.max_context}")
+        self.target, self.proposer, self.sampling = target, proposer, sampling
+        self.max_new_tokens, self.stops, self.on_prefill = max_new_tokens, tuple(stops), on_prefill
+        self.observers = tuple(observers)
+        self.stats = stats if stats is not None else GenerationStats(proposer.name)
+        self.stats.prompt_tokens = n_prompt
+        self.prompt_ids = list(prompt_ids)
+        self.ids = torch.zeros(n_prompt + max_new_tokens + 1, dtype=torch.long)  # [prompt + generated + 1]
+        self.ids[:n_prompt] = torch.as_tensor(prompt_ids, dtype=torch.long)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2**63))
+        self.state = DecodeState(target, self.ids, n_prompt, n_prompt, sampling, random.Random(seed), generator,
+                                 max_new_tokens)
+        self.eos = target.eos_token_ids
+        self.emitted: list[int] = []
+        self.reason = ""
+        self.cache = None
+        self._text_len_checked = 0
+        self._proposal: Proposal | None = None
+        self._t_start = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.reason)
+
+    # -- emitting ----------------------------------------------------------------------------------------------
+    def _emit(self, tokens: list[int]) -> list[int]:
         """Append tokens, truncated exactly where one-token-at-a-time decoding would have stopped (EOS, the token
-        budget, a stop string, the context limit); return what was taken and a finish reason."""
-        nonlocal text_len_checked
+        budget, a stop string, the context limit); set the finish reason; return what was taken."""
+        state, target, stops = self.state, self.target, self.stops
         taken = []
         reason = ""
         for t in tokens:
             taken.append(t)
-            if t in eos:
+            if t in self.eos:
                 reason = "eos"
                 break
-            if len(emitted) + len(taken) >= max_new_tokens:
+            if len(self.emitted) + len(taken) >= self.max_new_tokens:
                 reason = "length"
                 break
             if state.length + len(taken) + 1 >= target.max_context:
                 break  # "context", unless a stop string ends here too (checked first, as AR would)
         if stops:
-            start = max(0, text_len_checked - max(len(s) for s in stops))
+            start = max(0, self._text_len_checked - max(len(s) for s in stops))
 
             def hit(toks) -> tuple[bool, str]:
-                text = target.decode(emitted + toks)
+                text = target.decode(self.emitted + toks)
                 return any(s in text[start:] for s in stops), text
 
             found, text = hit(taken)
@@ -305,46 +291,73 @@ def _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, 
                 if first < len(taken) or not reason:
                     taken = taken[:first]
                     reason = "stop"
-            text_len_checked = len(text)
-        emitted.extend(taken)
-        ids[state.length : state.length + len(taken)] = torch.tensor(taken)
+            self._text_len_checked = len(text)
+        self.emitted.extend(taken)
+        self.ids[state.length : state.length + len(taken)] = torch.tensor(taken, dtype=torch.long)
         state.length += len(taken)
         if not reason and state.length + 1 >= target.max_context:
             reason = "context"
-        return taken, reason
+        self.reason = reason
+        self.stats.new_tokens = len(self.emitted)
+        return taken
 
-    # Prefill: the prompt's KV, and the first token from its last position.
-    out = _prefill(target, ids[:n_prompt], cache, proposer.hidden_layers, on_prefill)
-    first = next_token(out.logits[-1], sampling, generator)
-    stats.target_forwards = 1
-    stats.prefill_time = time.perf_counter() - t_start
-    taken, reason = emit([first])
-    stats.accept_lengths.append(len(taken))
-    stats.new_tokens = len(emitted)
-    t0 = time.perf_counter()
-    proposer.start(state, out.logits, out.hidden)
-    stats.draft_time += time.perf_counter() - t0
-    yield taken
+    def _finish(self) -> None:
+        self.stats.finish_reason = self.reason
+        self.stats.wall_time = time.perf_counter() - self._t_start
+        self.stats.method_stats = self.proposer.stats()
+        self.cache = None  # free the KV memory as soon as the run ends
 
-    while not reason:
+    # -- the three steps -----------------------------------------------------------------------------------------
+    def prefill(self) -> list[int]:
+        """Read the prompt into a fresh KV cache and choose the first token; returns the emitted token(s)."""
+        target, stats, n_prompt = self.target, self.stats, self.state.prompt_length
+        self._t_start = time.perf_counter()
+        capacity = min(target.max_context, n_prompt + self.max_new_tokens + self.proposer.max_proposal_size() + 1)
+        self.cache = target.new_cache(capacity)
+        out = _prefill(target, self.ids[:n_prompt], self.cache, self.proposer.hidden_layers, self.on_prefill)
+        first = next_token(out.logits[-1], self.sampling, self.state.generator)
+        stats.target_forwards = 1
+        stats.prefill_time = time.perf_counter() - self._t_start
+        taken = self._emit([first])
+        stats.accept_lengths.append(len(taken))
         t0 = time.perf_counter()
-        proposal = proposer.propose(state) or Proposal(DraftTree.single(state.root))
+        self.proposer.start(self.state, out.logits, out.hidden)
+        stats.draft_time += time.perf_counter() - t0
+        if self.finished:
+            self._finish()
+        return taken
+
+    def propose(self) -> Proposal:
+        """The proposer's draft for this step (just the root when it has none), fitted to the KV room."""
+        t0 = time.perf_counter()
+        state = self.state
+        proposal = self.proposer.propose(state) or Proposal(DraftTree.single(state.root))
         if int(proposal.tree.tokens[0]) != state.root:
-            raise RuntimeError(f"proposer '{proposer.name}' proposed a tree whose root is not the last token")
-        proposal = _fit(proposal, min(cache.capacity - cache.length, target.max_context - state.root_position))
-        t1 = time.perf_counter()
+            raise RuntimeError(f"proposer '{self.proposer.name}' proposed a tree whose root is not the last token")
+        room = min(self.cache.capacity - self.cache.length, self.target.max_context - state.root_position)
+        self._proposal = _fit(proposal, room)
+        self.stats.draft_time += time.perf_counter() - t0
+        return self._proposal
+
+    def forward_request(self) -> ForwardRequest:
+        """The target forward this step needs: the proposal's tokens at their positions, under its tree mask."""
+        proposal = self._proposal
         tree = proposal.tree
-        depths = tree.shape.depths
-        tokens = tree.tokens
+        depths, tokens = tree.shape.depths, tree.tokens
         if proposal.aux_tokens is not None:
             depths = torch.cat([depths, proposal.aux_depths])
             tokens = torch.cat([tokens, proposal.aux_tokens])
-        out = target.forward(
-            tokens, depths + state.root_position, cache, _full_mask(proposal), proposer.hidden_layers
-        )
-        verdict = verify(tree, out.logits, sampling, generator)
-        cache.keep(verdict.path)
-        t2 = time.perf_counter()
+        return ForwardRequest(tokens, depths + self.state.root_position, self.cache, _full_mask(proposal))
+
+    def complete(self, out: ForwardOutput, forward_seconds: float) -> list[int]:
+        """Verify the proposal against the target's logits, keep the accepted path, emit, let the proposer
+        observe; returns the emitted tokens."""
+        t0 = time.perf_counter()
+        stats, proposal, tree = self.stats, self._proposal, self._proposal.tree
+        verdict = verify(tree, out.logits, self.sampling, self.state.generator)
+        self.cache.keep(verdict.path)
+        t1 = time.perf_counter()
+        stats.verify_time += forward_seconds + (t1 - t0)
         new = tree.tokens[verdict.path[1:]].tolist() + [verdict.bonus]
         max_depth = tree.shape.max_depth
         if len(stats.depth_attempts) < max_depth:
@@ -354,43 +367,121 @@ def _decode_steps(target, prompt_ids, proposer, max_new_tokens, sampling, seed, 
         for d in range(max_depth):
             stats.depth_attempts[d] += 1
             stats.depth_accepts[d] += int(verdict.accepted > d)
-        taken, reason = emit(new)
         stats.target_forwards += 1
         stats.proposal_tokens += proposal.size
+        step = StepResult(proposal, out.logits, verdict, new, dict(out.hidden))
+        taken = self._emit(new)
         stats.accept_lengths.append(len(taken))
-        stats.new_tokens = len(emitted)
-        if not reason:
-            hidden = {k: v for k, v in out.hidden.items()}
-            proposer.observe(state, StepResult(proposal, out.logits, verdict, new, hidden))
-        t3 = time.perf_counter()
-        stats.draft_time += (t1 - t0) + (t3 - t2)
-        stats.verify_time += t2 - t1
-        stats.wall_time = time.perf_counter() - t_start
-        yield taken
-    stats.finish_reason = reason
-    stats.wall_time = time.perf_counter() - t_start
-    stats.method_stats = proposer.stats()
+        for observer in self.observers:
+            observer(self.state, step)
+        if not self.finished:
+            self.proposer.observe(self.state, step)
+        stats.draft_time += time.perf_counter() - t1
+        stats.wall_time = time.perf_counter() - self._t_start
+        self._proposal = None
+        if self.finished:
+            self._finish()
+        return taken
+
+
+def decode_steps(
+    target: TargetModel,
+    prompt_ids: list[int],
+    proposer: Proposer,
+    *,
+    max_new_tokens: int = 256,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int | None = None,
+    stop: list[str] | str | None = None,
+    stats: GenerationStats | None = None,
+    on_prefill=None,
+    observers=(),
+) -> Iterator[list[int]]:
+    """Run the decode loop, yielding the list of newly emitted token ids after every target forward.
+
+    Statistics accumulate in ``stats`` (pass your own to read them while or after iterating). Bad arguments raise
+    here, before the first step, not when iteration starts.
+    """
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    run = SequenceRun(target, prompt_ids, proposer, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                      stops=check_stop(stop), stats=stats, on_prefill=on_prefill, observers=observers)
+    return _run_steps(run)
+
+
+def _run_steps(run: SequenceRun) -> Iterator[list[int]]:
+    yield run.prefill()
+    while not run.finished:
+        run.propose()
+        t0 = time.perf_counter()
+        out = run.target.forward_many([run.forward_request()], run.proposer.hidden_layers)[0]
+        yield run.complete(out, time.perf_counter() - t0)
+
+
+def decode_batch(runs: list[SequenceRun], max_batch_tokens: int) -> Iterator[tuple[int, list[int]]]:
+    """Decode several sequences together, yielding ``(index of the run, its newly emitted tokens)`` as they come.
+
+    Each step every unfinished run proposes; the proposals are packed in order into forwards of at most
+    ``max_batch_tokens`` rows (a proposal larger than that gets a forward of its own), each forward carries every
+    packed sequence's root and draft nodes (a sequence sees only its own cache and nodes), and each run completes
+    from its slice of the logits. Proposals are never cut to fit the batch, so each run decodes exactly as alone.
+    """
+    for i, run in enumerate(runs):
+        yield i, run.prefill()
+    while True:
+        active = [i for i, run in enumerate(runs) if not run.finished]
+        if not active:
+            return
+        sizes = {i: runs[i].propose().size for i in active}
+        groups: list[list[int]] = []
+        used = 0
+        for i in active:
+            if groups and used + sizes[i] <= max_batch_tokens:
+                groups[-1].append(i)
+                used += sizes[i]
+            else:
+                groups.append([i])
+                used = sizes[i]
+        for group in groups:
+            hidden_layers = sorted(set().union(*(runs[i].proposer.hidden_layers for i in group)))
+            target = runs[group[0]].target
+            t0 = time.perf_counter()
+            outs = target.forward_many([runs[i].forward_request() for i in group], hidden_layers)
+            seconds = time.perf_counter() - t0
+            for i, out in zip(group, outs, strict=True):
+                yield i, runs[i].complete(out, seconds)
 
 
 class Generation:
-    """A streaming generation: iterate for text deltas; ``.result`` holds the full result once done."""
+    """A streaming generation: iterate for text deltas; ``.result`` holds the full result once done (or call
+    :meth:`run`). Arguments are checked here, before any model work."""
 
-    def __init__(self, target: TargetModel, prompt_ids, proposer: Proposer, stop=None, **kw):
+    def __init__(self, target: TargetModel, prompt_ids, proposer: Proposer, stop=None, *, max_new_tokens: int = 256,
+                 sampling: SamplingConfig = SamplingConfig(), seed: int | None = None, on_prefill=None,
+                 observers=()):
         self.target = target
         self.prompt_ids = list(prompt_ids)
         self.stats = GenerationStats(proposer.name)
-        self.stop = _validate(kw.get("max_new_tokens", 256), stop)
-        self._steps = decode_steps(target, self.prompt_ids, proposer, stop=stop, stats=self.stats, **kw)
+        self.stop = check_stop(stop)
+        self.sequence = SequenceRun(target, self.prompt_ids, proposer,
+                                    max_new_tokens=check_max_new_tokens(max_new_tokens), sampling=sampling,
+                                    seed=seed, stops=self.stop, stats=self.stats, on_prefill=on_prefill,
+                                    observers=observers)
+        self._steps = _run_steps(self.sequence)
         self.token_ids: list[int] = []
         self.result: GenerationResult | None = None
 
-    def _text(self) -> str:
-        text = self.target.decode(self.token_ids)
-        for s in self.stop:
+    @staticmethod
+    def final_text(target: TargetModel, token_ids: list[int], stops) -> str:
+        """The text of ``token_ids``, cut before the first stop string."""
+        text = target.decode(token_ids)
+        for s in stops:
             cut = text.find(s)
             if cut >= 0:
                 text = text[:cut]
         return text
+
+    def _text(self) -> str:
+        return self.final_text(self.target, self.token_ids, self.stop)
 
     def _held_back(self, text: str) -> str:
         """``text`` minus a tail that may be the start of a stop string (shown only once it is known not to be)."""

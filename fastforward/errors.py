@@ -11,3 +11,7 @@ class UsageError(FastForwardError, ValueError):
 
 class ModelNotFoundError(FastForwardError, FileNotFoundError):
     """The model name or path does not resolve to anything loadable."""
+
+
+class InputTypeError(UsageError, TypeError):
+    """An argument of the wrong type (``ff.generate(model, None)``, ``stop=123``): a TypeError and a UsageError."""

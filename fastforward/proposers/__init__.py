@@ -65,6 +65,13 @@ def make_proposer(method, target, **options) -> Proposer:
         if options:
             raise UsageError("options cannot be given with a ready proposer instance")
         return method
+    info = check_method_options(method, options)
+    return info.factory(target, **options)
+
+
+def check_method_options(method, options: dict) -> MethodInfo:
+    """The registered method ``method`` after checking that it exists and knows every option name in ``options``
+    (the values are checked by the method's factory)."""
     methods = available_methods()
     if not isinstance(method, str) or method not in methods:
         raise UsageError(f"unknown method '{method}'; available: {', '.join(methods)}")
@@ -74,4 +81,4 @@ def make_proposer(method, target, **options) -> Proposer:
     if unknown:
         opts = ", ".join(known) or "none"
         raise UsageError(f"method '{method}' has no option {', '.join(unknown)} (its options: {opts})")
-    return info.factory(target, **options)
+    return info

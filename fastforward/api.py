@@ -1,0 +1,158 @@
+"""The Python API: :func:`generate`, :func:`stream` and :func:`generate_batch`.
+
+Every call builds one :class:`~fastforward.request.GenerationRequest` per prompt (validated before any model
+work), turns it into a :class:`~fastforward.engine.SequenceRun`, and lets the engine drive it -- alone
+(:func:`stream`; :func:`generate` is ``stream(...).run()``) or together with others (:func:`generate_batch`).
+"""
+
+from __future__ import annotations
+
+from .engine import Generation, GenerationResult, SequenceRun, decode_batch
+from .errors import InputTypeError, UsageError
+from .model import TargetModel, load
+from .proposers import make_proposer
+from .request import GenerationRequest
+
+MIN_BATCH_TOKENS = 16
+
+
+def _target(model) -> TargetModel:
+    if isinstance(model, str):
+        return load(model)
+    if not isinstance(model, TargetModel):
+        raise InputTypeError("model must be a fastforward TargetModel (fastforward.load) or a model name, "
+                             f"got {type(model).__name__}")
+    return model
+
+
+def _request(prompt, method, options) -> GenerationRequest:
+    if isinstance(prompt, GenerationRequest):
+        return prompt
+    return GenerationRequest(prompt, method, **options)
+
+
+def stream(
+    model,
+    prompt,
+    method="ar",
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop=None,
+    chat: bool = True,
+    system: str | None = None,
+    method_options: dict | None = None,
+    on_prefill=None,
+) -> Generation:
+    """A :class:`Generation` to iterate for text deltas (``.result`` after), or to ``.run()`` to the end.
+
+    ``prompt`` is text, a list of chat messages, a list of token ids, or a ready :class:`GenerationRequest` (then
+    the other arguments are ignored). Everything is checked before the model is touched.
+    """
+    request = _request(prompt, method, dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+        chat=chat, system=system, method_options=method_options))
+    if on_prefill is not None and not callable(on_prefill):
+        raise InputTypeError("on_prefill must be a callable (done, total) or None")
+    target = _target(model)
+    prompt_ids = request.prompt_ids(target)
+    proposer = make_proposer(request.method, target, **request.method_options)
+    return Generation(target, prompt_ids, proposer, stop=request.stops or None,
+                      max_new_tokens=request.max_new_tokens, sampling=request.sampling, seed=request.seed,
+                      on_prefill=on_prefill)
+
+
+def generate(model, prompt, method="ar", **kwargs) -> GenerationResult:
+    """Generate a continuation of ``prompt`` with a decoding ``method``; the arguments are :func:`stream`'s.
+
+    Every lossless method returns exactly what ``method="ar"`` returns at temperature 0, and samples from the
+    same distribution at temperature > 0.
+    """
+    return stream(model, prompt, method, **kwargs).run()
+
+
+def batch_token_budget(target: TargetModel) -> int:
+    """Rows per shared forward for :func:`generate_batch`, from this machine's cost curve: the smallest measured
+    q whose cost per token t(q)/q is within 10% of the cheapest (twice the largest measured q when the curve is
+    still falling there), at least :data:`MIN_BATCH_TOKENS`, at most what the backend computes row-exactly."""
+    from .costs import machine_cost_curve
+
+    limit = target.batch_rows_limit()
+    if limit <= 0:
+        return 1
+    curve = machine_cost_curve(target)
+    per_token = {q: curve.t(q) / q for q in curve.ms}
+    best = min(per_token.values())
+    q = min(q for q, c in per_token.items() if c <= 1.1 * best)
+    if q == max(curve.ms):
+        q *= 2
+    return max(MIN_BATCH_TOKENS, min(q, limit))
+
+
+def generate_batch(
+    model,
+    prompts,
+    method="ar",
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed=None,
+    stop=None,
+    chat: bool = True,
+    system: str | None = None,
+    method_options: dict | None = None,
+    max_batch_tokens: int | None = None,
+    on_tokens=None,
+) -> list[GenerationResult]:
+    """Decode several prompts together and return one result per prompt, in order.
+
+    ``prompts`` is a list of prompts (each as :func:`generate` takes them) or of :class:`GenerationRequest`;
+    ``method`` one name for all or a list with one per prompt; ``seed`` an int for all (each sequence then samples
+    as it would alone with that seed) or a list. Each step every unfinished sequence drafts as it would alone and
+    one target forward carries the drafts of as many sequences as fit in ``max_batch_tokens`` rows (default:
+    :func:`batch_token_budget`). Each result equals what :func:`generate` gives that prompt alone: token for token
+    at temperature 0, the same samples with the same seed. ``on_tokens(index, token_ids)`` is called as tokens
+    come.
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise InputTypeError("prompts must be a list of prompts (or GenerationRequests)")
+    if not prompts:
+        raise UsageError("prompts is empty")
+    n = len(prompts)
+
+    def per_prompt(name, value):
+        if isinstance(value, (list, tuple)) and not (name == "stop" and all(isinstance(s, str) for s in value)):
+            if len(value) != n:
+                raise UsageError(f"{name} has {len(value)} entries for {n} prompts")
+            return list(value)
+        return [value] * n
+
+    methods = per_prompt("method", method)
+    seeds = per_prompt("seed", seed)
+    requests = [_request(p, methods[i], dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[i], stop=stop,
+        chat=chat, system=system, method_options=method_options)) for i, p in enumerate(prompts)]
+    if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool)
+                                         or max_batch_tokens <= 0):
+        raise UsageError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
+    if on_tokens is not None and not callable(on_tokens):
+        raise InputTypeError("on_tokens must be a callable (index, token_ids) or None")
+    target = _target(model)
+    prompt_ids = [r.prompt_ids(target) for r in requests]
+    runs = [SequenceRun(target, ids, make_proposer(r.method, target, **r.method_options),
+                        max_new_tokens=r.max_new_tokens, sampling=r.sampling, seed=r.seed, stops=r.stops)
+            for r, ids in zip(requests, prompt_ids, strict=True)]
+    budget = max_batch_tokens or batch_token_budget(target)
+    for i, tokens in decode_batch(runs, budget):
+        if on_tokens is not None and tokens:
+            on_tokens(i, tokens)
+    results = []
+    for run in runs:
+        text = Generation.final_text(target, run.emitted, run.stops)
+        results.append(GenerationResult(text, list(run.emitted), run.stats, run.prompt_ids))
+    return results

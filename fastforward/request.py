@@ -1,0 +1,87 @@
+"""One generation request, validated once: the CLI, the Python API, the benchmark, evaluation and the server all
+build a :class:`GenerationRequest` and hand it to the engine.
+
+``GenerationRequest(...)`` checks everything that can be checked without the model (types, ranges, text encoding,
+the method name and its options' names); :meth:`GenerationRequest.prompt_ids` checks the rest against the target
+(token ids in range, the prompt fits the context). Every problem is one :class:`~fastforward.errors.UsageError`
+(a ``ValueError``) or ``TypeError`` with a message that names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import InputTypeError, UsageError
+from .proposers import available_methods, check_method_options
+from .validation import (
+    check_max_new_tokens,
+    check_prompt,
+    check_sampling,
+    check_seed,
+    check_stop,
+    check_text,
+)
+from .verify import SamplingConfig
+
+
+def check_method(method, method_options) -> dict:
+    """The method's name (or a ready Proposer) and its options' names; values are checked by the method."""
+    options = {} if method_options is None else method_options
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise InputTypeError("method_options must be a dict of option name -> value")
+    if isinstance(method, str):
+        methods = available_methods()
+        if method not in methods:
+            raise UsageError(f"unknown method '{method}'; available: {', '.join(methods)}")
+        check_method_options(method, options)
+    elif not hasattr(method, "propose"):
+        raise InputTypeError(f"method must be a method name or a Proposer, got {type(method).__name__}")
+    elif options:
+        raise UsageError("options cannot be given with a ready proposer instance")
+    return dict(options)
+
+
+@dataclass
+class GenerationRequest:
+    """What to generate and how; validated on construction (see the module docstring)."""
+
+    prompt: object
+    method: object = "ar"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: object = None
+    chat: bool = True
+    system: str | None = None
+    method_options: dict | None = None
+    sampling: SamplingConfig = field(init=False, repr=False)
+    stops: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.prompt = check_prompt(self.prompt)
+        self.max_new_tokens = check_max_new_tokens(self.max_new_tokens)
+        self.sampling = check_sampling(self.temperature, self.top_k, self.top_p)
+        self.seed = check_seed(self.seed)
+        self.stops = check_stop(self.stop)
+        if not isinstance(self.chat, bool):
+            raise InputTypeError(f"chat must be True or False, got {self.chat!r}")
+        if self.system is not None:
+            if not isinstance(self.system, str):
+                raise InputTypeError(f"system must be a string, got {type(self.system).__name__}")
+            check_text("the system prompt", self.system)
+        self.method_options = check_method(self.method, self.method_options)
+
+    def prompt_ids(self, target) -> list[int]:
+        """The prompt as token ids for ``target``, checked against its vocabulary and context."""
+        ids = target.encode(self.prompt, chat=self.chat, system=self.system)
+        if not ids:
+            raise UsageError("the prompt is empty")
+        vocab = target.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UsageError(f"token id {bad} is out of range for a vocabulary of {vocab}")
+        if len(ids) >= target.max_context:
+            raise UsageError(f"the prompt has {len(ids)} tokens; the model's context is {target.max_context}")
+        return ids
