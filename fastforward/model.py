@@ -158,6 +158,23 @@ class ForwardRequest:
         return int(self.ids.shape[0])
 
 
+def sliding_window_of(config) -> tuple[int | None, bool]:
+    """(window, every layer slides) of an HF config; ``(None, False)`` when attention is global everywhere.
+
+    Mistral-style ``sliding_window``; Qwen2's only with ``use_sliding_window``; per-layer ``layer_types`` (Gemma2/3,
+    Qwen2's ``max_window_layers``) say which layers slide."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None, False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        sliding = [t == "sliding_attention" for t in layer_types]
+        if not any(sliding):
+            return None, False
+        return int(window), all(sliding)
+    return int(window), getattr(config, "model_type", "") == "mistral"
+
+
 def _full_mask(q: int, prefix: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
     """[q, prefix+q] boolean: every new token sees the whole prefix, and the new tokens per ``tree_mask``."""
     local = torch.ones(q, q, dtype=torch.bool).tril_() if tree_mask is None else tree_mask.to(torch.bool)
@@ -480,9 +497,12 @@ class LeanLlama:
 class HFForward:
     """Any HF causal LM through its public forward: 4D float mask, explicit ``position_ids``, ``DynamicCache``."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, sliding_window: int | None = None):
         self.model = hf_model
         self.config = hf_model.config
+        #: every layer attends to the last ``sliding_window`` positions only (Mistral): applied in the 4D mask,
+        #: which HF takes as it is, so decoding past the window stays exactly the model's own
+        self.sliding_window = sliding_window
         self.n_layers = hf_model.config.num_hidden_layers
         self.max_positions = int(getattr(hf_model.config, "max_position_embeddings", 4096))
 
@@ -498,6 +518,10 @@ class HFForward:
             raise UsageError(f"KV cache capacity {cache.capacity} exceeded ({start + q} tokens)")
         dtype = self.model.dtype
         allowed = _full_mask(q, start, tree_mask)
+        if self.sliding_window is not None:
+            # key slot k holds position k for the committed prefix; new tokens sit at their own positions
+            key_pos = torch.cat([torch.arange(start), positions.to(torch.long)])
+            allowed &= (positions.to(torch.long)[:, None] - key_pos[None, :]) < self.sliding_window
         mask = torch.zeros(1, 1, q, start + q, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         # HF's hidden_states end with the *normed* final state, not the last layer's output: hook that layer.
         last_out = {}
@@ -562,7 +586,8 @@ class TargetModel:
         self.tokenizer = tokenizer
         self.config = hf_model.config
         model_type = getattr(self.config, "model_type", "")
-        lean_ok = model_type in LEAN_ARCHITECTURES and not getattr(self.config, "sliding_window", None)
+        window, every_layer = sliding_window_of(self.config)
+        lean_ok = model_type in LEAN_ARCHITECTURES and window is None
         if backend == "auto":
             backend = "lean" if lean_ok else "hf"
         if backend == "lean" and not lean_ok:
@@ -573,9 +598,12 @@ class TargetModel:
         if weights != "fp32" and backend != "lean":
             raise UsageError(f"--weights {weights} needs the lean backend")
         self.backend = (LeanLlama.from_hf(hf_model, small_q_max, weights=weights) if backend == "lean"
-                        else HFForward(hf_model))
+                        else HFForward(hf_model, sliding_window=window if every_layer else None))
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         self.max_context = self.backend.max_positions
+        if window is not None and not every_layer:
+            # Some layers slide, others do not: exact only while the whole context fits the window.
+            self.max_context = min(self.max_context, window)
         self.eos_token_ids = _eos_ids(hf_model, tokenizer)
 
     @classmethod
