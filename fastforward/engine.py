@@ -241,7 +241,8 @@ class SequenceRun:
         self.stats = stats if stats is not None else GenerationStats(proposer.name)
         self.stats.prompt_tokens = n_prompt
         self.prompt_ids = list(prompt_ids)
-        self.ids = torch.zeros(n_prompt + max_new_tokens + 1, dtype=torch.long)  # [prompt + generated + 1]
+        # [prompt + generated + 1]; never more than the context holds, whatever max_new_tokens says
+        self.ids = torch.zeros(min(n_prompt + max_new_tokens, target.max_context) + 1, dtype=torch.long)
         self.ids[:n_prompt] = torch.as_tensor(prompt_ids, dtype=torch.long)
         generator = None
         if not sampling.greedy:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .errors import ModelNotFoundError, UsageError
+from .errors import InputTypeError, ModelNotFoundError, UsageError
 from .linear import DenseLinear
 from .paths import cache_root
 
@@ -846,11 +846,15 @@ def load(
     A GGUF file's HF model, for peers and training, is made on first use by dequantising the file once into a cached
     safetensors folder under ``$FASTFORWARD_CACHE`` (default ``~/.cache/fastforward``).
     """
+    if not isinstance(name, (str, os.PathLike)):
+        raise InputTypeError(f"the model must be a name, a folder or a .gguf path, got {type(name).__name__}")
     if weights not in WEIGHT_CHOICES:
         raise UsageError(f"unknown --weights '{weights}' (use {', '.join(WEIGHT_CHOICES)})")
+    if backend not in ("auto", "lean", "hf"):
+        raise UsageError(f"unknown backend '{backend}' (use auto, lean or hf)")
     if threads is not None:
-        if threads < 1:
-            raise UsageError("threads must be >= 1")
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise UsageError(f"threads must be an integer >= 1, got {threads!r}")
         torch.set_num_threads(threads)
     kind, path = resolve_model(name)
     if kind == "hf":

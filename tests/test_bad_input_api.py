@@ -1,0 +1,141 @@
+"""Bad input through the Python API: each case is one clear UsageError / TypeError, raised before any model work.
+
+(The command-line side of the suite is tests/test_bad_input_cli.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import fastforward as ff
+from fastforward.engine import SequenceRun
+from fastforward.errors import UsageError
+
+OK = [1, 2, 3]
+
+CASES = [
+    # prompts
+    ("prompt None", dict(prompt=None), TypeError, "prompt"),
+    ("prompt int", dict(prompt=123), TypeError, "prompt"),
+    ("prompt bytes", dict(prompt=b"hello"), TypeError, "bytes"),
+    ("prompt dict", dict(prompt={"role": "user"}), TypeError, "prompt"),
+    ("prompt empty string", dict(prompt=""), UsageError, "empty"),
+    ("prompt blank", dict(prompt="  \n "), UsageError, "empty"),
+    ("prompt empty list", dict(prompt=[]), UsageError, "empty"),
+    ("prompt mixed list", dict(prompt=[1, "a"]), TypeError, "token ids"),
+    ("prompt bool ids", dict(prompt=[True, False]), TypeError, "token ids"),
+    ("token id too large", dict(prompt=[1, 10**9]), UsageError, "out of range"),
+    ("token id negative", dict(prompt=[-1, 2]), UsageError, "out of range"),
+    ("prompt lone surrogate", dict(prompt="caf\udce9"), UsageError, "UTF-8"),
+    ("message without content", dict(prompt=[{"role": "user"}]), UsageError, "content"),
+    ("message without role", dict(prompt=[{"content": "hi"}]), UsageError, "role"),
+    ("message content int", dict(prompt=[{"role": "user", "content": 5}]), UsageError, "content"),
+    ("message lone surrogate", dict(prompt=[{"role": "user", "content": "\udcff"}]), UsageError, "UTF-8"),
+    ("prompt over the context", dict(prompt=list(range(1, 90)) * 8), UsageError, "context"),
+    ("2-D tensor prompt", dict(prompt="tensor2d"), UsageError, "one sequence"),
+    ("float tensor prompt", dict(prompt="tensorfloat"), TypeError, "integer"),
+    # lengths
+    ("max_new_tokens 0", dict(max_new_tokens=0), UsageError, "max_new_tokens"),
+    ("max_new_tokens negative", dict(max_new_tokens=-5), UsageError, "max_new_tokens"),
+    ("max_new_tokens float", dict(max_new_tokens=2.5), UsageError, "max_new_tokens"),
+    ("max_new_tokens bool", dict(max_new_tokens=True), UsageError, "max_new_tokens"),
+    ("max_new_tokens str", dict(max_new_tokens="5"), UsageError, "max_new_tokens"),
+    # sampling
+    ("temperature negative", dict(temperature=-1.0), UsageError, "temperature"),
+    ("temperature nan", dict(temperature=float("nan")), UsageError, "temperature"),
+    ("temperature inf", dict(temperature=float("inf")), UsageError, "temperature"),
+    ("temperature str", dict(temperature="hot"), TypeError, "temperature"),
+    ("temperature None", dict(temperature=None), TypeError, "temperature"),
+    ("top_k negative", dict(top_k=-1), UsageError, "top_k"),
+    ("top_k float", dict(top_k=1.5), UsageError, "top_k"),
+    ("top_p zero", dict(top_p=0.0), UsageError, "top_p"),
+    ("top_p above one", dict(top_p=1.5), UsageError, "top_p"),
+    ("top_p nan", dict(top_p=float("nan")), UsageError, "top_p"),
+    ("seed negative", dict(seed=-1), UsageError, "seed"),
+    ("seed huge", dict(seed=2**64), UsageError, "seed"),
+    ("seed float", dict(seed=1.5), UsageError, "seed"),
+    ("seed str", dict(seed="7"), UsageError, "seed"),
+    # stop strings
+    ("stop int", dict(stop=123), TypeError, "stop"),
+    ("stop empty", dict(stop=""), UsageError, "stop"),
+    ("stop list with empty", dict(stop=["ok", ""]), UsageError, "stop"),
+    ("stop list with int", dict(stop=["ok", 3]), TypeError, "stop"),
+    ("stop lone surrogate", dict(stop="\udcff"), UsageError, "UTF-8"),
+    # methods
+    ("unknown method", dict(method="nope"), UsageError, "unknown method"),
+    ("method int", dict(method=123), TypeError, "method"),
+    ("unknown option", dict(method="pld", method_options={"nope": 1}), UsageError, "no option"),
+    ("options not a dict", dict(method="pld", method_options="k=3"), TypeError, "method_options"),
+    ("option value wrong", dict(method="pld", method_options={"max_ngram": 0}), UsageError, "max_ngram"),
+    ("option type wrong", dict(method="jacobi", method_options={"n_tokens": "many"}), UsageError, "n_tokens"),
+    # the rest
+    ("chat not bool", dict(chat="yes"), TypeError, "chat"),
+    ("system not str", dict(system=5), TypeError, "system"),
+    ("system lone surrogate", dict(system="\udcff"), UsageError, "UTF-8"),
+    ("on_prefill not callable", dict(on_prefill=5), TypeError, "on_prefill"),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs", "error", "words"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("entry", ["generate", "stream"])
+def test_bad_api_input(tiny, monkeypatch, entry, name, kwargs, error, words):
+    import torch
+
+    started = []
+    monkeypatch.setattr(SequenceRun, "prefill", lambda self: started.append(1) or [])
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", OK)
+    if prompt == "tensor2d":
+        prompt = torch.tensor([[1, 2], [3, 4]])
+    elif prompt == "tensorfloat":
+        prompt = torch.tensor([1.0, 2.0])
+    method = kwargs.pop("method", "ar")
+    call = getattr(ff, entry)
+    with pytest.raises(error) as info:
+        call(tiny, prompt, method, **kwargs)
+    message = str(info.value)
+    assert words.lower() in message.lower() and "\n" not in message and len(message) < 300
+    assert isinstance(info.value, UsageError)  # every bad input is also a UsageError: one line on the CLI
+    assert not started  # nothing ran
+
+
+@pytest.mark.parametrize(
+    ("model", "error", "words"),
+    [
+        (123, TypeError, "model"),
+        (None, TypeError, "model"),
+        ("", UsageError, "empty"),
+        ("/no/such/model", ff.ModelNotFoundError, "unknown model"),
+    ],
+)
+def test_bad_model_argument(model, error, words):
+    with pytest.raises(error, match=words):
+        ff.generate(model, "hi") if model is not None else ff.generate(None, "hi")
+    if isinstance(model, str):
+        with pytest.raises(error, match=words):
+            ff.load(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(threads=0), "threads"),
+        (dict(threads="2"), "threads"),
+        (dict(weights="fp8"), "weights"),
+        (dict(backend="gpu"), "backend"),
+    ],
+)
+def test_bad_load_options(kwargs, words):
+    with pytest.raises(UsageError, match=words):
+        ff.load("default", **kwargs)
+
+
+def test_load_rejects_a_non_path():
+    with pytest.raises(TypeError, match="model"):
+        ff.load(123)
+
+
+def test_huge_max_new_tokens_is_bounded_by_the_context(tiny):
+    """10**20 new tokens is a valid request: generation stops at the context, nothing is allocated for 10**20."""
+    result = ff.generate(tiny, [1, 2, 3], max_new_tokens=10**20)
+    assert result.finish_reason in ("context", "eos") and len(result.token_ids) < tiny.max_context
