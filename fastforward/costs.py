@@ -1,30 +1,42 @@
-"""The machine's forward cost curve, and sizing drafts from it.
+"""The machine's forward cost curve: measuring it, interpolating it, and sizing drafts from it.
 
 A verification forward over q tokens costs t(q); drafting pays off only when the tokens it is expected to add per
 forward outgrow t(q)/t(1). On GPUs t(q) is nearly flat up to dozens of tokens, so the papers draft generously; on
-CPUs it is not, so fastforward sizes drafts from the curve measured on the machine itself.
+CPUs it is not, so fastforward sizes drafts from the curve measured on the machine itself
+(:func:`measure_forward_costs`; ``fastforward profile`` prints it).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
 
+from .errors import UsageError
+from .model import _full_mask
+from .paths import costs_dir
+
 CURVE_QS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+DEFAULT_QS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass
 class CostCurve:
-    """Milliseconds per target forward by number of new tokens q (interpolated linearly, monotone in q)."""
+    """Milliseconds per target forward by number of new tokens q (keys may be ints or their strings, as JSON gives
+    them back): piecewise linear between the measured points, monotone in q, the smallest point's cost below it and
+    a linear extrapolation from the last two points beyond the largest. The one interpolation of cost curves in the
+    package (draft sizing here, tree budgets in :mod:`fastforward.tree_builder`)."""
 
     ms: dict[int, float]
 
     def __post_init__(self):
         qs = sorted(int(q) for q in self.ms)
-        if not qs or qs[0] != 1:
-            raise ValueError("a cost curve needs t(1)")
+        if not qs:
+            raise UsageError("an empty cost curve")
         running = 0.0
         clean = {}
         for q in qs:  # a larger forward never costs less: remove measurement noise that says otherwise
@@ -46,7 +58,7 @@ class CostCurve:
 
     def ratio(self, q: float) -> float:
         """t(q) / t(1)."""
-        return self.t(q) / self.ms[1]
+        return self.t(q) / self.t(1)
 
     @classmethod
     def flat(cls) -> CostCurve:
@@ -54,9 +66,75 @@ class CostCurve:
         return cls({1: 1.0, 64: 1.0})
 
 
-def _curve_path(target):
-    from .paths import costs_dir
+# ------------------------------------------------------------------------------------------------------------------
+# Measuring
+# ------------------------------------------------------------------------------------------------------------------
 
+
+def _time_forward(target, cache, q: int, kv: int, repeats: int, hf: bool) -> float:
+    ids = torch.randint(0, target.vocab_size, (q,))
+    pos = torch.arange(kv, kv + q)
+    times = []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        if hf:
+            _hf_forward(target, cache, ids, pos)
+        else:
+            target.forward(ids, pos, cache)
+        if i >= 2:  # warm-up excluded
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def _hf_forward(target, cache, ids, pos):
+    """HF's own forward as users call it (``model(...)`` with a DynamicCache), cropping back after each call."""
+    q, kv = ids.numel(), pos[0].item()
+    allowed = _full_mask(q, kv, None)
+    mask = torch.zeros(1, 1, q, kv + q).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    with torch.inference_mode():
+        target.hf_model(input_ids=ids[None], position_ids=pos[None], attention_mask=mask, past_key_values=cache,
+                        use_cache=True)
+    cache.crop(-q)  # transformers 5.x: a negative count of tokens to remove
+
+
+def _prefilled_cache(target, kv: int, capacity: int, hf: bool):
+    ids = torch.randint(0, target.vocab_size, (kv,))
+    if hf:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        with torch.inference_mode():
+            target.hf_model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+        return cache
+    cache = target.new_cache(capacity)
+    target.forward(ids, torch.arange(kv), cache, last_only=True)
+    cache.keep(range(kv))
+    return cache
+
+
+def measure_forward_costs(target, qs=DEFAULT_QS, kv: int = 300, repeats: int = 7, hf: bool = False) -> dict:
+    """Median milliseconds of one forward over q new tokens on a kv-token cache, for each q (interleaved sweeps).
+    ``hf=True`` times HF's own ``model(...)`` instead of the target's forward."""
+    qs = sorted(set(int(q) for q in qs))
+    if not qs or qs[0] < 1:
+        raise ValueError("q values must be >= 1")
+    if kv + qs[-1] > target.max_context:
+        raise ValueError(f"kv + q = {kv + qs[-1]} exceeds the model's context {target.max_context}")
+    cache = _prefilled_cache(target, kv, kv + qs[-1] + 1, hf)
+    samples = {q: [] for q in qs}
+    rounds = 3  # interleave q values so slow drifts (thermal, other processes) hit all of them alike
+    for _ in range(rounds):
+        for q in qs:
+            samples[q].append(_time_forward(target, cache, q, kv, max(1, repeats // rounds + 1), hf))
+    return {q: statistics.median(v) for q, v in samples.items()}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# This machine's curve, cached
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _curve_path(target):
     backend = target.backend
     kernel = getattr(backend, "matmul_kernel", "mkl") if target.backend_name == "lean" else "hf"
     key = "-".join(
@@ -79,10 +157,6 @@ def machine_cost_curve(target, refresh: bool = False) -> CostCurve:
         except (OSError, ValueError, KeyError):
             curve = None
     if curve is None:
-        import sys
-
-        from .profile import measure_forward_costs
-
         print(f"fastforward: measuring this machine's forward cost curve for {target.name} "
               f"({torch.get_num_threads()} threads; once, a few seconds; cached in {path.parent})", file=sys.stderr)
 
@@ -95,6 +169,11 @@ def machine_cost_curve(target, refresh: bool = False) -> CostCurve:
             pass
     target._cost_curve = curve
     return curve
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Sizing drafts
+# ------------------------------------------------------------------------------------------------------------------
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -1,4 +1,5 @@
-"""``fastforward eval``: the task quality of a model, shared by every training method.
+"""The task quality of a model, shared by every training method (the ``fastforward eval`` command,
+``fastforward/cli/eval.py``, runs these).
 
 * ``--task nll`` -- mean negative log-likelihood per response token over the *held-out* records of ``--data``
   (the split ``fastforward train`` uses, so they were never trained on), chat-templated exactly as in training,
@@ -26,11 +27,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from .bench.questions import humaneval_prompt  # noqa: F401  (the eval and the bench share the prompt)
+import fastforward as ff
+
+from .bench.questions import humaneval_prompt  # the eval and the bench share the prompt
 from .errors import UsageError
+from .paths import data_root
+from .train.data import encode_examples, read_examples, split_examples
+from .train.msn import apply_ahead_noise, random_starts
 
 TASKS = ("nll", "gsm8k", "humaneval")
 DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 256, "humaneval": 512}
@@ -207,9 +212,8 @@ def run_program(program: str, timeout: float = 10.0) -> tuple[bool, str]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _task_file(task: str, data: str | None) -> Path:
-    from .paths import data_root
-
+def task_file(task: str, data: str | None) -> Path:
+    """The test file of a generation task: ``data``, else the shared data set's (``FASTFORWARD_DATA``)."""
     path = Path(data).expanduser() if data else data_root() / DEFAULT_FILES[task]
     if not path.is_file():
         hint = "" if data else " (give --data PATH or set FASTFORWARD_DATA)"
@@ -258,8 +262,6 @@ def response_nll(hf_model, encoded, noise_length: int = 0, seed: int = 0) -> dic
     import torch
     import torch.nn.functional as F
 
-    from .train.msn import apply_ahead_noise, random_starts
-
     out = {"total": 0.0, "count": 0, "per": [], "correct": 0,
            "noisy_nll": 0.0, "noisy_correct": 0, "clean_nll": 0.0, "clean_correct": 0, "noisy_count": 0}
     generator = torch.Generator().manual_seed(seed)
@@ -291,8 +293,6 @@ def response_nll(hf_model, encoded, noise_length: int = 0, seed: int = 0) -> dic
 
 
 def eval_nll(target, data: str, *, heldout: float, max_length: int, limit: int | None, noise_length: int = 4) -> dict:
-    from .train.data import encode_examples, read_examples, split_examples
-
     _, held = split_examples(read_examples(data), heldout)
     if not held:
         raise UsageError(f"no held-out records in {data} (raise --heldout)")
@@ -317,10 +317,8 @@ def eval_nll(target, data: str, *, heldout: float, max_length: int, limit: int |
     return result
 
 
-def _generate(target, prompt, args, options):
-    import fastforward as ff
-
-    return ff.generate(target, prompt, args.method, max_new_tokens=args.max_new_tokens, method_options=options)
+def _generate(target, prompt, method: str, max_new_tokens: int, options: dict):
+    return ff.generate(target, prompt, method, max_new_tokens=max_new_tokens, method_options=options)
 
 
 def _generation_stats(results) -> dict:
@@ -331,10 +329,13 @@ def _generation_stats(results) -> dict:
             "tokens_per_s": tokens / wall if wall else 0.0}
 
 
-def eval_gsm8k(target, rows, args, options, progress) -> dict:
+def eval_gsm8k(target, rows, *, method: str = "ar", max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS["gsm8k"],
+               options: dict | None = None, progress=iter) -> dict:
+    """Accuracy on GSM8K records (``question``/``answer``), generating with ``method``; ``progress`` wraps the
+    iteration over the records (e.g. a progress bar)."""
     samples, results = [], []
     for i, row in enumerate(progress(rows)):
-        res = _generate(target, row["question"], args, options)
+        res = _generate(target, row["question"], method, max_new_tokens, dict(options or {}))
         gold = gsm8k_gold(row["answer"])
         pred = extract_gsm8k_answer(res.text)
         samples.append({"index": i, "gold": gold, "pred": pred, "correct": same_number(pred, gold),
@@ -345,12 +346,15 @@ def eval_gsm8k(target, rows, args, options, progress) -> dict:
             **_generation_stats(results), "samples": samples}
 
 
-def eval_humaneval(target, rows, args, options, progress) -> dict:
+def eval_humaneval(target, rows, *, method: str = "ar", max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS["humaneval"],
+                   options: dict | None = None, timeout: float = 10.0, progress=iter) -> dict:
+    """pass@1 on HumanEval records, generating with ``method``; each program runs with ``timeout`` seconds
+    (:func:`run_program`)."""
     samples, results = [], []
     for row in progress(rows):
-        res = _generate(target, humaneval_prompt(row), args, options)
+        res = _generate(target, humaneval_prompt(row), method, max_new_tokens, dict(options or {}))
         code = extract_code(res.text, row["entry_point"])
-        passed, detail = run_program(humaneval_program(row, code), timeout=args.timeout)
+        passed, detail = run_program(humaneval_program(row, code), timeout=timeout)
         samples.append({"task_id": row["task_id"], "passed": passed, "detail": detail, "output": res.text})
         results.append(res)
     passed = sum(s["passed"] for s in samples)
@@ -359,39 +363,8 @@ def eval_humaneval(target, rows, args, options, progress) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# fastforward eval
+# Comparing with an earlier run, and the summary line
 # ------------------------------------------------------------------------------------------------------------------
-
-
-def add_arguments(p, name: str) -> None:
-    from .cli_generate import add_model_arguments
-
-    p.add_argument("--task", required=True, choices=TASKS, help="what to measure")
-    add_model_arguments(p)
-    p.add_argument("--data", default=None,
-                   help="nll: the training data file(s) whose held-out split to score (required); gsm8k/humaneval: "
-                        "the test file (default: shared/data/gsm8k/test.jsonl, "
-                        "shared/data/humaneval/HumanEval.jsonl.gz)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N items")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="generation budget (default: gsm8k 256, humaneval 512)")
-    p.add_argument("--method", default="ar", help="decoding method for generation tasks (default: ar)")
-    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="a method option (repeatable)")
-    p.add_argument("--heldout", type=float, default=0.05,
-                   help="nll: held-out fraction, as given to 'fastforward train' (default: %(default)s)")
-    p.add_argument("--max-length", type=int, default=512,
-                   help="nll: tokens per record, as given to 'fastforward train' (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program (default: 10)")
-    p.add_argument("--noise-length", type=int, default=4,
-                   help="nll: also score the predictions made from one seeded ahead-noise segment of this many "
-                        "response tokens per record, as 'fastforward train msn' trains them "
-                        "(0 = off; default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.add_argument("--save", metavar="FILE", default=None, help="write the summary and every sample's result as JSON")
-    p.add_argument("--compare", metavar="FILE", default=None,
-                   help="gsm8k/humaneval: a '--save' file of another model (or method) on the same task; reports how "
-                        "many samples got the same answer and the identical text")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _sample_key(task: str, sample: dict):
@@ -427,87 +400,6 @@ def compare_samples(task: str, samples: list[dict], reference: dict) -> dict:
         same_answer = sum(a.get("passed") == b.get("passed") for a, b in both)
     return {"reference_model": reference.get("model"), "reference_method": reference.get("method"), "n": len(both),
             "same_answer": same_answer, "same_output": sum(a.get("output") == b.get("output") for a, b in both)}
-
-
-def run(args, name: str) -> int:
-    from .cli import parse_options
-
-    if args.limit is not None and args.limit <= 0:
-        raise UsageError(f"--limit must be a positive integer, got {args.limit}")
-    if args.max_new_tokens is not None and args.max_new_tokens <= 0:
-        raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
-    if not args.timeout > 0:
-        raise UsageError(f"--timeout must be positive, got {args.timeout}")
-    options = parse_options(args.option)
-    rows = None
-    if args.task == "nll":
-        if not args.data:
-            raise UsageError("--task nll needs --data FILE[,FILE] (the training data whose held-out split to score)")
-        from .train.data import check_heldout, parse_paths
-
-        parse_paths(args.data)
-        check_heldout(args.heldout)
-        if args.max_length < 2:
-            raise UsageError(f"--max-length must be at least 2, got {args.max_length}")
-        if args.noise_length < 0:
-            raise UsageError(f"--noise-length must be 0 (off) or positive, got {args.noise_length}")
-    else:
-        from .proposers import available_methods
-
-        if args.method not in available_methods():
-            raise UsageError(f"unknown method '{args.method}'; available: {', '.join(available_methods())}")
-        path = _task_file(args.task, args.data)
-        rows = (load_gsm8k if args.task == "gsm8k" else load_humaneval)(path, args.limit)
-        if not rows:
-            raise UsageError(f"no {args.task} records in {path}")
-        if args.max_new_tokens is None:
-            args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[args.task]
-    reference = None
-    if args.compare:
-        if args.task == "nll":
-            raise UsageError("--compare applies to the generation tasks (gsm8k, humaneval), not nll")
-        reference = load_comparison(args.compare, args.task)
-    if args.save:
-        parent = Path(args.save).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise UsageError(f"--save: folder {parent} does not exist")
-
-    import fastforward as ff
-
-    t0 = time.perf_counter()
-    backend = "hf" if args.task == "nll" and args.backend == "auto" else args.backend
-    target = ff.load(args.model, backend=backend, threads=args.threads,
-                     weights=getattr(args, "weights", "auto"))
-
-    def progress(items):
-        from tqdm.auto import tqdm
-
-        return tqdm(items, desc=f"eval {args.task}", unit="item", disable=args.quiet, file=sys.stderr,
-                    dynamic_ncols=True, mininterval=1.0)
-
-    if args.task == "nll":
-        result = eval_nll(target, args.data, heldout=args.heldout, max_length=args.max_length, limit=args.limit,
-                          noise_length=args.noise_length)
-    elif args.task == "gsm8k":
-        result = eval_gsm8k(target, rows, args, options, progress)
-    else:
-        result = eval_humaneval(target, rows, args, options, progress)
-    seconds = time.perf_counter() - t0
-    summary = {"task": args.task, "model": args.model, "seconds": round(seconds, 2)}
-    if args.task != "nll":
-        summary.update(method=args.method, max_new_tokens=args.max_new_tokens, data=str(path))
-    else:
-        summary["data"] = args.data
-    summary.update({k: v for k, v in result.items() if k != "samples"})
-    if reference is not None:
-        summary["agreement"] = compare_samples(args.task, result["samples"], reference)
-    if args.save:
-        Path(args.save).expanduser().write_text(json.dumps({**summary, "samples": result["samples"]}, indent=1))
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(summary_line(summary))
-    return 0
 
 
 def summary_line(s: dict) -> str:

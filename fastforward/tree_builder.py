@@ -15,9 +15,11 @@ applies, with one change for CPUs: the node budget is chosen from the measured c
    The order of addition is kept: every prefix of it is the greedy tree for a smaller budget.
 4. :func:`replay_tau` replays the recorded steps to get the tokens per forward τ(n) each prefix would have given
    (tree and retrieval chain together; :func:`expected_tau` is the rates-only model), :func:`choose_budget` picks
-   the n maximising τ(n)·t(1)/t(q(n)) from the cost curve t(q) of :func:`measure_forward_costs`.
+   the n maximising τ(n)·t(1)/t(q(n)) from the cost curve t(q) of :func:`measure_forward_costs`, interpolated by
+   :class:`~fastforward.costs.CostCurve`.
 
-``fastforward build-tree`` (``fastforward/cli_tree.py``) runs all of it and writes the tree as JSON.
+Calibration prompts come from question files (:func:`select_calibration`). ``fastforward build-tree``
+(``fastforward/cli/tree.py``) runs all of it and writes the tree as JSON.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from .costs import DEFAULT_QS, CostCurve, measure_forward_costs
 from .engine import Generation
 from .errors import UsageError
-from .profile import DEFAULT_QS, measure_forward_costs
 from .proposers.tr_jacobi import TREE_FORMAT, TRJacobiProposer, build_template
 
 __all__ = [
@@ -50,8 +52,39 @@ __all__ = [
     "measure_forward_costs",
     "replay_tau",
     "save_tree",
+    "select_calibration",
     "size_tree",
 ]
+
+
+def _pick(items: list, n: int, offset: int) -> list:
+    """n evenly spaced items starting at ``offset`` (wrapping), without repeats."""
+    if n >= len(items):
+        return list(items)
+    picked = []
+    for i in range(n):
+        item = items[(offset + (i * len(items)) // n) % len(items)]
+        if all(item is not p for p in picked):
+            picked.append(item)
+    return picked
+
+
+def select_calibration(questions: list, per_category: int | None, limit: int | None, offset: int) -> list:
+    """The calibration questions (records with a ``category``, as :mod:`fastforward.bench.questions` loads them):
+    from each category (``per_category``) or, with ``limit``, from the whole list (default 12), evenly spaced items
+    starting at index ``offset``.
+
+    With offset 11 on Spec-Bench's 80-question categories, ``per_category=2`` takes indices 11 and 51 (4 takes 11,
+    31, 51, 71): never among the first 8 of a category nor at the multiples of 10 or 20 the benchmark's evenly
+    spaced selection picks (its ``--per-category 4`` and ``8``), so calibration and benchmark prompts are disjoint.
+    """
+    if per_category is not None:
+        groups: dict[str, list] = {}
+        for q in questions:
+            groups.setdefault(q.category, []).append(q)
+        chosen = {id(q) for items in groups.values() for q in _pick(items, per_category, offset)}
+        return [q for q in questions if id(q) in chosen]
+    return _pick(questions, limit if limit is not None else 12, offset)
 
 
 def calibration_choices(width: int = 10, depth: int = 5) -> list[list[int]]:
@@ -217,16 +250,10 @@ def replay_tau(cal: Calibration, nodes: Sequence[Sequence[int]]) -> list[float]:
 
 
 def interpolate_cost(costs: dict, q: float) -> float:
-    """t(q) from measured points: piecewise linear between them, linear extrapolation from the last two beyond
-    the largest, the smallest point's cost below it."""
-    pts = sorted((int(k), float(v)) for k, v in costs.items())
-    if not pts:
-        raise UsageError("an empty cost curve")
-    if len(pts) == 1 or q <= pts[0][0]:
-        return pts[0][1]
-    i = next((i for i in range(len(pts) - 1) if q <= pts[i + 1][0]), len(pts) - 2)
-    (q0, t0), (q1, t1) = pts[i], pts[i + 1]
-    return t0 + (t1 - t0) * (q - q0) / (q1 - q0)
+    """t(q) from measured points (q -> ms), as :class:`~fastforward.costs.CostCurve` interpolates them: piecewise
+    linear and monotone, linear extrapolation from the last two beyond the largest, the smallest point's cost below
+    it."""
+    return CostCurve(dict(costs)).t(q)
 
 
 def choose_budget(taus: Sequence[float], costs: dict, extra_tokens=6, min_nodes: int = 1) -> tuple[int, list]:
@@ -240,10 +267,11 @@ def choose_budget(taus: Sequence[float], costs: dict, extra_tokens=6, min_nodes:
     total = sum(dist.values())
     if total <= 0:
         raise UsageError("extra_tokens weights must sum to a positive number")
-    t1 = interpolate_cost(costs, 1)
+    curve = CostCurve(dict(costs))
+    t1 = curve.t(1)
 
     def cost(n: int) -> float:
-        return sum(w * interpolate_cost(costs, n + e) for e, w in dist.items()) / total
+        return sum(w * curve.t(n + e) for e, w in dist.items()) / total
 
     speedups = [tau * t1 / cost(n) for n, tau in enumerate(taus)]
     best = max(range(min_nodes, len(taus)), key=lambda n: (speedups[n], -n))

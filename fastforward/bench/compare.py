@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .results import read_rows
-from .runner import BASELINE, first_divergence, logit_gap, turn_prompt
+from .runner import first_divergence, logit_gap, turn_prompt
+from .spec import BASELINE
 
 
 def ar_rows(out_dir: Path) -> dict[str, dict]:

@@ -9,44 +9,33 @@ with AR is recorded instead.
 
 from __future__ import annotations
 
+import json
 import re
 import time
-from dataclasses import dataclass, field
 
+from ..engine import Generation
 from ..errors import UsageError
+from ..proposers import available_methods, make_proposer
+from ..proposers._options import parse_options
+from ..verify import SamplingConfig
+from .peers import PEERS, make_peer_runner
+from .spec import BASELINE, MethodSpec, TurnOutcome
+
+__all__ = [
+    "BASELINE",
+    "EngineRunner",
+    "MethodSpec",
+    "TurnOutcome",
+    "apply_option_flags",
+    "effective_options",
+    "make_runner",
+    "parse_spec",
+    "parse_specs",
+    "resolve_specs",
+    "split_top_level",
+]
 
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-BASELINE = "ar"
-
-
-@dataclass
-class TurnOutcome:
-    """One generated turn: the tokens and how they were obtained."""
-
-    token_ids: list[int]
-    wall_time: float  # seconds, prefill included (what Spec-Bench times)
-    decoding_steps: int  # target forwards, prefill included
-    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per target forward
-    depth_attempts: list[int] = field(default_factory=list)
-    depth_accepts: list[int] = field(default_factory=list)
-    prefill_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    finish_reason: str = ""
-    method_stats: dict = field(default_factory=dict)
-
-
-@dataclass
-class MethodSpec:
-    label: str  # the column name in the report
-    method: str  # the registered method (or peer) name
-    options: dict = field(default_factory=dict)
-    kind: str = "method"  # "method" (our engine) or "peer" (another library)
-
-    def describe(self) -> str:
-        opts = ":".join(f"{k}={v}" for k, v in self.options.items())
-        body = self.method + (f":{opts}" if opts else "")
-        return body if self.label == self.method and not opts else f"{self.label}={body}"
 
 
 def split_top_level(text: str, sep: str = ",") -> list[str]:
@@ -72,8 +61,6 @@ def split_top_level(text: str, sep: str = ",") -> list[str]:
 
 def parse_spec(text: str, kind: str = "method") -> MethodSpec:
     """``pld`` | ``pld:k=5`` | ``pld-k5=pld:k=5:max_ngram=3`` -> :class:`MethodSpec`."""
-    from ..cli import parse_options
-
     head, _, opts = text.partition(":")
     label, eq, method = head.partition("=")
     if not eq:
@@ -86,7 +73,7 @@ def parse_spec(text: str, kind: str = "method") -> MethodSpec:
     pairs = split_top_level(opts, ":") if opts else []
     try:
         options = parse_options(pairs)
-    except Exception as exc:  # FastForwardError from parse_options
+    except Exception as exc:  # UsageError (not KEY=VALUE) or whatever literal_eval raised
         raise UsageError(f"in '{text}': {exc}") from None
     return MethodSpec(label, method, options, kind)
 
@@ -100,8 +87,6 @@ def parse_specs(values: list[str] | None, kind: str = "method") -> list[MethodSp
 
 def apply_option_flags(specs: list[MethodSpec], flags: list[str] | None) -> None:
     """``LABEL.KEY=VALUE`` flags (``--method-option``) set options of the spec with that label."""
-    from ..cli import parse_options
-
     by_label = {s.label: s for s in specs}
     for flag in flags or []:
         target, dot, pair = flag.partition(".")
@@ -114,9 +99,6 @@ def apply_option_flags(specs: list[MethodSpec], flags: list[str] | None) -> None
 
 def resolve_specs(methods: list[MethodSpec], peers: list[MethodSpec]) -> list[MethodSpec]:
     """Validate names, labels and options (no model needed); the baseline ``ar`` is always run, first."""
-    from ..proposers import available_methods
-    from .peers import PEERS
-
     registered = available_methods()
     for spec in methods:
         if spec.method not in registered:
@@ -149,15 +131,9 @@ def resolve_specs(methods: list[MethodSpec], peers: list[MethodSpec]) -> list[Me
 
 def effective_options(spec: MethodSpec) -> dict:
     """The options a spec runs with: the method's defaults updated by the given ones (as JSON would store them)."""
-    import json
-
     if spec.kind == "peer":
-        from .peers import PEERS
-
         defaults = dict(PEERS[spec.method].options) if spec.method in PEERS else {}
     else:
-        from ..proposers import available_methods
-
         info = available_methods().get(spec.method)
         defaults = info.options() if info is not None else {}
     return json.loads(json.dumps({**defaults, **spec.options}, default=str))
@@ -167,16 +143,10 @@ class EngineRunner:
     """Runs a registered fastforward method through the decode engine."""
 
     def __init__(self, spec: MethodSpec):
-        from ..proposers import available_methods
-
         self.spec = spec
         self.lossless = available_methods()[spec.method].lossless
 
     def generate(self, target, prompt_ids, *, max_new_tokens: int, temperature: float, seed) -> TurnOutcome:
-        from ..engine import Generation
-        from ..proposers import make_proposer
-        from ..verify import SamplingConfig
-
         proposer = make_proposer(self.spec.method, target, **self.spec.options)  # built outside the timing
         gen = Generation(target, prompt_ids, proposer, max_new_tokens=max_new_tokens,
                          sampling=SamplingConfig(temperature=temperature), seed=seed)
@@ -194,7 +164,5 @@ class EngineRunner:
 
 def make_runner(spec: MethodSpec):
     if spec.kind == "peer":
-        from .peers import make_peer_runner
-
         return make_peer_runner(spec)
     return EngineRunner(spec)

@@ -19,13 +19,15 @@ instead of counting mismatches.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import FastForwardError, UsageError
-from .methods import MethodSpec, TurnOutcome
+from ..model import resolve_model
+from .spec import MethodSpec, TurnOutcome
 
 #: how to get llama-cpp-python (the ``llamacpp`` extra of pyproject.toml)
 LLAMACPP_INSTALL = "pip install -e '.[llamacpp]' (builds llama.cpp from source, ~8 min)"
@@ -74,8 +76,6 @@ def require_llama_cpp():
 def gguf_path(model_name: str):
     """The GGUF file ``model_name`` (an alias or a path, as given to ``fastforward.load``) was loaded from, or a
     one-line :class:`UsageError` when it is not a GGUF model."""
-    from ..model import resolve_model
-
     need = "llama-cpp peers need a .gguf model (an alias such as smollm2-135m, or a .gguf file)"
     try:
         kind, path = resolve_model(model_name)
@@ -271,3 +271,30 @@ class LlamaCppRunner:
                 accept[s - 1] += 1
         return TurnOutcome(token_ids=new, wall_time=wall, decoding_steps=steps, accept_lengths=accept,
                            prefill_time=first, finish_reason=reason)
+
+
+def llama_cpp_forward_costs(gguf, qs, kv: int = 300, repeats: int = 7, threads: int | None = None) -> dict:
+    """Median milliseconds of one ``Llama.eval`` (llama.cpp's ``llama_decode``) of q tokens on a kv-token cache of
+    the same GGUF file, for each q: llama.cpp's own cost curve, measured the way
+    :func:`fastforward.costs.measure_forward_costs` measures ours."""
+    require_llama_cpp()
+    from llama_cpp import Llama
+
+    threads = threads or torch.get_num_threads()
+    llm = Llama(model_path=str(gguf), n_ctx=kv + max(qs) + 16, n_batch=max(512, max(qs)), n_threads=threads,
+                n_threads_batch=threads, verbose=False, logits_all=False)
+    g = torch.Generator().manual_seed(0)
+    vocab = llm.n_vocab()
+    llm.eval(torch.randint(0, vocab, (kv,), generator=g).tolist())
+    samples = {q: [] for q in qs}
+    for _ in range(3):
+        for q in qs:
+            tokens = torch.randint(0, vocab, (q,), generator=g).tolist()
+            for i in range(max(1, repeats // 3 + 1) + 1):
+                llm.n_tokens = kv  # eval() drops cache entries from n_tokens on: back to the kv-token prefix
+                t0 = time.perf_counter()
+                llm.eval(tokens)
+                if i:
+                    samples[q].append((time.perf_counter() - t0) * 1000)
+    llm.close()
+    return {q: statistics.median(v) for q, v in samples.items()}

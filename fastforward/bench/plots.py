@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .methods import BASELINE
-from .report import OVERALL
+from .spec import BASELINE, OVERALL
 
 
 def _pyplot():

@@ -26,12 +26,12 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from .methods import BASELINE
+from .plots import write_plots
 from .results import write_atomic
+from .spec import BASELINE, OVERALL
 
 HF_GENERATE = "hf-generate"
 LLAMA_CPP = "llama-cpp"
-OVERALL = "overall"
 
 #: peers every method is also compared with when they ran: (label, summary.json key, report title, explanation)
 REFERENCE_PEERS = (
@@ -459,8 +459,6 @@ def write_report(out_dir, rows: list[dict], plots: bool = True) -> dict:
     summary = aggregate(rows)
     files = []
     if plots:
-        from .plots import write_plots
-
         files = write_plots(summary, out_dir)
     write_atomic(out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
     write_atomic(out_dir / "report.md", render_markdown(summary, files))

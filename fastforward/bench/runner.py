@@ -29,9 +29,12 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from .methods import BASELINE, MethodSpec, TurnOutcome, effective_options, make_runner
+from ..version import __version__
+from .methods import effective_options, make_runner
 from .questions import Question
+from .report import write_report
 from .results import RESULTS, ResultsWriter, read_rows, rewrite, row_key
+from .spec import BASELINE, MethodSpec, TurnOutcome
 
 #: |logit gap| at or below this (in logits) marks a divergence as a floating-point near-tie rather than a bug
 NEAR_TIE = 1e-2
@@ -73,8 +76,6 @@ def git_commit() -> str:
 
 def environment() -> dict:
     import transformers
-
-    from .. import __version__
 
     software = {
         "python": platform.python_version(),
@@ -447,8 +448,6 @@ def run_bench(
             bar.close()
     rows = read_rows(path)
     if report:
-        from .report import write_report
-
         write_report(out_dir, rows)
     return rows
 

@@ -1,29 +1,31 @@
-"""The ``fastforward`` command line.
+"""The ``fastforward`` command line: the top layer of the package.
 
-Each subcommand lives in a module that provides ``add_arguments(parser)`` and ``run(args) -> int``; they are
-imported only when used, so ``fastforward --help`` stays fast.
+Each subcommand lives in a module of this package that provides ``add_arguments(parser, name)`` and
+``run(args, name) -> int``; the libraries it drives (``fastforward.bench``, ``fastforward.train``,
+``fastforward.evaluate``, ``fastforward.tree_builder``, ``fastforward.costs``) take plain values, never an argparse
+namespace, and never import this package. Options several commands share are declared once, in :mod:`.options`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
 import os
 import sys
 
-from .errors import FastForwardError
+from ..errors import FastForwardError
+from ..version import __version__
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "generate": ("fastforward.cli_generate", "generate text from a prompt with a decoding method"),
-    "methods": ("fastforward.cli_generate", "list the decoding methods and their options"),
-    "profile": ("fastforward.profile", "measure the target forward's cost per number of new tokens"),
-    "bench": ("fastforward.bench.cli", "benchmark methods side by side on question files"),
-    "train": ("fastforward.train.cli", "fine-tune a model for faster parallel decoding (train msn ...)"),
-    "eval": ("fastforward.evaluate", "task quality of a model: held-out NLL, GSM8K accuracy, HumanEval pass@1"),
-    "build-tree": ("fastforward.cli_tree", "measure and build a TR-Jacobi tree sized for this machine"),
-    "collect-trajectories": ("fastforward.train.trajectories", "collect Jacobi trajectories for CLLM training"),
+    "generate": ("fastforward.cli.generate", "generate text from a prompt with a decoding method"),
+    "methods": ("fastforward.cli.generate", "list the decoding methods and their options"),
+    "profile": ("fastforward.cli.profile", "measure the target forward's cost per number of new tokens"),
+    "bench": ("fastforward.cli.bench", "benchmark methods side by side on question files"),
+    "train": ("fastforward.cli.train", "fine-tune a model for faster parallel decoding (train msn ...)"),
+    "eval": ("fastforward.cli.eval", "task quality of a model: held-out NLL, GSM8K accuracy, HumanEval pass@1"),
+    "build-tree": ("fastforward.cli.tree", "measure and build a TR-Jacobi tree sized for this machine"),
+    "collect-trajectories": ("fastforward.cli.trajectories", "collect Jacobi trajectories for CLLM training"),
 }
 
 
@@ -34,27 +36,11 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def parse_options(pairs: list[str] | None) -> dict:
-    """``["k=3", "tree=path.json"]`` -> ``{"k": 3, "tree": "path.json"}`` (values as Python literals when valid)."""
-    options = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise FastForwardError(f"method option '{pair}' is not KEY=VALUE")
-        try:
-            options[key.replace("-", "_")] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            options[key.replace("-", "_")] = value
-    return options
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="fastforward",
         description="Lossless parallel decoding for causal language models: the same output, sooner.",
     )
-    from . import __version__
-
     parser.add_argument("--version", action="version", version=f"fastforward {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, (module, help_text) in COMMANDS.items():
@@ -106,6 +92,3 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

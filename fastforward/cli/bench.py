@@ -1,4 +1,5 @@
-"""``fastforward bench``: measure decoding methods side by side on question files.
+"""``fastforward bench``: measure decoding methods side by side on question files (the harness is
+:mod:`fastforward.bench`).
 
 Method specs: ``[LABEL=]METHOD[:KEY=VALUE[:KEY=VALUE...]]``, comma-separated, e.g.
 ``--methods ar,pld,pld-long=pld:num_pred_tokens=20,tr-jacobi-69=tr-jacobi:tree=trees/msn69.json``.
@@ -11,7 +12,18 @@ import shlex
 import sys
 from pathlib import Path
 
+import fastforward as ff
+
+from ..bench.compare import compare_ar, write_comparison
+from ..bench.methods import apply_option_flags, parse_specs, resolve_specs
+from ..bench.peers import check_peers
+from ..bench.questions import load_questions, select_questions
+from ..bench.report import write_report
+from ..bench.results import require_results
+from ..bench.runner import precheck, run_bench
 from ..errors import UsageError
+from ..proposers import available_methods
+from .options import add_model_arguments
 
 
 def add_arguments(p, name: str) -> None:
@@ -37,13 +49,9 @@ def add_arguments(p, name: str) -> None:
                    help="also run other libraries on the same prompts: hf-generate, hf-pld, llama-cpp, "
                         "llama-cpp-pld (comma-separated, same spec syntax; llama-cpp needs a .gguf model and "
                         "llama-cpp-python)")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="alias, local HF folder or .gguf file (default: %(default)s)")
-    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"], help="target forward (default: auto)")
-    p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8"],
-                   help="weight storage (see fastforward generate --help; default: auto)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads, fixed for the run and recorded (default: torch's choice, recorded)")
+    add_model_arguments(p, threads_help="torch threads, fixed for the run and recorded (default: torch's choice, "
+                                        "recorded)",
+                        weights_help="weight storage (see fastforward generate --help; default: auto)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples and skips the losslessness check")
@@ -86,7 +94,7 @@ def canonical_command(args, specs, peers) -> str:
     parts += ["--model", args.model]
     if args.backend != "auto":
         parts += ["--backend", args.backend]
-    if getattr(args, "weights", "auto") != "auto":
+    if args.weights != "auto":
         parts += ["--weights", args.weights]
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
@@ -113,11 +121,6 @@ def _print_overall(summary: dict, out_dir: Path) -> None:
 
 
 def run(args, name: str) -> int:
-    from .methods import apply_option_flags, parse_specs, resolve_specs
-    from .questions import load_questions, select_questions
-    from .report import write_report
-    from .results import require_results
-
     out_dir = Path(args.out).expanduser()
     if args.report_only:
         rows = require_results(out_dir)
@@ -136,12 +139,8 @@ def run(args, name: str) -> int:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.compare_ar and not (Path(args.compare_ar) / "results.jsonl").is_file():
         raise UsageError(f"--compare-ar: no results.jsonl in {args.compare_ar}")
-    from ..proposers import available_methods
-
     methods = []
     for spec in parse_specs(args.methods or ["all"]):
         if spec.label == spec.method == "all" and not spec.options:  # every registered method, defaults
@@ -152,25 +151,17 @@ def run(args, name: str) -> int:
     peers = parse_specs([args.peers] if args.peers else [], kind="peer")
     apply_option_flags(methods + peers, args.method_option)
     specs = resolve_specs(methods, peers)
-    from .peers import check_peers
-
     check_peers(peers, args.model)  # llama.cpp peers: a GGUF model and llama-cpp-python, before any work
     questions = load_questions(_split(args.questions), fold_mt_bench=not args.mt_bench_subcategories)
     questions = select_questions(questions, _split([args.categories]) if args.categories else None,
                                  args.per_category, args.limit, spread=args.select == "spread")
-    from .runner import precheck, run_bench
-
     known = {"model": args.model, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
              "seed": args.seed}
     if args.threads is not None:
         known["threads"] = args.threads
     precheck(out_dir, known, args.force)
     out_dir.mkdir(parents=True, exist_ok=True)
-
-    import fastforward as ff
-
-    target = ff.load(args.model, backend=args.backend, threads=args.threads,
-                     weights=getattr(args, "weights", "auto"))
+    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     command = canonical_command(args, [s for s in specs if s.kind == "method"], [s for s in specs if s.kind == "peer"])
     print(f"fastforward bench: {len(questions)} questions x {len(specs)} methods x {args.repeats} repeat(s) "
           f"-> {out_dir / 'results.jsonl'}", file=sys.stderr)
@@ -180,8 +171,6 @@ def run(args, name: str) -> int:
     summary = write_report(out_dir, require_results(out_dir))
     _print_overall(summary, out_dir)
     if args.compare_ar:
-        from .compare import compare_ar, write_comparison
-
         result = compare_ar(target, questions, out_dir, Path(args.compare_ar))
         path = write_comparison(result, out_dir, Path(args.compare_ar))
         print(f"AR outputs vs {args.compare_ar}: {result['identical']}/{result['questions']} questions identical "

@@ -6,7 +6,11 @@ import json
 import sys
 import time
 
-from .errors import UsageError
+import fastforward as ff
+
+from ..errors import UsageError
+from ..proposers import available_methods
+from .options import add_method_option_argument, add_model_arguments, parse_options
 
 
 def _prefill_progress(min_tokens: int = 1024):
@@ -23,28 +27,13 @@ def _prefill_progress(min_tokens: int = 1024):
     return report
 
 
-def add_model_arguments(p) -> None:
-    """Options shared by every command that loads a model."""
-    p.add_argument(
-        "--model", default="smollm2-135m", help="alias, local HF folder or .gguf file (default: %(default)s)",
-    )
-    p.add_argument("--backend", default="auto", choices=["auto", "lean", "hf"], help="target forward (default: auto)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8"],
-                   help="weight storage: auto (a GGUF's own quantised blocks, packed; an HF folder's fp32), fp32 "
-                        "(a GGUF dequantised), bf16 / int8 (HF folders, opt-in: a different model, reproduced "
-                        "exactly by every method) (default: auto)")
-
-
 def add_arguments(p, name: str) -> None:
     if name == "methods":
         p.add_argument("--json", action="store_true", help="print as JSON")
         return
     p.add_argument("prompt", help="the user message (chat-templated unless --no-chat); '-' reads standard input")
     p.add_argument("--method", default="ar", help="decoding method, see 'fastforward methods' (default: ar)")
-    p.add_argument(
-        "-o", "--option", action="append", metavar="KEY=VALUE", help="a method option, e.g. -o k=10 (repeatable)"
-    )
+    add_method_option_argument(p)
     add_model_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=256, help="(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
@@ -60,9 +49,6 @@ def add_arguments(p, name: str) -> None:
 
 
 def run(args, name: str) -> int:
-    from .cli import parse_options
-    from .proposers import available_methods
-
     if name == "methods":
         methods = available_methods()
         if args.json:
@@ -74,8 +60,6 @@ def run(args, name: str) -> int:
             print(f"{m.name:<12} {m.summary}\n{'':<12} lossless: {'yes' if m.lossless else 'no'}; options: {opts}"
                   + (f"; from: {m.source}" if m.source and m.source != '-' else ""))
         return 0
-
-    import fastforward as ff
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
@@ -95,8 +79,7 @@ def run(args, name: str) -> int:
     if args.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     t_load = time.perf_counter()
-    target = ff.load(args.model, backend=args.backend, threads=args.threads,
-                     weights=getattr(args, "weights", "auto"))
+    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     load_seconds = time.perf_counter() - t_load
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -1,33 +1,181 @@
 """``fastforward train METHOD ...``: one sub-command per training method.
 
-A method is a module with ``SUMMARY``, ``add_arguments(parser)`` and ``run(args) -> int``, registered in
-:data:`METHODS`; adding one (``train cllm``) is one line here.
+A method is a row of :data:`METHODS`: a one-line summary, a function adding its own options and a function running
+it from the parsed arguments. The training itself is :mod:`fastforward.train` (a :class:`TrainConfig` and a
+method object in, no argparse namespace).
 """
 
 from __future__ import annotations
 
-import importlib
+import json
+import sys
+from pathlib import Path
 
 from ..errors import UsageError
+from ..train.cllm import CLLM, LOSSES, check_loss_settings, trajectories_file
+from ..train.msn import MSN
+from ..train.trainer import DEFAULT_LORA_RANK, TrainConfig, report, train
+from ..train.trajectories import META
+from .options import add_model_argument, add_threads_argument
 
-# method -> module (SUMMARY, add_arguments, run)
+# ------------------------------------------------------------------------------------------------------------------
+# Options every method shares
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def add_training_arguments(p, data: bool = True) -> None:
+    """The options every method shares. ``data=False`` leaves out ``--data`` and ``--heldout``, for a method that
+    reads its own training set (it passes ``data`` and ``heldout`` to :func:`config_from_args`)."""
+    add_model_argument(p, "base model")
+    if data:
+        p.add_argument("--data", required=True,
+                       help="training file(s), comma-separated: alpaca-style .json/.jsonl, GSM8K .jsonl, "
+                            "prompt/response")
+    p.add_argument("--out", required=True, help="output folder: the final model, checkpoints/ and train_log.jsonl")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the data (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps; overrides --epochs")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 2e-4 with LoRA, 2e-5 with --full)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch and process (default: 4)")
+    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per optimizer step (default: 4)")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per sequence, prompt included (default: 512)")
+    p.add_argument("--no-group-by-length", dest="group_by_length", action="store_false",
+                   help="batch sequences in random order instead of grouping similar lengths (less padding)")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--lora", type=int, metavar="R", default=None,
+                      help=f"train LoRA adapters of rank R on every linear projection (default: {DEFAULT_LORA_RANK})")
+    kind.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default: 2 x rank)")
+    p.add_argument("--seed", type=int, default=0, help="data order, subsampling, noise and LoRA init (default: 0)")
+    p.add_argument("--limit", type=int, default=None, help="train on a seeded random subset of N records")
+    if data:
+        p.add_argument("--heldout", type=float, default=0.05,
+                       help="fraction of records held out for 'fastforward eval --task nll' (default: %(default)s)")
+    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (default: %(default)s)")
+    p.add_argument("--keep-checkpoints", type=int, default=1, help="checkpoints kept (default: %(default)s)")
+    p.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of the steps (default: %(default)s)")
+    p.add_argument("--schedule", default="cosine", choices=["linear", "cosine", "constant"],
+                   help="learning-rate schedule after warmup (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, 0 = off (default: 1.0)")
+    add_threads_argument(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def config_from_args(args, extra: dict | None = None, *, data: str | None = None,
+                     heldout: float | None = None) -> TrainConfig:
+    """The validated :class:`TrainConfig` of the shared options (``data``/``heldout`` given by a method that reads
+    its own training set)."""
+    lora = 0 if args.full else (DEFAULT_LORA_RANK if args.lora is None else args.lora)
+    if args.lora is not None and args.lora <= 0:
+        raise UsageError(f"--lora must be a positive rank, got {args.lora}")
+    cfg = TrainConfig(
+        model=args.model, data=args.data if data is None else data, out=args.out, epochs=args.epochs,
+        max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        max_length=args.max_length, group_by_length=args.group_by_length, lora=lora, lora_alpha=args.lora_alpha,
+        seed=args.seed, limit=args.limit, heldout=args.heldout if heldout is None else heldout,
+        save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, warmup=args.warmup,
+        schedule=args.schedule, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        threads=args.threads, quiet=args.quiet, extra=dict(extra or {}),
+    )
+    cfg.validate()
+    return cfg
+
+
+def _train(cfg: TrainConfig, method) -> int:
+    result = train(cfg, method)
+    if result.main_process:
+        print(report(result))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# fastforward train msn
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def add_msn_arguments(p) -> None:
+    add_training_arguments(p)
+    g = p.add_argument_group("noise")
+    g.add_argument("--noise-length", type=int, default=4, help="tokens per noise segment (default: %(default)s)")
+    g.add_argument("--noise-location", default="random", choices=["random", "ppl"],
+                   help="random segment, or the lowest-loss one under the current model (default: %(default)s)")
+    g.add_argument("--no-noise", action="store_true", help="no noise: the plain SFT baseline, same code path")
+
+
+def run_msn(args) -> int:
+    if args.noise_length <= 0:
+        raise UsageError(f"--noise-length must be a positive integer, got {args.noise_length}")
+    location = "none" if args.no_noise else args.noise_location
+    cfg = config_from_args(args, {"noise_length": args.noise_length, "noise_location": location})
+    return _train(cfg, MSN(args.noise_length, location, cfg.seed))  # pad id 0: padding is masked out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# fastforward train cllm
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def add_cllm_arguments(p) -> None:
+    p.add_argument("--trajectories", required=True,
+                   help="a 'fastforward collect-trajectories' output folder (or its trajectories.jsonl)")
+    add_training_arguments(p, data=False)
+    g = p.add_argument_group("consistency")
+    g.add_argument("--loss", default="global", choices=LOSSES,
+                   help="global (eq. 4: any state -> fixed point) or local (eq. 5: state -> next state) "
+                        "(default: %(default)s)")
+    g.add_argument("--ar-weight", type=float, default=10.0, help="w in eq. 7 (default: %(default)s, as official)")
+    g.add_argument("--label-smoothing", type=float, default=0.1,
+                   help="label smoothing of the AR loss (default: %(default)s, as official)")
+    g.add_argument("--no-mask", dest="mask", action="store_false",
+                   help="also average the KL over the state's converged prefix (zero-KL positions)")
+
+
+def _note_incomplete(path: Path, quiet: bool) -> None:
+    """Say so (stderr) when the collection's meta.json reports unfinished prompts: training uses what is there."""
+    try:
+        meta = json.loads((path.parent / META).read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if not quiet and not meta.get("complete", True):
+        print(f"note: the collection in {path.parent} is not complete ({meta.get('prompts_done')}/"
+              f"{meta.get('prompts_total')} prompts); training on the {meta.get('records')} records it has",
+              file=sys.stderr)
+
+
+def run_cllm(args) -> int:
+    check_loss_settings(args.loss, args.ar_weight, args.label_smoothing)
+    path = trajectories_file(args.trajectories)
+    _note_incomplete(path, args.quiet)
+    extra = {"loss": args.loss, "ar_weight": args.ar_weight, "label_smoothing": args.label_smoothing,
+             "mask": args.mask}
+    cfg = config_from_args(args, extra, data=str(path), heldout=0.0)
+    return _train(cfg, CLLM(args.loss, args.ar_weight, args.label_smoothing, args.mask, cfg.seed))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The command
+# ------------------------------------------------------------------------------------------------------------------
+
+# method -> (summary, add its arguments, run it)
 METHODS = {
-    "msn": "fastforward.train.msn",
-    "cllm": "fastforward.train.cllm",
+    "msn": ("MSN noisy SFT: ahead noise in one response segment per sample (--no-noise = plain SFT)",
+            add_msn_arguments, run_msn),
+    "cllm": ("CLLM consistency training on Jacobi trajectories (collect them with 'fastforward collect-trajectories')",
+             add_cllm_arguments, run_cllm),
 }
 
 
 def add_arguments(p, name: str) -> None:
     sub = p.add_subparsers(dest="train_method", metavar="METHOD", parser_class=type(p))
-    for method, module in METHODS.items():
-        mod = importlib.import_module(module)
-        mp = sub.add_parser(method, help=mod.SUMMARY, description=mod.SUMMARY)
-        mp.set_defaults(_train_module=module)
-        mod.add_arguments(mp)
+    for method, (summary, add, _) in METHODS.items():
+        mp = sub.add_parser(method, help=summary, description=summary)
+        mp.set_defaults(_train_method=method)
+        add(mp)
 
 
 def run(args, name: str) -> int:
-    module = getattr(args, "_train_module", None)
-    if module is None:
+    method = getattr(args, "_train_method", None)
+    if method is None:
         raise UsageError(f"give a training method: {', '.join(METHODS)} (see 'fastforward train --help')")
-    return int(importlib.import_module(module).run(args) or 0)
+    return int(METHODS[method][2](args) or 0)

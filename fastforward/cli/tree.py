@@ -1,11 +1,13 @@
-"""``fastforward build-tree``: measure, build and size a TR-Jacobi tree for a model on this machine.
+"""``fastforward build-tree``: measure, build and size a TR-Jacobi tree for a model on this machine
+(the work is :mod:`fastforward.tree_builder`'s).
 
 Calibration prompts come from question files (Spec-Bench / MT-Bench ``turns``, ``prompt``, ``question``,
 ``instruction`` records; see ``fastforward/bench/questions.py``). From each category (or, with ``--limit``, from the
 whole list) evenly spaced questions are taken starting at index ``--offset`` (default 11): on Spec-Bench's
 80-question categories, ``--per-category 2`` takes indices 11 and 51 (4 takes 11, 31, 51, 71), never among the
 first 8 of a category nor at the multiples of 10 or 20 the benchmark's evenly spaced selection picks (its
-``--per-category 4`` and ``8``), so calibration and benchmark prompts are disjoint.
+``--per-category 4`` and ``8``), so calibration and benchmark prompts are disjoint
+(:func:`fastforward.tree_builder.select_calibration`).
 
 ``--from TREE`` re-sizes a tree built earlier: its measured acceptance (``greedy_order``, ``tau_by_nodes``) is kept
 and only the cost curve is measured again, for when the engine or the machine changed.
@@ -13,15 +15,20 @@ and only the cost curve is measured again, for when the engine or the machine ch
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
-from .errors import UsageError
+import fastforward as ff
+
+from ..bench.questions import load_questions
+from ..errors import UsageError
+from ..proposers.tr_jacobi import installed_tree_path, model_key
+from ..tree_builder import build_tree, cost_qs, measure_costs, save_tree, select_calibration, size_tree
+from .options import add_model_arguments
 
 
 def add_arguments(p, name: str) -> None:
-    from .cli_generate import add_model_arguments
-
     p.add_argument("--prompts", nargs="+", metavar="FILE", help="calibration question files (jsonl/json)")
     p.add_argument("--from", dest="from_tree", metavar="TREE",
                    help="instead of calibrating, re-size a tree built earlier: keep its measured acceptance, "
@@ -45,36 +52,12 @@ def add_arguments(p, name: str) -> None:
                    help="do not install the tree as this model's default tr-jacobi tree (in the fastforward cache)")
 
 
-def _pick(items: list, n: int, offset: int) -> list:
-    """n evenly spaced items starting at ``offset`` (wrapping), without repeats."""
-    if n >= len(items):
-        return list(items)
-    picked = []
-    for i in range(n):
-        item = items[(offset + (i * len(items)) // n) % len(items)]
-        if all(item is not p for p in picked):
-            picked.append(item)
-    return picked
-
-
-def select_calibration(questions: list, per_category: int | None, limit: int | None, offset: int) -> list:
-    if per_category is not None:
-        groups: dict[str, list] = {}
-        for q in questions:
-            groups.setdefault(q.category, []).append(q)
-        chosen = {id(q) for items in groups.values() for q in _pick(items, per_category, offset)}
-        return [q for q in questions if id(q) in chosen]
-    return _pick(questions, limit if limit is not None else 12, offset)
-
-
 def _positive(value, flag: str) -> None:
     if value is not None and value < 1:
         raise UsageError(f"{flag} must be a positive integer, got {value}")
 
 
 def _read_built_tree(path: str) -> dict:
-    import json
-
     file = Path(path).expanduser()
     try:
         data = json.loads(file.read_text())
@@ -114,19 +97,12 @@ def _validate(args) -> tuple[int | str, list]:
         raise UsageError(f"--out: the folder {out.parent} does not exist")
     if args.from_tree is not None:
         return budget, [_read_built_tree(args.from_tree)]
-    from .bench.questions import load_questions
-
     questions = load_questions(args.prompts)
     return budget, select_calibration(questions, args.per_category, args.limit, args.offset)
 
 
 def run(args, name: str) -> int:
     budget, questions = _validate(args)  # everything checkable before the (slow) model load
-
-    import fastforward as ff
-
-    from .proposers.tr_jacobi import installed_tree_path, model_key
-    from .tree_builder import build_tree, cost_qs, measure_costs, save_tree, size_tree
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -135,15 +111,13 @@ def run(args, name: str) -> int:
         built = questions[0]
         if model_key(str(built.get("model", ""))) != model_key(args.model):
             raise UsageError(f"--from: that tree was calibrated on '{built.get('model')}', not '{args.model}'")
-        target = ff.load(args.model, backend=args.backend, threads=args.threads,
-                     weights=getattr(args, "weights", "auto"))
+        target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
         qs = cost_qs(len(built["greedy_order"]), int(built["retrieval_len"]))
         costs, sweeps = measure_costs(target, qs, args.kv, args.repeats, 2, progress)
         data = size_tree(built, costs, budget, sweeps, args.kv, target)
         data["resized_from"] = str(args.from_tree)
     else:
-        target = ff.load(args.model, backend=args.backend, threads=args.threads,
-                     weights=getattr(args, "weights", "auto"))
+        target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
         progress(f"{len(questions)} calibration prompts: "
                  + ", ".join(f"{q.category}:{q.question_id}" for q in questions))
         prompts = [target.encode(q.turns[0]) for q in questions]

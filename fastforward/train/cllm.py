@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from .data import subsample
+from .trainer import pad_batch, seed_key
+from .trajectories import TRAJECTORIES
 
 LOSSES = ("global", "local")
 
@@ -120,8 +123,6 @@ def _block_logits(logits, start: int, block_starts, n: int):
 
 def trajectories_file(spec: str) -> Path:
     """The trajectories.jsonl of a collection folder (or the file itself); a one-line error when missing."""
-    from .trajectories import TRAJECTORIES
-
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / TRAJECTORIES
@@ -180,8 +181,6 @@ class CLLM:
 
     # The trainer reads the training set through this (instead of --data's instruction/response records).
     def load_records(self, cfg, tokenizer):
-        from .data import subsample
-
         records, dropped = read_records(cfg.data, cfg.max_length)
         if not records and dropped:
             raise UsageError(f"no trajectory record fits --max-length {cfg.max_length}")
@@ -191,8 +190,6 @@ class CLLM:
 
     def collate(self, examples, key: int) -> dict:
         import torch
-
-        from .trainer import pad_batch, seed_key
 
         g = torch.Generator().manual_seed(seed_key(self.seed, key))
         batch = pad_batch(examples, self.pad_id)  # the clean prompt + answer sequences, labels on the answer
@@ -290,61 +287,3 @@ def check_loss_settings(loss: str, ar_weight: float, label_smoothing: float) -> 
         raise UsageError(f"--ar-weight must be >= 0, got {ar_weight}")
     if not 0.0 <= label_smoothing < 1.0:
         raise UsageError(f"--label-smoothing must be in [0, 1), got {label_smoothing}")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# fastforward train cllm
-# ------------------------------------------------------------------------------------------------------------------
-
-SUMMARY = "CLLM consistency training on Jacobi trajectories (collect them with 'fastforward collect-trajectories')"
-
-
-def add_arguments(p) -> None:
-    from .trainer import add_training_arguments
-
-    p.add_argument("--trajectories", required=True,
-                   help="a 'fastforward collect-trajectories' output folder (or its trajectories.jsonl)")
-    add_training_arguments(p, data=False)
-    g = p.add_argument_group("consistency")
-    g.add_argument("--loss", default="global", choices=LOSSES,
-                   help="global (eq. 4: any state -> fixed point) or local (eq. 5: state -> next state) "
-                        "(default: %(default)s)")
-    g.add_argument("--ar-weight", type=float, default=10.0, help="w in eq. 7 (default: %(default)s, as official)")
-    g.add_argument("--label-smoothing", type=float, default=0.1,
-                   help="label smoothing of the AR loss (default: %(default)s, as official)")
-    g.add_argument("--no-mask", dest="mask", action="store_false",
-                   help="also average the KL over the state's converged prefix (zero-KL positions)")
-
-
-def _note_incomplete(path: Path, quiet: bool) -> None:
-    """Say so (stderr) when the collection's meta.json reports unfinished prompts: training uses what is there."""
-    import sys
-
-    from .trajectories import META
-
-    try:
-        meta = json.loads((path.parent / META).read_text())
-    except (OSError, json.JSONDecodeError):
-        return
-    if not quiet and not meta.get("complete", True):
-        print(f"note: the collection in {path.parent} is not complete ({meta.get('prompts_done')}/"
-              f"{meta.get('prompts_total')} prompts); training on the {meta.get('records')} records it has",
-              file=sys.stderr)
-
-
-def run(args) -> int:
-    from .trainer import config_from_args, report, train
-
-    check_loss_settings(args.loss, args.ar_weight, args.label_smoothing)
-    path = trajectories_file(args.trajectories)
-    args.data = str(path)
-    _note_incomplete(path, args.quiet)
-    args.heldout = 0.0
-    extra = {"loss": args.loss, "ar_weight": args.ar_weight, "label_smoothing": args.label_smoothing,
-             "mask": args.mask}
-    cfg = config_from_args(args, extra)
-    method = CLLM(args.loss, args.ar_weight, args.label_smoothing, args.mask, cfg.seed)
-    result = train(cfg, method)
-    if result.main_process:
-        print(report(result))
-    return 0

@@ -14,12 +14,13 @@ which is what a Jacobi iteration feeds it.
 * ``--no-noise`` trains through the same code path without noise: the plain SFT baseline.
 
 The noise functions below are pure (tensors and a ``torch.Generator`` in, tensors out); :class:`NoiseCollator` is
-the seeded collator the trainer uses, and ``fastforward train msn`` the command.
+the seeded collator the trainer uses (``fastforward train msn``, in ``fastforward/cli/train.py``, runs it).
 """
 
 from __future__ import annotations
 
 from ..errors import UsageError
+from .trainer import pad_batch, seed_key, token_losses
 
 LOCATIONS = ("random", "ppl", "none")
 
@@ -110,14 +111,10 @@ class NoiseCollator:
     def generator(self, key: int):
         import torch
 
-        from .trainer import seed_key
-
         return torch.Generator().manual_seed(seed_key(self.seed, key))
 
     def __call__(self, examples, key: int = 0) -> dict:
         import torch
-
-        from .trainer import pad_batch
 
         batch = pad_batch(examples, self.pad_id)
         batch["clean_input_ids"] = batch["input_ids"]
@@ -151,8 +148,6 @@ class MSN:
     def loss(self, model, batch):
         import torch
 
-        from .trainer import token_losses
-
         ids = batch["input_ids"]
         starts = batch["noise_start"]
         if self.location == "ppl":
@@ -171,37 +166,3 @@ class MSN:
             "noise_length": self.collator.noise_length, "noise_location": self.location,
             "sequences_seen": self.sequences, "sequences_noised": self.noised,
         }
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# fastforward train msn
-# ------------------------------------------------------------------------------------------------------------------
-
-SUMMARY = "MSN noisy SFT: ahead noise in one response segment per sample (--no-noise = plain SFT)"
-
-
-def add_arguments(p) -> None:
-    from .trainer import add_training_arguments
-
-    add_training_arguments(p)
-    g = p.add_argument_group("noise")
-    g.add_argument("--noise-length", type=int, default=4, help="tokens per noise segment (default: %(default)s)")
-    g.add_argument("--noise-location", default="random", choices=["random", "ppl"],
-                   help="random segment, or the lowest-loss one under the current model (default: %(default)s)")
-    g.add_argument("--no-noise", action="store_true", help="no noise: the plain SFT baseline, same code path")
-
-
-def run(args) -> int:
-    from .trainer import config_from_args, report, train
-
-    if args.noise_length <= 0:
-        raise UsageError(f"--noise-length must be a positive integer, got {args.noise_length}")
-    location = "none" if args.no_noise else args.noise_location
-    extra = {"noise_length": args.noise_length, "noise_location": location}
-    cfg = config_from_args(args, extra)
-    method = MSN(args.noise_length, location, cfg.seed)  # pad id 0: padding is masked out
-    result = train(cfg, method)
-    if result.main_process:
-        print(report(result))
-    return 0
-

@@ -1,4 +1,5 @@
-"""The training loop shared by every training method (``fastforward train METHOD``).
+"""The training loop shared by every training method (``fastforward train METHOD``, whose options are declared in
+``fastforward/cli/train.py``: this module takes a :class:`TrainConfig`, not an argparse namespace).
 
 A method supplies two things (see :class:`TrainingMethod`): ``collate`` (tokenized examples -> a batch, with the
 number of loss tokens) and ``loss`` (model, batch -> the *sum* of the per-token losses). Everything else is here:
@@ -32,7 +33,10 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import fastforward as ff
+
 from ..errors import UsageError
+from .data import check_heldout, encode_examples, parse_paths, read_examples, split_examples, subsample
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -111,75 +115,11 @@ class TrainConfig:
             raise UsageError("--weight-decay and --max-grad-norm must be >= 0")
         if self.max_length < 2:
             raise UsageError(f"--max-length must be at least 2, got {self.max_length}")
-        from .data import check_heldout, parse_paths
-
         check_heldout(self.heldout)
         parse_paths(self.data)
         out = Path(self.out).expanduser()
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out {out} exists and is not a directory")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Command-line options shared by every method
-# ------------------------------------------------------------------------------------------------------------------
-
-
-def add_training_arguments(p, data: bool = True) -> None:
-    """The options every method shares. ``data=False`` leaves out ``--data`` and ``--heldout``, for a method that
-    reads its own training set (it sets ``args.data`` and ``args.heldout`` before :func:`config_from_args`)."""
-    p.add_argument("--model", default="smollm2-135m",
-                   help="base model: alias, local HF folder or .gguf file (default: %(default)s)")
-    if data:
-        p.add_argument("--data", required=True,
-                       help="training file(s), comma-separated: alpaca-style .json/.jsonl, GSM8K .jsonl, "
-                            "prompt/response")
-    p.add_argument("--out", required=True, help="output folder: the final model, checkpoints/ and train_log.jsonl")
-    p.add_argument("--epochs", type=int, default=1, help="passes over the data (default: %(default)s)")
-    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps; overrides --epochs")
-    p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default: 2e-4 with LoRA, 2e-5 with --full)")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch and process (default: 4)")
-    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per optimizer step (default: 4)")
-    p.add_argument("--max-length", type=int, default=512, help="tokens per sequence, prompt included (default: 512)")
-    p.add_argument("--no-group-by-length", dest="group_by_length", action="store_false",
-                   help="batch sequences in random order instead of grouping similar lengths (less padding)")
-    kind = p.add_mutually_exclusive_group()
-    kind.add_argument("--lora", type=int, metavar="R", default=None,
-                      help=f"train LoRA adapters of rank R on every linear projection (default: {DEFAULT_LORA_RANK})")
-    kind.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
-    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default: 2 x rank)")
-    p.add_argument("--seed", type=int, default=0, help="data order, subsampling, noise and LoRA init (default: 0)")
-    p.add_argument("--limit", type=int, default=None, help="train on a seeded random subset of N records")
-    if data:
-        p.add_argument("--heldout", type=float, default=0.05,
-                       help="fraction of records held out for 'fastforward eval --task nll' (default: %(default)s)")
-    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (default: %(default)s)")
-    p.add_argument("--keep-checkpoints", type=int, default=1, help="checkpoints kept (default: %(default)s)")
-    p.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of the steps (default: %(default)s)")
-    p.add_argument("--schedule", default="cosine", choices=["linear", "cosine", "constant"],
-                   help="learning-rate schedule after warmup (default: %(default)s)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, 0 = off (default: 1.0)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def config_from_args(args, extra: dict | None = None) -> TrainConfig:
-    lora = 0 if args.full else (DEFAULT_LORA_RANK if args.lora is None else args.lora)
-    if args.lora is not None and args.lora <= 0:
-        raise UsageError(f"--lora must be a positive rank, got {args.lora}")
-    cfg = TrainConfig(
-        model=args.model, data=args.data, out=args.out, epochs=args.epochs, max_steps=args.max_steps, lr=args.lr,
-        batch_size=args.batch_size, grad_accum=args.grad_accum, max_length=args.max_length,
-        group_by_length=args.group_by_length, lora=lora,
-        lora_alpha=args.lora_alpha, seed=args.seed, limit=args.limit, heldout=args.heldout,
-        save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, warmup=args.warmup,
-        schedule=args.schedule, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        threads=args.threads, quiet=args.quiet, extra=dict(extra or {}),
-    )
-    cfg.validate()
-    return cfg
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -398,8 +338,6 @@ def _load_base(cfg: TrainConfig, resume: Path | None):
     """(HF model, tokenizer) in fp32: the checkpoint's merged weights for a resumed full fine-tune, else the base."""
     import torch
 
-    import fastforward as ff
-
     source = str(resume) if (resume is not None and not cfg.lora) else cfg.model
     target = ff.load(source, backend="hf", dtype=torch.float32)
     return target.hf_model, target.tokenizer
@@ -413,7 +351,6 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
-    from .data import encode_examples, read_examples, split_examples, subsample
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -634,6 +571,6 @@ def seed_key(*parts: int) -> int:
 
 
 __all__ = [
-    "BatchSchedule", "TrainConfig", "TrainResult", "TrainingMethod", "add_training_arguments", "config_from_args",
-    "seed_key", "latest_checkpoint", "pad_batch", "report", "save_checkpoint", "token_losses", "train",
+    "BatchSchedule", "TrainConfig", "TrainResult", "TrainingMethod", "seed_key", "latest_checkpoint", "pad_batch",
+    "report", "save_checkpoint", "token_losses", "train",
 ]

@@ -35,7 +35,11 @@ import time
 import zlib
 from pathlib import Path
 
+import fastforward as ff
+
+from ..bench.questions import load_question_file
 from ..errors import UsageError
+from .trainer import seed_key
 
 SCHEMA = "fastforward-cllm-trajectories/1"
 TRAJECTORIES = "trajectories.jsonl"
@@ -114,8 +118,6 @@ def repetition_reason(ids: list[int], text: str, *, ngram: int = 4, max_ngram_re
 
 def prompt_seed(seed: int, prompt_id: str, stream: int = 0) -> int:
     """A per-prompt seed: a function of (``seed``, the prompt's id, ``stream``), independent of order and --limit."""
-    from .trainer import seed_key
-
     return seed_key(seed, zlib.crc32(prompt_id.encode()), stream)
 
 
@@ -127,8 +129,6 @@ def prompt_seed(seed: int, prompt_id: str, stream: int = 0) -> int:
 def collect_prompt(target, prompt_ids: list[int], *, n_token: int = 16, max_new_tokens: int = 256,
                    seed: int = 0) -> tuple[list[int], list[dict], dict]:
     """Greedy Jacobi decoding of one prompt: (answer ids, the proposer's trajectories, the generation's stats)."""
-    import fastforward as ff
-
     proposer = ff.make_proposer("jacobi", target, n_tokens=n_token, init="prompt", record_trajectory=True)
     result = ff.generate(target, list(prompt_ids), proposer, max_new_tokens=max_new_tokens, seed=seed)
     return list(result.token_ids), list(proposer.trajectories), result.stats.method_stats
@@ -247,8 +247,6 @@ def collect(model: str, prompts: str, out: str, *, n_token: int = 16, max_new_to
             threads: int | None = None, quiet: bool = False) -> dict:
     """Collect (or resume collecting) trajectories into ``out``; return the meta.json contents."""
     check_settings(n_token, max_new_tokens, limit, augment_prob, ngram, max_ngram_repeat, max_sentence_repeats)
-    from ..bench.questions import load_question_file
-
     out_dir = Path(out).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} exists and is not a directory")
@@ -270,8 +268,6 @@ def collect(model: str, prompts: str, out: str, *, n_token: int = 16, max_new_to
         if diff:
             raise UsageError(f"{out_dir} holds trajectories collected with other settings ({', '.join(diff)}); "
                              "use another --out")
-    import fastforward as ff
-
     target = ff.load(model, threads=threads)
     started = time.time()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -337,45 +333,3 @@ def collect(model: str, prompts: str, out: str, *, n_token: int = 16, max_new_to
     meta = write_meta(True)
     meta["seconds_this_run"] = round(time.time() - started, 2)
     return meta
-
-
-def add_arguments(p, name: str) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="target model: alias, local HF folder or .gguf file (default: %(default)s)")
-    p.add_argument("--prompts", required=True,
-                   help="prompt file: .jsonl with 'question' (GSM8K), 'turns' (first turn used) or 'prompt', or "
-                        "alpaca .json/.jsonl ('instruction' [+ 'input'])")
-    p.add_argument("--out", required=True, help="output folder: trajectories.jsonl, prompts.jsonl, meta.json")
-    p.add_argument("--n-token", type=int, default=16, help="Jacobi block size n (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=256,
-                   help="answer budget per prompt, N in Algorithm 1 (default: %(default)s)")
-    p.add_argument("--augment", action="store_true",
-                   help="randomly correct wrong tokens of intermediate states (CLLM §3.2.1 data augmentation)")
-    p.add_argument("--augment-prob", type=float, default=0.5,
-                   help="with --augment, the chance that each wrong token is corrected (default: %(default)s)")
-    p.add_argument("--limit", type=int, default=None, help="the first N prompts of the file only")
-    p.add_argument("--seed", type=int, default=0, help="block initialisation and augmentation (default: 0)")
-    g = p.add_argument_group("repetition filter (post-processing)")
-    g.add_argument("--ngram", type=int, default=4, help="token n-gram size of the token-level rule (default: 4)")
-    g.add_argument("--max-ngram-repeat", type=float, default=0.4,
-                   help="drop an answer whose fraction of repeated n-grams exceeds this (default: %(default)s)")
-    g.add_argument("--max-sentence-repeats", type=int, default=2,
-                   help="drop an answer in which a sentence occurs more often than this (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def run(args, name: str) -> int:
-    meta = collect(
-        args.model, args.prompts, args.out, n_token=args.n_token, max_new_tokens=args.max_new_tokens,
-        augment=args.augment, augment_prob=args.augment_prob, limit=args.limit, seed=args.seed, ngram=args.ngram,
-        max_ngram_repeat=args.max_ngram_repeat, max_sentence_repeats=args.max_sentence_repeats,
-        threads=args.threads, quiet=args.quiet,
-    )
-    dropped = meta["dropped_token_repetition"] + meta["dropped_sentence_repetition"]
-    print(
-        f"saved {Path(args.out).expanduser() / TRAJECTORIES}: {meta['records']} records from "
-        f"{meta['prompts_kept']} prompts ({dropped} dropped as repetitive; {meta['prompts_done']}/"
-        f"{meta['prompts_total']} prompts done, {meta['seconds_this_run']:.1f}s this run)"
-    )
-    return 0

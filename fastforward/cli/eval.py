@@ -1,0 +1,131 @@
+"""``fastforward eval``: the task quality of a model (held-out NLL, GSM8K accuracy, HumanEval pass@1); the tasks
+themselves are :mod:`fastforward.evaluate`'s."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import fastforward as ff
+
+from ..errors import UsageError
+from ..evaluate import (
+    DEFAULT_MAX_NEW_TOKENS,
+    TASKS,
+    compare_samples,
+    eval_gsm8k,
+    eval_humaneval,
+    eval_nll,
+    load_comparison,
+    load_gsm8k,
+    load_humaneval,
+    summary_line,
+    task_file,
+)
+from ..proposers import available_methods
+from ..train.data import check_heldout, parse_paths
+from .options import add_method_option_argument, add_model_arguments, parse_options, positive_float
+
+
+def add_arguments(p, name: str) -> None:
+    p.add_argument("--task", required=True, choices=TASKS, help="what to measure")
+    add_model_arguments(p)
+    p.add_argument("--data", default=None,
+                   help="nll: the training data file(s) whose held-out split to score (required); gsm8k/humaneval: "
+                        "the test file (default: shared/data/gsm8k/test.jsonl, "
+                        "shared/data/humaneval/HumanEval.jsonl.gz)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N items")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="generation budget (default: gsm8k 256, humaneval 512)")
+    p.add_argument("--method", default="ar", help="decoding method for generation tasks (default: ar)")
+    add_method_option_argument(p, "a method option (repeatable)")
+    p.add_argument("--heldout", type=float, default=0.05,
+                   help="nll: held-out fraction, as given to 'fastforward train' (default: %(default)s)")
+    p.add_argument("--max-length", type=int, default=512,
+                   help="nll: tokens per record, as given to 'fastforward train' (default: %(default)s)")
+    p.add_argument("--timeout", type=positive_float, default=10.0,
+                   help="humaneval: seconds per program (default: 10)")
+    p.add_argument("--noise-length", type=int, default=4,
+                   help="nll: also score the predictions made from one seeded ahead-noise segment of this many "
+                        "response tokens per record, as 'fastforward train msn' trains them "
+                        "(0 = off; default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--save", metavar="FILE", default=None, help="write the summary and every sample's result as JSON")
+    p.add_argument("--compare", metavar="FILE", default=None,
+                   help="gsm8k/humaneval: a '--save' file of another model (or method) on the same task; reports how "
+                        "many samples got the same answer and the identical text")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args, name: str) -> int:
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError(f"--limit must be a positive integer, got {args.limit}")
+    if args.max_new_tokens is not None and args.max_new_tokens <= 0:
+        raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    options = parse_options(args.option)
+    rows = None
+    if args.task == "nll":
+        if not args.data:
+            raise UsageError("--task nll needs --data FILE[,FILE] (the training data whose held-out split to score)")
+        parse_paths(args.data)
+        check_heldout(args.heldout)
+        if args.max_length < 2:
+            raise UsageError(f"--max-length must be at least 2, got {args.max_length}")
+        if args.noise_length < 0:
+            raise UsageError(f"--noise-length must be 0 (off) or positive, got {args.noise_length}")
+    else:
+        if args.method not in available_methods():
+            raise UsageError(f"unknown method '{args.method}'; available: {', '.join(available_methods())}")
+        path = task_file(args.task, args.data)
+        rows = (load_gsm8k if args.task == "gsm8k" else load_humaneval)(path, args.limit)
+        if not rows:
+            raise UsageError(f"no {args.task} records in {path}")
+        if args.max_new_tokens is None:
+            args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[args.task]
+    reference = None
+    if args.compare:
+        if args.task == "nll":
+            raise UsageError("--compare applies to the generation tasks (gsm8k, humaneval), not nll")
+        reference = load_comparison(args.compare, args.task)
+    if args.save:
+        parent = Path(args.save).expanduser().resolve().parent
+        if not parent.is_dir():
+            raise UsageError(f"--save: folder {parent} does not exist")
+
+    t0 = time.perf_counter()
+    backend = "hf" if args.task == "nll" and args.backend == "auto" else args.backend
+    target = ff.load(args.model, backend=backend, threads=args.threads, weights=args.weights)
+
+    def progress(items):
+        from tqdm.auto import tqdm
+
+        return tqdm(items, desc=f"eval {args.task}", unit="item", disable=args.quiet, file=sys.stderr,
+                    dynamic_ncols=True, mininterval=1.0)
+
+    if args.task == "nll":
+        result = eval_nll(target, args.data, heldout=args.heldout, max_length=args.max_length, limit=args.limit,
+                          noise_length=args.noise_length)
+    elif args.task == "gsm8k":
+        result = eval_gsm8k(target, rows, method=args.method, max_new_tokens=args.max_new_tokens, options=options,
+                            progress=progress)
+    else:
+        result = eval_humaneval(target, rows, method=args.method, max_new_tokens=args.max_new_tokens,
+                                options=options, timeout=args.timeout, progress=progress)
+    seconds = time.perf_counter() - t0
+    summary = {"task": args.task, "model": args.model, "seconds": round(seconds, 2)}
+    if args.task != "nll":
+        summary.update(method=args.method, max_new_tokens=args.max_new_tokens, data=str(path))
+    else:
+        summary["data"] = args.data
+    summary.update({k: v for k, v in result.items() if k != "samples"})
+    if reference is not None:
+        summary["agreement"] = compare_samples(args.task, result["samples"], reference)
+    if args.save:
+        Path(args.save).expanduser().write_text(json.dumps({**summary, "samples": result["samples"]}, indent=1))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(summary_line(summary))
+    return 0
