@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .errors import UsageError
+from .linear import PACKED_FORMATS, DenseLinear, PackedLinear, dequantize
 
 SUPPORTED_ARCHITECTURES = {"llama", "qwen2"}
 
@@ -166,8 +167,6 @@ def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
 
 def linear_from_tensor(t: GGUFTensor, *, native, permute_heads: int | None = None):
     """A :class:`~fastforward.linear.PackedLinear` (packed formats) or a dense fp32 one (anything else)."""
-    from .linear import PACKED_FORMATS, DenseLinear, PackedLinear, dequantize
-
     out_features, in_features = t.shape
     order = None if permute_heads is None else unpermute_rows(out_features, permute_heads)
     if t.type_id in PACKED_FORMATS and native is not None and in_features % PACKED_FORMATS[t.type_id][1] == 0:

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .kernels import load_native
+
 # GGML block formats the native kernel multiplies packed: type id -> (name, weights per block, bytes per block).
 PACKED_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
                   14: ("Q6_K", 256, 210), 30: ("BF16", 32, 64)}
@@ -170,6 +172,4 @@ def concat_linears(parts: list) -> object:
 
 
 def _native():
-    from .kernels import load_native
-
     return load_native()

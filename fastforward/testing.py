@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from .model import TargetModel
+from .gguf_file import read_gguf, unpermute_rows
+from .kernels import load_native
+from .model import TargetModel, _quiet_transformers
 
 
 class TinyTokenizer:
@@ -93,10 +97,6 @@ def tiny_hf_folder(path, *, max_positions=512, seed=0, hidden_size=64, layers=2,
     The vocabulary is 260 (259 tokens, padded); ``<|im_end|>`` is the EOS of tokenizer, config and generation
     config. Extra keyword arguments go to :func:`tiny_llama_hf`.
     """
-    from pathlib import Path
-
-    from .model import _quiet_transformers
-
     _quiet_transformers()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -122,8 +122,6 @@ def write_tiny_gguf(path, *, vocab_size=96, hidden_size=64, layers=2, heads=4, k
     of HF state-dict names), so tests can build the reference model."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, quants
-
-    from .gguf_file import unpermute_rows
 
     g = torch.Generator().manual_seed(seed)
     qlin, qemb = GGMLQuantizationType[linear_type], GGMLQuantizationType[embed_type]
@@ -191,9 +189,6 @@ def tiny_gguf_target(path, **kw):
 
     The packed target's ``hf_model`` is that fp32 model, so peers and references see the same weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .gguf_file import read_gguf
-    from .kernels import load_native
 
     state = write_tiny_gguf(path, **kw)
     gguf_model = read_gguf(path)

@@ -29,6 +29,7 @@ installed for this model on this machine is used if there is one, else :func:`bu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ import torch
 
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
+from ..model import MODEL_ALIASES
+from ..paths import trees_dir
 from ..tree import DraftTree, TreeShape, load_choices, tree_from_choices
 from . import register
 from .jacobi import INIT_MODES, init_tokens
@@ -61,13 +64,9 @@ def builtin_choices(depth: int = 2, width: int = 2) -> list[list[int]]:
 
 def model_key(name: str) -> str:
     """A file-name-safe key for a model name (aliases folded: ``default`` and ``smollm2`` are ``smollm2-135m``)."""
-    from ..model import MODEL_ALIASES
-
     key = MODEL_ALIASES.get(str(name).lower(), str(name).lower())
     path = Path(str(name)).expanduser()
     if path.exists():
-        import hashlib
-
         digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
         key = f"{path.name}-{digest}"
     return re.sub(r"[^a-z0-9._-]+", "-", key.lower()).strip("-") or "model"
@@ -75,8 +74,6 @@ def model_key(name: str) -> str:
 
 def installed_tree_path(model_name: str) -> Path:
     """Where ``fastforward build-tree`` installs a model's machine-sized tree (the default ``tree`` of tr-jacobi)."""
-    from ..paths import trees_dir
-
     return trees_dir() / f"{model_key(model_name)}.json"
 
 
