@@ -16,8 +16,7 @@ from .proposers import available_methods, make_proposer
 from .request import GenerationRequest
 from .tree import DraftTree, TreeShape, load_choices, tree_from_choices
 from .verify import SamplingConfig
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 __all__ = [
     "DEFAULT_MODEL",
