@@ -38,6 +38,9 @@ def prompt_lookup_match(
     output (e.g. a loop it is in) is what it is about to produce again. The most recent match is also the only
     one whose continuation may run into the current tail, which handles periodic text of any period. Vectorised:
     one ``unfold`` + comparison per n, no Python loop over positions.
+
+    This whole-context search is the reference; :class:`PromptLookupProposer` gets the same answer from an
+    :class:`NgramIndex` updated with only the new tokens each step.
     """
     tokens = tokens.flatten()
     length = tokens.numel()
@@ -53,6 +56,62 @@ def prompt_lookup_match(
             start = int(hits[-1, 0]) + n
             return tokens[start : start + num_pred], n
     return _EMPTY, 0
+
+
+class NgramIndex:
+    """:func:`prompt_lookup_match` kept up to date as the context grows, in work per new token, not per context.
+
+    For each n in ``min_ngram..max_ngram`` a dict maps every n-gram of the context to the end (exclusive) of its
+    most recent occurrence that ends before the last token -- exactly the occurrences the unfold search looks at
+    (the suffix itself, ending at the last token, is registered only once another token follows it). Growing the
+    context by k tokens costs k dict updates per n; a lookup, one dict probe per n.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(max(self.min_ngram, 1),
+                                                                                  self.max_ngram + 1)}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, new_tokens) -> None:
+        """Append tokens to the indexed context."""
+        tokens = self.tokens
+        first_end = len(tokens)  # ends registered so far: <= len(tokens) - 1
+        tokens.extend(int(t) for t in new_tokens)
+        for end in range(max(first_end, 1), len(tokens)):  # n-grams ending before the (new) last token
+            for n, ends in self.ends.items():
+                if end >= n:
+                    ends[tuple(tokens[end - n : end])] = end
+
+    def sync(self, tokens: torch.Tensor) -> None:
+        """Index ``tokens`` (the whole context), assuming the indexed part is its prefix: only the new tail is read.
+        A shorter context than the one indexed starts over."""
+        length = tokens.numel()
+        if length < len(self.tokens):
+            self.reset()
+        if length > len(self.tokens):
+            self.extend(tokens[len(self.tokens) :].tolist())
+
+    def match(self, tokens: torch.Tensor, num_pred: int) -> tuple[torch.Tensor, int]:
+        """:func:`prompt_lookup_match` ``(tokens, max_ngram, num_pred, min_ngram)`` for the indexed ``tokens``."""
+        tokens = tokens.flatten()
+        length = len(self.tokens)
+        if num_pred <= 0:
+            return _EMPTY, 0
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            if n <= 0:
+                break
+            end = self.ends[n].get(tuple(self.tokens[length - n :]))
+            if end is not None:
+                return tokens[end : end + num_pred], n
+        return _EMPTY, 0
 
 
 class PromptLookupProposer(Proposer):
@@ -73,6 +132,7 @@ class PromptLookupProposer(Proposer):
         self.min_ngram = min_ngram
         self.adaptive = adaptive
         self.curve = None
+        self.index = NgramIndex(max_ngram, min_ngram)
         self._reset()
 
     def _reset(self) -> None:
@@ -85,6 +145,8 @@ class PromptLookupProposer(Proposer):
 
     def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
         self._reset()
+        self.index.reset()
+        self.index.sync(state.tokens)  # the prompt and the first token
         if self.adaptive and self.curve is None:
             self.curve = machine_cost_curve(state.target)
 
@@ -96,7 +158,8 @@ class PromptLookupProposer(Proposer):
         if k <= 0:
             return None
         self.steps += 1
-        cont, n = prompt_lookup_match(state.tokens, self.max_ngram, k, self.min_ngram)
+        self.index.sync(state.tokens)  # a no-op when observe kept it up to date
+        cont, n = self.index.match(state.tokens, k)
         if cont.numel() == 0:
             return None
         self.hits += 1
@@ -112,6 +175,7 @@ class PromptLookupProposer(Proposer):
         return Proposal(DraftTree(tokens, chain_shape(tokens.numel())))
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
+        self.index.sync(state.tokens)  # the tokens just accepted
         if self.pending is not None:
             n, k = self.pending
             self.estimates[n].update(k, step.verdict.accepted)
