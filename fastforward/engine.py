@@ -510,6 +510,13 @@ class Generation:
             yield text[len(shown) :]
         self.result = GenerationResult(text, self.token_ids, self.stats, self.prompt_ids)
 
+    def partial_result(self, reason: str = "interrupted") -> GenerationResult:
+        """What was produced so far, as a result (after an interruption); ``finish_reason`` is ``reason``."""
+        if not self.stats.finish_reason:
+            self.stats.finish_reason = reason
+        self.result = GenerationResult(self._text(), list(self.token_ids), self.stats, self.prompt_ids)
+        return self.result
+
     def run(self) -> GenerationResult:
         for tokens in self._steps:
             self.token_ids.extend(tokens)

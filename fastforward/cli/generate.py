@@ -10,7 +10,7 @@ import fastforward as ff
 
 from ..errors import UsageError
 from ..proposers import available_methods
-from .options import add_method_option_argument, add_model_arguments, parse_options
+from .options import add_method_option_argument, add_model_arguments, parse_options, positive_int
 
 
 def _prefill_progress(min_tokens: int = 1024):
@@ -31,11 +31,16 @@ def add_arguments(p, name: str) -> None:
     if name == "methods":
         p.add_argument("--json", action="store_true", help="print as JSON")
         return
-    p.add_argument("prompt", help="the user message (chat-templated unless --no-chat); '-' reads standard input")
+    p.add_argument("prompt", nargs="?", help="the user message (chat-templated unless --no-chat); '-' reads "
+                   "standard input")
+    p.add_argument("--prompts", metavar="FILE", help="decode every prompt of FILE together, several per forward "
+                   "(one per line, or JSON lines: a string or {\"prompt\": ...}); each output equals its solo output")
+    p.add_argument("--batch-tokens", type=positive_int, default=None, metavar="N",
+                   help="with --prompts: rows per shared forward (default: sized from this machine's cost curve)")
     p.add_argument("--method", default="ar", help="decoding method, see 'fastforward methods' (default: ar)")
     add_method_option_argument(p)
     add_model_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
@@ -61,46 +66,122 @@ def run(args, name: str) -> int:
                   + (f"; from: {m.source}" if m.source and m.source != '-' else ""))
         return 0
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt.strip():
-        raise UsageError("the prompt is empty")
-    options = parse_options(args.option)
-    methods = available_methods()
-    if args.method not in methods:  # before the (slow) model load
-        raise UsageError(f"unknown method '{args.method}'; available: {', '.join(methods)}")
-    # Validate everything that does not need the model before the (slow) model load.
-    ff.SamplingConfig(args.temperature, args.top_k, args.top_p)
-    unknown = sorted(set(options) - set(methods[args.method].options()))
-    if unknown:
-        known = ", ".join(methods[args.method].options()) or "none"
-        raise UsageError(f"method '{args.method}' has no option {', '.join(unknown)} (its options: {known})")
-    if args.stop and any(not s for s in args.stop):
-        raise UsageError("stop strings must be non-empty")
-    if args.max_new_tokens <= 0:
-        raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    if (args.prompt is None) == (args.prompts is None):
+        raise UsageError("give a prompt or --prompts FILE (one of them)")
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop=args.stop, chat=not args.no_chat, system=args.system,
+        method_options=parse_options(args.option),
+    )
+    # Every check that does not need the model runs here, before the (slow) model load.
+    if args.prompts is not None:
+        requests = [ff.GenerationRequest(p, args.method, **kwargs) for p in read_prompts(args.prompts)]
+    else:
+        requests = [ff.GenerationRequest(_read_prompt(args.prompt), args.method, **kwargs)]
     t_load = time.perf_counter()
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     load_seconds = time.perf_counter() - t_load
-    kwargs = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, stop=args.stop, chat=not args.no_chat, system=args.system, method_options=options,
-        on_prefill=_prefill_progress(),
-    )
-    if args.no_stream or args.json:
-        result = ff.generate(target, prompt, args.method, **kwargs)
-        if args.json:
-            print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}))
-        else:
-            print(result.text)
+    if args.prompts is not None:
+        results = _run_batch(target, requests, args)
     else:
-        gen = ff.stream(target, prompt, args.method, **kwargs)
-        for delta in gen:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        result = gen.result
+        results = [_run_one(target, requests[0], args)]
     if args.stats:
         print(f"[{args.model}] loaded in {load_seconds:.2f}s (backend {target.backend_name}"
               f"{', ' + target.backend.matmul_kernel if target.backend_name == 'lean' else ''})", file=sys.stderr)
-        print(result.stats.summary(), file=sys.stderr)
+        for result in results:
+            print(result.stats.summary(), file=sys.stderr)
     return 0
+
+
+def _read_prompt(prompt: str) -> str:
+    if prompt != "-":
+        return prompt
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"standard input is not valid UTF-8 text (byte {exc.start})") from None
+
+
+def read_prompts(path: str) -> list:
+    """Prompts from a file: JSON lines (each a string, or an object with "prompt" -- text, chat messages or
+    token ids), else one prompt per non-empty line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+    except OSError as exc:
+        raise UsageError(f"cannot read --prompts {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--prompts {path} is not valid UTF-8 text (byte {exc.start})") from None
+    lines = [line for line in lines if line.strip()]
+    if not lines:
+        raise UsageError(f"--prompts {path} holds no prompt")
+    if not lines[0].lstrip().startswith(("{", '"')):
+        return lines
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--prompts {path} line {n}: not JSON ({exc.msg})") from None
+        if isinstance(record, dict):
+            if "prompt" not in record:
+                raise UsageError(f"--prompts {path} line {n}: an object needs a \"prompt\" field")
+            record = record["prompt"]
+        prompts.append(record)
+    return prompts
+
+
+def _run_one(target, request, args):
+    gen = ff.stream(target, request, on_prefill=_prefill_progress())
+    streaming = not (args.no_stream or args.json)
+    try:
+        if streaming:
+            for delta in gen:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            return gen.result
+        result = gen.run()
+    except KeyboardInterrupt:
+        # keep what was produced: the text so far (streaming already showed it), then the interruption
+        partial = gen.partial_result("interrupted")
+        if streaming:
+            sys.stdout.write("\n")
+        else:
+            _print_result(partial, args)
+        raise
+    _print_result(result, args)
+    return result
+
+
+def _print_result(result, args, index: int | None = None) -> None:
+    if args.json:
+        record = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict()}
+        if index is not None:
+            record = {"index": index, **record}
+        print(json.dumps(record), flush=True)
+    else:
+        if index is not None:
+            print(f"--- [{index}] ---")
+        print(result.text, flush=True)
+
+
+def _run_batch(target, requests, args):
+    partial: dict[int, list[int]] = {}
+
+    def collect(i, tokens):
+        partial.setdefault(i, []).extend(tokens)
+
+    try:
+        results = ff.generate_batch(target, requests, max_batch_tokens=args.batch_tokens, on_tokens=collect)
+    except KeyboardInterrupt:
+        for i in range(len(requests)):  # keep what each sequence had produced
+            text = target.decode(partial.get(i, []))
+            if args.json:
+                print(json.dumps({"index": i, "text": text, "token_ids": partial.get(i, []), "interrupted": True}))
+            else:
+                print(f"--- [{i}] (interrupted) ---\n{text}")
+        raise
+    for i, result in enumerate(results):
+        _print_result(result, args, index=i)
+    return results
