@@ -17,6 +17,7 @@ import torch
 
 from .errors import UsageError
 from .model import ForwardOutput, ForwardRequest, TargetModel
+from .stopping import StopMatcher, cut_at_stop
 from .tree import DraftTree, TreeShape
 from .validation import check_max_new_tokens, check_stop
 from .verify import SamplingConfig, Verdict, next_token, verify
@@ -253,7 +254,8 @@ class SequenceRun:
         self.emitted: list[int] = []
         self.reason = ""
         self.cache = None
-        self._text_len_checked = 0
+        # stop strings: looked for in a tail of the text, decoded a few tokens at a time (None: no stop strings)
+        self.stop_matcher = StopMatcher(target.decode, self.stops) if self.stops else None
         self._proposal: Proposal | None = None
         self._t_start = 0.0
 
@@ -265,7 +267,7 @@ class SequenceRun:
     def _emit(self, tokens: list[int]) -> list[int]:
         """Append tokens, truncated exactly where one-token-at-a-time decoding would have stopped (EOS, the token
         budget, a stop string, the context limit); set the finish reason; return what was taken."""
-        state, target, stops = self.state, self.target, self.stops
+        state, target = self.state, self.target
         taken = []
         reason = ""
         for t in tokens:
@@ -278,21 +280,12 @@ class SequenceRun:
                 break
             if state.length + len(taken) + 1 >= target.max_context:
                 break  # "context", unless a stop string ends here too (checked first, as AR would)
-        if stops:
-            start = max(0, self._text_len_checked - max(len(s) for s in stops))
-
-            def hit(toks) -> tuple[bool, str]:
-                text = target.decode(self.emitted + toks)
-                return any(s in text[start:] for s in stops), text
-
-            found, text = hit(taken)
-            if found:
-                # the first token that completes a stop string ends the run (AR would have stopped there)
-                first = next((j for j in range(1, len(taken)) if hit(taken[:j])[0]), len(taken))
-                if first < len(taken) or not reason:
-                    taken = taken[:first]
-                    reason = "stop"
-            self._text_len_checked = len(text)
+        if self.stop_matcher is not None:
+            # the first token that completes a stop string ends the run (AR would have stopped there)
+            first = self.stop_matcher.feed(taken)
+            if first is not None and (first < len(taken) or not reason):
+                taken = taken[:first]
+                reason = "stop"
         self.emitted.extend(taken)
         self.ids[state.length : state.length + len(taken)] = torch.tensor(taken, dtype=torch.long)
         state.length += len(taken)
@@ -475,40 +468,29 @@ class Generation:
     def final_text(target: TargetModel, token_ids: list[int], stops) -> str:
         """The text of ``token_ids``, cut before the first stop string."""
         text = target.decode(token_ids)
-        for s in stops:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+        cut = cut_at_stop(text, stops)
+        return text if cut is None else text[:cut]
 
     def _text(self) -> str:
         return self.final_text(self.target, self.token_ids, self.stop)
 
-    def _held_back(self, text: str) -> str:
-        """``text`` minus a tail that may be the start of a stop string (shown only once it is known not to be)."""
-        hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
-                    break
-        return text[: len(text) - hold]
-
     def __iter__(self) -> Iterator[str]:
-        shown = ""
+        # The run's own matcher (fed in _emit before each step is yielded) when there are stop strings; else ours.
+        text = self.sequence.stop_matcher
+        own = text is None
+        if own:
+            text = StopMatcher(self.target.decode)
         for tokens in self._steps:
             self.token_ids.extend(tokens)
-            text = self._text()
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-                continue
-            text = self._held_back(text)
-            if len(text) > len(shown) and text.startswith(shown):
-                yield text[len(shown) :]
-                shown = text
-        text = self._text()
-        if len(text) > len(shown) and text.startswith(shown):
-            yield text[len(shown) :]
-        self.result = GenerationResult(text, self.token_ids, self.stats, self.prompt_ids)
+            if own:
+                text.feed(tokens)
+            delta = text.visible_delta()  # held back: an incomplete character, a possible stop string's start
+            if delta:
+                yield delta
+        delta = text.final_delta()
+        if delta:
+            yield delta
+        self.result = GenerationResult(text.text(), self.token_ids, self.stats, self.prompt_ids)
 
     def partial_result(self, reason: str = "interrupted") -> GenerationResult:
         """What was produced so far, as a result (after an interruption); ``finish_reason`` is ``reason``."""
