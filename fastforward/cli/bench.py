@@ -67,6 +67,12 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--report-only", action="store_true",
                    help="only regenerate summary.json, report.md and plots from DIR/results.jsonl")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--batch", default=None, metavar="B[,B...]",
+                   help="throughput mode: decode the questions' first turns B at a time, several sequences per "
+                        "forward, for each B (B=1 always runs, as the reference) and each method (default ar,pld); "
+                        "writes DIR/batch.md and DIR/batch.json")
+    p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
+                   help="with --batch: rows per shared forward (default: sized from the machine's cost curve)")
 
 
 def _split(values: list[str] | None) -> list[str]:
@@ -142,7 +148,7 @@ def run(args, name: str) -> int:
     if args.compare_ar and not (Path(args.compare_ar) / "results.jsonl").is_file():
         raise UsageError(f"--compare-ar: no results.jsonl in {args.compare_ar}")
     methods = []
-    for spec in parse_specs(args.methods or ["all"]):
+    for spec in parse_specs(args.methods or (["ar,pld"] if args.batch is not None else ["all"])):
         if spec.label == spec.method == "all" and not spec.options:  # every registered method, defaults
             methods += [s for s in parse_specs([",".join(available_methods())])
                         if s.label not in {m.label for m in methods}]
@@ -159,6 +165,8 @@ def run(args, name: str) -> int:
              "seed": args.seed}
     if args.threads is not None:
         known["threads"] = args.threads
+    if args.batch is not None:
+        return _run_batch_mode(args, [s for s in specs if s.kind == "method"], questions, out_dir)
     precheck(out_dir, known, args.force)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
@@ -175,4 +183,46 @@ def run(args, name: str) -> int:
         path = write_comparison(result, out_dir, Path(args.compare_ar))
         print(f"AR outputs vs {args.compare_ar}: {result['identical']}/{result['questions']} questions identical "
               f"({path})", file=sys.stderr)
+    return 0
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--batch takes comma-separated positive integers, got '{text}'") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise UsageError(f"--batch takes comma-separated positive integers, got '{text}'")
+    return sorted(set(sizes) | {1})
+
+
+def _run_batch_mode(args, specs, questions, out_dir: Path) -> int:
+    """``--batch``: aggregate throughput and per-sequence latency of B sequences per forward."""
+    from ..bench.batch import format_batch_table, run_batch_throughput, write_batch_results
+    from ..bench.runner import turn_prompt
+
+    sizes = _batch_sizes(args.batch)
+    if args.batch_tokens is not None and args.batch_tokens < 1:
+        raise UsageError(f"--batch-tokens must be a positive integer, got {args.batch_tokens}")
+    if args.temperature != 0:
+        raise UsageError("--batch measures greedy decoding (--temperature 0)")
+    if any(s.options for s in specs):
+        raise UsageError("--batch runs methods with their default options")
+    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    prompts = [turn_prompt(target, q.turns[:1], []) for q in questions]
+    print(f"fastforward bench --batch: {len(prompts)} prompts x {len(specs)} methods x B in {sizes}, "
+          f"rows per forward {args.batch_tokens or ff.batch_token_budget(target)}", file=sys.stderr)
+
+    def progress(row):
+        print(f"  {row.method} B={row.batch}: {row.tokens_per_s:.1f} tok/s, latency mean {row.latency_mean_s:.2f}s",
+              file=sys.stderr)
+
+    rows = run_batch_throughput(target, prompts, [s.method for s in specs], sizes, args.max_new_tokens,
+                                args.batch_tokens, progress=progress)
+    meta = {"command": shlex.join(["fastforward", "bench", *sys.argv[2:]]) if len(sys.argv) > 1 else "",
+            "model": args.model, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+            "questions": [q.question_id for q in questions], "matmul": getattr(target.backend, "matmul_kernel", "")}
+    path = write_batch_results(rows, out_dir, meta)
+    print(format_batch_table(rows))
+    print(f"report: {path}")
     return 0
