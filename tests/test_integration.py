@@ -134,7 +134,7 @@ def test_tree_proposer_equals_ar_on_default_model(default_model):
 def test_second_load_reads_the_cached_conversion(default_model, monkeypatch):
     """After the first load converted the GGUF file, later loads read the cached safetensors and never convert
     again (how long that takes is reported by `fastforward generate --stats`, not asserted here)."""
-    import fastforward.model as model_module
+    import fastforward.model.loading as model_module
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("the GGUF file was converted again")

