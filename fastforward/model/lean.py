@@ -33,6 +33,23 @@ class LlamaLayer:
     bqkv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
 
+    # The layer's two halves as reusable pieces (native layer ops ``ops``): a drafter built from the same parts
+    # (an EAGLE-style decoder layer over its own KV cache) calls them as the target does.
+
+    def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] normed states -> [T, (n_heads + 2 n_kv_heads) head_dim]."""
+        qkv = self.qkv(h)
+        return qkv if self.bqkv is None else qkv + self.bqkv
+
+    def attention_output(self, o: torch.Tensor) -> torch.Tensor:
+        """[T, n_heads head_dim] attention values -> [T, hidden] (the o projection)."""
+        o = self.o(o)
+        return o if self.bo is None else o + self.bo
+
+    def mlp(self, h: torch.Tensor, ops) -> torch.Tensor:
+        """[T, hidden] normed states -> [T, hidden]: down(silu(gate) * up)."""
+        return self.down(ops.silu_mul(self.gate_up(h)))
+
 
 def rope_tables(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[max_positions, head_dim]`` of the default (unscaled) rotary embedding, computed exactly as
@@ -299,17 +316,13 @@ class LeanLlama:
         x = self.embed.rows(ids)  # [T, hidden], the residual stream (updated in place by add_rms_norm)
         h = ops.rms_norm(x, self.layers[0].in_norm, eps)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(h)  # [T, (nh + 2 nkv) d]
-            if layer.bqkv is not None:
-                qkv = qkv + layer.bqkv
+            qkv = layer.project_qkv(h)  # [T, (nh + 2 nkv) d]
             parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
                                    requests[j].cache.v[i], starts[j], visible[j], self.n_heads, self.n_kv_heads)
-                     for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]
-            o = layer.o(parts[0] if len(parts) == 1 else torch.cat(parts))
-            if layer.bo is not None:
-                o = o + layer.bo
+                     for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]: every sequence over its own cache
+            o = layer.attention_output(parts[0] if len(parts) == 1 else torch.cat(parts))  # [T, hidden]
             h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output
-            down = layer.down(ops.silu_mul(layer.gate_up(h)))
+            down = layer.mlp(h, ops)  # [T, hidden]
             last = i + 1 == len(self.layers)
             h = ops.add_rms_norm(x, down, self.norm if last else self.layers[i + 1].in_norm, eps)  # x += mlp output
             if i in wanted:
