@@ -46,11 +46,13 @@ def stream(
     system: str | None = None,
     method_options: dict | None = None,
     on_prefill=None,
+    observers=(),
 ) -> Generation:
     """A :class:`Generation` to iterate for text deltas (``.result`` after), or to ``.run()`` to the end.
 
     ``prompt`` is text, a list of chat messages, a list of token ids, or a ready :class:`GenerationRequest` (then
-    the other arguments are ignored). Everything is checked before the model is touched.
+    the other arguments are ignored). ``observers``: callables ``(state, step)`` called after every verification
+    step (statistics, calibration, trajectory recording). Everything is checked before the model is touched.
     """
     request = _request(prompt, method, dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
@@ -62,7 +64,7 @@ def stream(
     proposer = make_proposer(request.method, target, **request.method_options)
     return Generation(target, prompt_ids, proposer, stop=request.stops or None,
                       max_new_tokens=request.max_new_tokens, sampling=request.sampling, seed=request.seed,
-                      on_prefill=on_prefill)
+                      on_prefill=on_prefill, observers=observers)
 
 
 def generate(model, prompt, method="ar", **kwargs) -> GenerationResult:
