@@ -11,12 +11,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from .errors import UsageError
 from .model import ForwardOutput, ForwardRequest, TargetModel
+from .stats import GenerationStats
 from .stopping import StopMatcher, cut_at_stop
 from .tree import DraftTree, TreeShape
 from .validation import check_max_new_tokens, check_stop
@@ -112,55 +113,6 @@ class Proposer:
     def stats(self) -> dict:
         """Method-specific statistics for the run report."""
         return {}
-
-
-@dataclass
-class GenerationStats:
-    method: str
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    target_forwards: int = 0  # including the prefill
-    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per forward (prefill = 1, AR = 1)
-    depth_attempts: list[int] = field(default_factory=list)  # [d-1]: steps whose proposal reached depth d
-    depth_accepts: list[int] = field(default_factory=list)  # [d-1]: steps that accepted a token at depth d
-    prefill_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    wall_time: float = 0.0
-    finish_reason: str = ""
-    proposal_tokens: int = 0  # tokens scored by decode forwards (tree + aux)
-    method_stats: dict = field(default_factory=dict)
-
-    @property
-    def decoding_steps(self) -> int:
-        return self.target_forwards
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens emitted per target forward (the bonus token counts; AR = 1.00)."""
-        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
-
-    @property
-    def acceptance_by_depth(self) -> list[float]:
-        return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_attempts, strict=True)]
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(tau=self.tau, tokens_per_s=self.tokens_per_s, acceptance_by_depth=self.acceptance_by_depth)
-        return d
-
-    def summary(self) -> str:
-        alpha = " ".join(f"{a:.2f}" for a in self.acceptance_by_depth[:8])
-        return (
-            f"[{self.method}] {self.new_tokens} tokens in {self.wall_time:.2f}s ({self.tokens_per_s:.1f} tok/s), "
-            f"{self.target_forwards} target forwards, tau {self.tau:.2f}, finish: {self.finish_reason}; "
-            f"prefill {self.prefill_time:.2f}s, draft {self.draft_time:.2f}s, verify {self.verify_time:.2f}s"
-            + (f"; acceptance by depth {alpha}" if alpha else "")
-        )
 
 
 @dataclass
