@@ -17,6 +17,7 @@ Generation is greedy, so results are reproducible; any lossless ``--method`` giv
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import json
@@ -317,6 +318,35 @@ def eval_nll(target, data: str, *, heldout: float, max_length: int, limit: int |
     return result
 
 
+class EvalInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a generation task after some items were scored: ``result`` is the task's result over those
+    items (the same fields as a whole run's, ``n`` counting only them)."""
+
+    def __init__(self, result: dict):
+        super().__init__()
+        self.result = result
+
+
+@contextlib.contextmanager
+def _keep_on_interrupt(samples: list, result):
+    """A Ctrl-C inside the block becomes :class:`EvalInterrupted` with ``result()`` when ``samples`` holds any."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not samples:
+            raise
+        raise EvalInterrupted(result()) from None
+
+
+def is_eval_file(path) -> bool:
+    """Whether ``path`` is a ``fastforward eval --save`` file (a JSON object with ``task`` and ``samples``)."""
+    try:
+        saved = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(saved, dict) and "task" in saved and isinstance(saved.get("samples"), list)
+
+
 def _generate(target, prompt, method: str, max_new_tokens: int, options: dict):
     return ff.generate(target, prompt, method, max_new_tokens=max_new_tokens, method_options=options)
 
@@ -334,16 +364,21 @@ def eval_gsm8k(target, rows, *, method: str = "ar", max_new_tokens: int = DEFAUL
     """Accuracy on GSM8K records (``question``/``answer``), generating with ``method``; ``progress`` wraps the
     iteration over the records (e.g. a progress bar)."""
     samples, results = [], []
-    for i, row in enumerate(progress(rows)):
-        res = _generate(target, row["question"], method, max_new_tokens, dict(options or {}))
-        gold = gsm8k_gold(row["answer"])
-        pred = extract_gsm8k_answer(res.text)
-        samples.append({"index": i, "gold": gold, "pred": pred, "correct": same_number(pred, gold),
-                        "output": res.text})
-        results.append(res)
-    correct = sum(s["correct"] for s in samples)
-    return {"accuracy": correct / len(samples), "correct": correct, "n": len(samples),
-            **_generation_stats(results), "samples": samples}
+
+    def result() -> dict:
+        correct = sum(s["correct"] for s in samples)
+        return {"accuracy": correct / len(samples), "correct": correct, "n": len(samples),
+                **_generation_stats(results), "samples": samples}
+
+    with _keep_on_interrupt(samples, result):
+        for i, row in enumerate(progress(rows)):
+            res = _generate(target, row["question"], method, max_new_tokens, dict(options or {}))
+            gold = gsm8k_gold(row["answer"])
+            pred = extract_gsm8k_answer(res.text)
+            samples.append({"index": i, "gold": gold, "pred": pred, "correct": same_number(pred, gold),
+                            "output": res.text})
+            results.append(res)
+    return result()
 
 
 def eval_humaneval(target, rows, *, method: str = "ar", max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS["humaneval"],
@@ -351,15 +386,20 @@ def eval_humaneval(target, rows, *, method: str = "ar", max_new_tokens: int = DE
     """pass@1 on HumanEval records, generating with ``method``; each program runs with ``timeout`` seconds
     (:func:`run_program`)."""
     samples, results = [], []
-    for row in progress(rows):
-        res = _generate(target, humaneval_prompt(row), method, max_new_tokens, dict(options or {}))
-        code = extract_code(res.text, row["entry_point"])
-        passed, detail = run_program(humaneval_program(row, code), timeout=timeout)
-        samples.append({"task_id": row["task_id"], "passed": passed, "detail": detail, "output": res.text})
-        results.append(res)
-    passed = sum(s["passed"] for s in samples)
-    return {"pass@1": passed / len(samples), "passed": passed, "n": len(samples),
-            "network_isolated": network_namespace_available(), **_generation_stats(results), "samples": samples}
+
+    def result() -> dict:
+        passed = sum(s["passed"] for s in samples)
+        return {"pass@1": passed / len(samples), "passed": passed, "n": len(samples),
+                "network_isolated": network_namespace_available(), **_generation_stats(results), "samples": samples}
+
+    with _keep_on_interrupt(samples, result):
+        for row in progress(rows):
+            res = _generate(target, humaneval_prompt(row), method, max_new_tokens, dict(options or {}))
+            code = extract_code(res.text, row["entry_point"])
+            passed, detail = run_program(humaneval_program(row, code), timeout=timeout)
+            samples.append({"task_id": row["task_id"], "passed": passed, "detail": detail, "output": res.text})
+            results.append(res)
+    return result()
 
 
 # ------------------------------------------------------------------------------------------------------------------

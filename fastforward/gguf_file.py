@@ -113,8 +113,8 @@ def _parse(path: Path) -> dict:
     try:
         reader = GGUFReader(str(path))
     except Exception as exc:  # noqa: BLE001 - truncated or not a GGUF file
-        raise UsageError(f"cannot read {path} as a GGUF file: truncated or corrupt "
-                         f"({type(exc).__name__}: {exc})") from None
+        raise UsageError(f"cannot read {path} as a GGUF file: it is truncated or corrupt "
+                         f"({type(exc).__name__} while reading its header)") from None
     arch = str(_field(reader, "general.architecture", ""))
     index = {"version": INDEX_VERSION, "architecture": arch, "hparams": {}, "tensors": {}, "metadata": {}}
     if arch not in SUPPORTED_ARCHITECTURES:

@@ -6,11 +6,17 @@ Every other module asks here; none builds these paths itself.
   converted folders, tokenizers, measured cost curves, installed trees.
 * ``data_root()`` -- ``$FASTFORWARD_DATA``, else a ``shared/data`` folder beside the source checkout (editable
   installs) or beside/above the working directory.
+* ``check_output_dir`` / ``check_output_file`` -- every command's output path, checked before any work: a folder must
+  be absent, empty, or marked (:data:`RUN_MARKER`) as written by the same command; everything must be writable.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import UsageError
@@ -62,3 +68,87 @@ def data_root(required: bool = False) -> Path:
     if required:
         raise UsageError("no shared data folder found: set FASTFORWARD_DATA to the folder holding the data sets")
     return candidates[0]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Output paths: every command checks its output folder or file here, before any work
+# ------------------------------------------------------------------------------------------------------------------
+
+RUN_MARKER = ".fastforward-run.json"  # written first into every output folder a command creates or adopts
+
+
+def check_writable(path, flag: str) -> None:
+    """A one-line :class:`UsageError` now, not after the work, when ``path`` (a folder or file about to be written)
+    cannot be written: a temporary file is created and removed in ``path`` (an existing folder) or else in the
+    nearest folder above it that exists (creating folders below a writable one succeeds)."""
+    path = Path(path).expanduser()
+    folder = path if path.is_dir() else next((p for p in path.absolute().parents if p.exists()), Path("/"))
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path}: {folder} is not a folder")
+    try:
+        if path.is_file() and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+        fd, probe = tempfile.mkstemp(prefix=".fastforward-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write in {folder} ({exc.strerror or exc})") from None
+
+
+def read_marker(folder) -> dict | None:
+    """The marker of an output folder (``{"command": ...}``), ``None`` without one, ``{}`` when unreadable."""
+    marker = Path(folder) / RUN_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def check_output_dir(path, command: str, *, owned: Callable[[Path], bool] | None = None,
+                     flag: str = "--out") -> Path:
+    """The output folder of ``fastforward COMMAND``, checked before any work: it must be absent, empty, or one this
+    command wrote before -- recognised by its :data:`RUN_MARKER` naming ``command``, or by ``owned(folder)`` for a
+    folder written before markers existed -- and writable. Creates nothing; returns the expanded path."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{flag} {out} exists and is not a folder")
+    if out.is_dir():
+        marker = read_marker(out)
+        if marker is not None and marker.get("command") != command:
+            other = f"'fastforward {marker['command']}'" if marker.get("command") else "another command"
+            raise UsageError(f"{flag} {out} holds the output of {other}; give another folder")
+        if marker is None and any(out.iterdir()) and not (owned is not None and owned(out)):
+            raise UsageError(f"{flag} {out} holds files 'fastforward {command}' did not write; give a new or empty "
+                             "folder (nothing in it was changed)")
+    check_writable(out, flag)
+    return out
+
+
+def mark_output_dir(path, command: str) -> Path:
+    """Create the output folder (checked by :func:`check_output_dir`) and write its marker, once; returns it."""
+    out = Path(path).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / RUN_MARKER
+    if read_marker(out) is None:
+        tmp = out / f"{RUN_MARKER}.tmp{os.getpid()}"
+        tmp.write_text(json.dumps({"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+        os.replace(tmp, marker)
+    return out
+
+
+def check_output_file(path, flag: str, *, owned: Callable[[Path], bool] | None = None) -> Path:
+    """An output file, checked before any work: not a folder, in an existing writable folder, and -- when it
+    exists and ``owned`` is given -- a file this command wrote before (``owned(file)``). Returns the expanded path."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise UsageError(f"{flag} {file} is a folder; give a file name")
+    if not file.parent.is_dir():
+        what = "is not a folder" if file.parent.exists() else "does not exist"
+        raise UsageError(f"{flag}: the folder {file.parent} {what}")
+    if file.exists() and owned is not None and not owned(file):
+        raise UsageError(f"{flag} {file} exists and was not written by fastforward; remove it or give another name")
+    check_writable(file, flag)
+    return file

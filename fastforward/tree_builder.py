@@ -424,6 +424,15 @@ def build_tree(
     return size_tree(data, costs, budget, sweeps, kv, target)
 
 
+def is_tree_file(path) -> bool:
+    """Whether ``path`` holds a tree ``fastforward build-tree`` wrote (so writing there again replaces only that)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and {"choices", "greedy_order", "tau_by_nodes"} <= set(data)
+
+
 def save_tree(data: dict, path) -> Path:
     """Write a tree as JSON, one top-level key per line (lists stay on one line)."""
     path = Path(path).expanduser()

@@ -523,7 +523,8 @@ def test_build_tree_command_writes_and_installs(tiny, questions_file, tmp_path, 
     monkeypatch.setattr("fastforward.tree_builder.measure_forward_costs", lambda *a, **k: dict(costs))
     out = tmp_path / "tree.json"
     rc = cli.main(["build-tree", "--model", "tiny-llama", "--prompts", str(questions_file), "--out", str(out),
-                   "--limit", "2", "--offset", "1", "--max-new-tokens", "24", "--width", "3", "--depth", "3"])
+                   "--limit", "2", "--offset", "1", "--max-new-tokens", "24", "--width", "3", "--depth", "3",
+                   "--install"])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["calibration"]["questions"] == ["c:1", "c:3"] and data["model"] == "tiny-llama"

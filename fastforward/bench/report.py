@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -454,12 +455,17 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
 
 
 def write_report(out_dir, rows: list[dict], plots: bool = True) -> dict:
-    """Write summary.json, report.md and the PNG plots into ``out_dir``; returns the summary."""
+    """Write summary.json, report.md and the PNG plots into ``out_dir``; returns the summary. Without matplotlib
+    (the ``bench`` extra) the plots are skipped with a one-line note; the report is written all the same."""
     out_dir = Path(out_dir)
     summary = aggregate(rows)
     files = []
     if plots:
-        files = write_plots(summary, out_dir)
+        try:
+            files = write_plots(summary, out_dir)
+        except ImportError as exc:
+            print(f"fastforward bench: no plots ({exc.name or 'matplotlib'} is not installed: "
+                  "pip install -e '.[bench]'); report.md and summary.json are written without them", file=sys.stderr)
     write_atomic(out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
     write_atomic(out_dir / "report.md", render_markdown(summary, files))
     return summary

@@ -23,11 +23,11 @@ def row_key(row: dict) -> tuple[str, str, int]:
 def read_rows(path: Path, warn: bool = True) -> list[dict]:
     """The rows of a results file; a partial last line (a run killed mid-write) and broken lines are skipped.
     A key that appears twice keeps its last row."""
-    if not path.exists():
+    if not path.is_file():
         return []
     rows: dict[tuple, dict] = {}
     broken = 0
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # bytes that are not UTF-8: replaced, never a crash
         for line in f:
             if not line.strip():
                 continue
@@ -82,6 +82,21 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def is_bench_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a benchmark's output (a results file with rows, or a --batch result): the test for
+    folders written before output folders were marked (:func:`fastforward.paths.check_output_dir`)."""
+    try:
+        if read_rows(Path(folder) / RESULTS, warn=False):
+            return True
+    except OSError:
+        return False
+    try:
+        batch = json.loads((Path(folder) / "batch.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(batch, dict) and {"meta", "rows"} <= set(batch)
 
 
 def require_results(out_dir: Path) -> list[dict]:

@@ -440,9 +440,8 @@ def run_bench(
         if bar is not None:
             bar.close()
             bar = None
-        print(f"fastforward bench: interrupted after {finished} of {len(pending)} runs; the measured rows are in "
-              f"{path}; run the same command again to resume", file=sys.stderr)
-        raise
+        raise KeyboardInterrupt(f"{finished} of {len(pending)} runs measured, in {path}; run the same command again "
+                                "to resume") from None
     finally:
         if bar is not None:
             bar.close()

@@ -12,8 +12,11 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
+from pathlib import Path
 
-from ..errors import FastForwardError
+from ..errors import FastForwardError, UsageError
+from ..validation import check_text
 from ..version import __version__
 
 # name -> (module, one-line help)
@@ -57,7 +60,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model_load_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while reading the model's files (inside ``fastforward.model.loading``): a broken
+    model file or folder (a truncated GGUF converted by transformers, ...), not a bug."""
+    from ..model import loading
+
+    where = Path(loading.__file__).resolve()
+    return any(Path(frame.f_code.co_filename).resolve() == where for frame, _ in traceback.walk_tb(exc.__traceback__))
+
+
+def _one_line(text) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        for i, arg in enumerate(argv, 1):
+            check_text(f"argument {i} ({arg!r})", arg)
+    except UsageError as exc:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        print(f"fastforward: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -71,14 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         mod = importlib.import_module(args._module)
+        if isinstance(getattr(args, "model", None), str):
+            from .options import check_model_folder
+
+            check_model_folder(args.model)
         return int(mod.run(args, args._command) or 0)
     except FastForwardError as exc:
         sys.stdout.flush()
-        print(f"fastforward: error: {exc}", file=sys.stderr)
+        print(f"fastforward: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # the command kept what it finished; its message says where
         sys.stdout.flush()
-        print("\nfastforward: interrupted", file=sys.stderr)
+        print(f"\nfastforward: interrupted{': ' + _one_line(exc) if str(exc) else ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 1
@@ -86,9 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("FASTFORWARD_DEBUG"):
             raise
         sys.stdout.flush()
-        print(
-            f"fastforward: internal error: {type(exc).__name__}: {exc} (set FASTFORWARD_DEBUG=1 for a traceback)",
-            file=sys.stderr,
-        )
+        if _model_load_failure(exc):
+            kind = type(exc).__qualname__ if type(exc).__module__ == "builtins" else \
+                f"{type(exc).__module__}.{type(exc).__qualname__}"
+            print(f"fastforward: error: cannot load the model '{getattr(args, 'model', '')}': its files are "
+                  f"truncated, corrupt or of a kind it cannot read ({kind}: {_one_line(exc)})", file=sys.stderr)
+            return 2
+        print(f"fastforward: internal error: {type(exc).__name__}: {_one_line(exc)} "
+              "(set FASTFORWARD_DEBUG=1 for a traceback)", file=sys.stderr)
         return 1
 

@@ -19,11 +19,12 @@ from ..bench.methods import apply_option_flags, parse_specs, resolve_specs
 from ..bench.peers import check_peers
 from ..bench.questions import load_questions, select_questions
 from ..bench.report import write_report
-from ..bench.results import require_results
+from ..bench.results import is_bench_folder, require_results
 from ..bench.runner import precheck, run_bench
 from ..errors import UsageError
+from ..paths import check_output_dir, mark_output_dir
 from ..proposers import available_methods
-from .options import add_model_arguments
+from .options import add_model_arguments, max_new_tokens, nonnegative_int, positive_int, seed, temperature
 
 
 def add_arguments(p, name: str) -> None:
@@ -52,14 +53,17 @@ def add_arguments(p, name: str) -> None:
     add_model_arguments(p, threads_help="torch threads, fixed for the run and recorded (default: torch's choice, "
                                         "recorded)",
                         weights_help="weight storage (see fastforward generate --help; default: auto)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="(default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--max-new-tokens", type=max_new_tokens, default=256, help="(default: %(default)s)")
+    p.add_argument("--temperature", type=temperature, default=0.0,
                    help="0 = greedy (default); > 0 samples and skips the losslessness check")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling and random draft initialisation "
-                                                       "(default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (default: 1)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method (default: 1)")
-    p.add_argument("--out", default="bench-results", metavar="DIR", help="output folder (default: %(default)s)")
+    p.add_argument("--seed", type=seed, default=0, help="seed for sampling and random draft initialisation "
+                                                        "(default: %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="timed runs per question and method (default: 1)")
+    p.add_argument("--warmup", type=nonnegative_int, default=1,
+                   help="untimed warm-up generations per method (default: 1)")
+    p.add_argument("--out", default="bench-results", metavar="DIR",
+                   help="output folder: new, empty, or one an earlier 'fastforward bench' wrote (resumed) "
+                        "(default: %(default)s)")
     p.add_argument("--force", action="store_true", help="re-measure what DIR/results.jsonl already holds")
     p.add_argument("--compare-ar", default=None, metavar="DIR",
                    help="after the run, compare its AR outputs with those of an earlier run in DIR (another commit, "
@@ -71,7 +75,7 @@ def add_arguments(p, name: str) -> None:
                    help="throughput mode: decode the questions' first turns B at a time, several sequences per "
                         "forward, for each B (B=1 always runs, as the reference) and each method (default ar,pld); "
                         "writes DIR/batch.md and DIR/batch.json")
-    p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--batch-tokens", type=positive_int, default=None, metavar="N",
                    help="with --batch: rows per shared forward (default: sized from the machine's cost curve)")
 
 
@@ -130,6 +134,7 @@ def run(args, name: str) -> int:
     out_dir = Path(args.out).expanduser()
     if args.report_only:
         rows = require_results(out_dir)
+        check_output_dir(out_dir, "bench", owned=is_bench_folder)
         summary = write_report(out_dir, rows)
         _print_overall(summary, out_dir)
         return 0
@@ -137,14 +142,6 @@ def run(args, name: str) -> int:
     # Everything that can be wrong with the input is checked before the (slow) model load.
     if not args.questions:
         raise UsageError("give at least one --questions file")
-    if args.max_new_tokens <= 0:
-        raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.repeats < 1:
-        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.warmup < 0:
-        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.compare_ar and not (Path(args.compare_ar) / "results.jsonl").is_file():
         raise UsageError(f"--compare-ar: no results.jsonl in {args.compare_ar}")
     methods = []
@@ -165,10 +162,11 @@ def run(args, name: str) -> int:
              "seed": args.seed}
     if args.threads is not None:
         known["threads"] = args.threads
+    check_output_dir(out_dir, "bench", owned=is_bench_folder)  # never writes into a folder it did not write
     if args.batch is not None:
         return _run_batch_mode(args, [s for s in specs if s.kind == "method"], questions, out_dir)
     precheck(out_dir, known, args.force)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    mark_output_dir(out_dir, "bench")
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     command = canonical_command(args, [s for s in specs if s.kind == "method"], [s for s in specs if s.kind == "peer"])
     print(f"fastforward bench: {len(questions)} questions x {len(specs)} methods x {args.repeats} repeat(s) "
@@ -202,12 +200,11 @@ def _run_batch_mode(args, specs, questions, out_dir: Path) -> int:
     from ..bench.runner import turn_prompt
 
     sizes = _batch_sizes(args.batch)
-    if args.batch_tokens is not None and args.batch_tokens < 1:
-        raise UsageError(f"--batch-tokens must be a positive integer, got {args.batch_tokens}")
     if args.temperature != 0:
         raise UsageError("--batch measures greedy decoding (--temperature 0)")
     if any(s.options for s in specs):
         raise UsageError("--batch runs methods with their default options")
+    mark_output_dir(out_dir, "bench")
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     prompts = [turn_prompt(target, q.turns[:1], []) for q in questions]
     print(f"fastforward bench --batch: {len(prompts)} prompts x {len(specs)} methods x B in {sizes}, "

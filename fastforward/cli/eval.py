@@ -14,19 +14,30 @@ from ..errors import UsageError
 from ..evaluate import (
     DEFAULT_MAX_NEW_TOKENS,
     TASKS,
+    EvalInterrupted,
     compare_samples,
     eval_gsm8k,
     eval_humaneval,
     eval_nll,
+    is_eval_file,
     load_comparison,
     load_gsm8k,
     load_humaneval,
     summary_line,
     task_file,
 )
-from ..proposers import available_methods
+from ..paths import check_output_file
+from ..request import check_method
 from ..train.data import check_heldout, parse_paths
-from .options import add_method_option_argument, add_model_arguments, parse_options, positive_float
+from .options import (
+    add_method_option_argument,
+    add_model_arguments,
+    finite_float,
+    max_new_tokens,
+    parse_options,
+    positive_float,
+    positive_int,
+)
 
 
 def add_arguments(p, name: str) -> None:
@@ -36,12 +47,12 @@ def add_arguments(p, name: str) -> None:
                    help="nll: the training data file(s) whose held-out split to score (required); gsm8k/humaneval: "
                         "the test file (default: shared/data/gsm8k/test.jsonl, "
                         "shared/data/humaneval/HumanEval.jsonl.gz)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N items")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--limit", type=positive_int, default=None, help="only the first N items")
+    p.add_argument("--max-new-tokens", type=max_new_tokens, default=None,
                    help="generation budget (default: gsm8k 256, humaneval 512)")
     p.add_argument("--method", default="ar", help="decoding method for generation tasks (default: ar)")
     add_method_option_argument(p, "a method option (repeatable)")
-    p.add_argument("--heldout", type=float, default=0.05,
+    p.add_argument("--heldout", type=finite_float, default=0.05,
                    help="nll: held-out fraction, as given to 'fastforward train' (default: %(default)s)")
     p.add_argument("--max-length", type=int, default=512,
                    help="nll: tokens per record, as given to 'fastforward train' (default: %(default)s)")
@@ -52,7 +63,9 @@ def add_arguments(p, name: str) -> None:
                         "response tokens per record, as 'fastforward train msn' trains them "
                         "(0 = off; default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    p.add_argument("--save", metavar="FILE", default=None, help="write the summary and every sample's result as JSON")
+    p.add_argument("--save", metavar="FILE", default=None,
+                   help="write the summary and every sample's result as JSON (a new file, or one an earlier "
+                        "'--save' wrote; on Ctrl-C, the items scored so far)")
     p.add_argument("--compare", metavar="FILE", default=None,
                    help="gsm8k/humaneval: a '--save' file of another model (or method) on the same task; reports how "
                         "many samples got the same answer and the identical text")
@@ -60,10 +73,6 @@ def add_arguments(p, name: str) -> None:
 
 
 def run(args, name: str) -> int:
-    if args.limit is not None and args.limit <= 0:
-        raise UsageError(f"--limit must be a positive integer, got {args.limit}")
-    if args.max_new_tokens is not None and args.max_new_tokens <= 0:
-        raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     options = parse_options(args.option)
     rows = None
     if args.task == "nll":
@@ -76,8 +85,7 @@ def run(args, name: str) -> int:
         if args.noise_length < 0:
             raise UsageError(f"--noise-length must be 0 (off) or positive, got {args.noise_length}")
     else:
-        if args.method not in available_methods():
-            raise UsageError(f"unknown method '{args.method}'; available: {', '.join(available_methods())}")
+        check_method(args.method, options)  # the name and the options' names, as every request is checked
         path = task_file(args.task, args.data)
         rows = (load_gsm8k if args.task == "gsm8k" else load_humaneval)(path, args.limit)
         if not rows:
@@ -90,9 +98,7 @@ def run(args, name: str) -> int:
             raise UsageError("--compare applies to the generation tasks (gsm8k, humaneval), not nll")
         reference = load_comparison(args.compare, args.task)
     if args.save:
-        parent = Path(args.save).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise UsageError(f"--save: folder {parent} does not exist")
+        check_output_file(args.save, "--save", owned=is_eval_file)  # before the work, not after it
 
     t0 = time.perf_counter()
     backend = "hf" if args.task == "nll" and args.backend == "auto" else args.backend
@@ -104,15 +110,19 @@ def run(args, name: str) -> int:
         return tqdm(items, desc=f"eval {args.task}", unit="item", disable=args.quiet, file=sys.stderr,
                     dynamic_ncols=True, mininterval=1.0)
 
-    if args.task == "nll":
-        result = eval_nll(target, args.data, heldout=args.heldout, max_length=args.max_length, limit=args.limit,
-                          noise_length=args.noise_length)
-    elif args.task == "gsm8k":
-        result = eval_gsm8k(target, rows, method=args.method, max_new_tokens=args.max_new_tokens, options=options,
-                            progress=progress)
-    else:
-        result = eval_humaneval(target, rows, method=args.method, max_new_tokens=args.max_new_tokens,
-                                options=options, timeout=args.timeout, progress=progress)
+    interrupted = False
+    try:
+        if args.task == "nll":
+            result = eval_nll(target, args.data, heldout=args.heldout, max_length=args.max_length, limit=args.limit,
+                              noise_length=args.noise_length)
+        elif args.task == "gsm8k":
+            result = eval_gsm8k(target, rows, method=args.method, max_new_tokens=args.max_new_tokens,
+                                options=options, progress=progress)
+        else:
+            result = eval_humaneval(target, rows, method=args.method, max_new_tokens=args.max_new_tokens,
+                                    options=options, timeout=args.timeout, progress=progress)
+    except EvalInterrupted as exc:  # Ctrl-C: report (and --save) the items scored so far, then exit 130
+        result, interrupted = exc.result, True
     seconds = time.perf_counter() - t0
     summary = {"task": args.task, "model": args.model, "seconds": round(seconds, 2)}
     if args.task != "nll":
@@ -120,6 +130,8 @@ def run(args, name: str) -> int:
     else:
         summary["data"] = args.data
     summary.update({k: v for k, v in result.items() if k != "samples"})
+    if interrupted:
+        summary["interrupted"] = f"{result['n']} of {len(rows)} items"
     if reference is not None:
         summary["agreement"] = compare_samples(args.task, result["samples"], reference)
     if args.save:
@@ -128,4 +140,7 @@ def run(args, name: str) -> int:
         print(json.dumps(summary))
     else:
         print(summary_line(summary))
+    if interrupted:
+        raise KeyboardInterrupt(f"the summary above covers the {summary['interrupted']} scored before it"
+                                + (f"; saved in {args.save}" if args.save else ""))
     return 0

@@ -8,18 +8,28 @@ The parsing of method options (``KEY=VALUE`` strings) is a library concern the b
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
+from ..errors import UsageError
 from ..model import DEFAULT_MODEL
 from ..proposers._options import parse_options
+from ..validation import check_max_new_tokens, check_sampling, check_seed
 
 __all__ = [
     "add_method_option_argument",
     "add_model_argument",
     "add_model_arguments",
     "add_threads_argument",
+    "check_model_folder",
+    "finite_float",
+    "max_new_tokens",
+    "nonnegative_int",
     "parse_options",
     "positive_float",
     "positive_int",
+    "seed",
+    "temperature",
 ]
 
 BACKENDS = ("auto", "lean", "hf")
@@ -35,6 +45,58 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse ``type=``: a finite number (no nan, no inf); ranges are the command's to check."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: '{text}'") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _checked(check, value):
+    try:
+        return check(value)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def max_new_tokens(text: str) -> int:
+    """argparse ``type=``: a generation budget (:func:`fastforward.validation.check_max_new_tokens`)."""
+    return _checked(check_max_new_tokens, positive_int(text))
+
+
+def seed(text: str) -> int:
+    """argparse ``type=``: a seed (:func:`fastforward.validation.check_seed`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
+    return _checked(check_seed, value)
+
+
+def temperature(text: str) -> float:
+    """argparse ``type=``: a sampling temperature (:func:`fastforward.validation.check_sampling`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: '{text}'") from None
+    return _checked(lambda t: check_sampling(t, 0, 1.0).temperature, value)
 
 
 def positive_float(text: str) -> float:
@@ -76,3 +138,26 @@ def add_model_arguments(p, *, threads_help: str | None = None, weights_help: str
 def add_method_option_argument(p, help: str = "a method option, e.g. -o k=10 (repeatable)") -> None:
     """``-o/--option KEY=VALUE`` (repeatable), read with :func:`parse_options`."""
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help=help)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.pt", "*.pth")
+
+
+def check_model_folder(name: str) -> None:
+    """A local Hugging Face folder given as ``--model`` must hold what loading it needs -- a readable config.json,
+    tokenizer files, weights -- said in one line before any work rather than as a loader's traceback. Names that
+    are not such a folder (aliases, .gguf files, unknown names) are left to :func:`fastforward.load`."""
+    path = Path(name).expanduser()
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--model {path}: config.json is not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--model {path}: config.json is not a JSON object")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise UsageError(f"--model {path} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in the folder")
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+        raise UsageError(f"--model {path} has no weights (*.safetensors or *.bin files)")

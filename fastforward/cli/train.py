@@ -16,7 +16,7 @@ from ..train.cllm import CLLM, LOSSES, check_loss_settings, trajectories_file
 from ..train.msn import MSN
 from ..train.trainer import DEFAULT_LORA_RANK, TrainConfig, report, train
 from ..train.trajectories import META
-from .options import add_model_argument, add_threads_argument
+from .options import add_model_argument, add_threads_argument, finite_float, seed
 
 # ------------------------------------------------------------------------------------------------------------------
 # Options every method shares
@@ -31,10 +31,12 @@ def add_training_arguments(p, data: bool = True) -> None:
         p.add_argument("--data", required=True,
                        help="training file(s), comma-separated: alpaca-style .json/.jsonl, GSM8K .jsonl, "
                             "prompt/response")
-    p.add_argument("--out", required=True, help="output folder: the final model, checkpoints/ and train_log.jsonl")
+    p.add_argument("--out", required=True,
+                   help="output folder: the final model, checkpoints/ and train_log.jsonl; new, empty, or one an "
+                        "earlier 'fastforward train' wrote (the same command resumes it)")
     p.add_argument("--epochs", type=int, default=1, help="passes over the data (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps; overrides --epochs")
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--lr", type=finite_float, default=None,
                    help="peak learning rate (default: 2e-4 with LoRA, 2e-5 with --full)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch and process (default: 4)")
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per optimizer step (default: 4)")
@@ -45,19 +47,20 @@ def add_training_arguments(p, data: bool = True) -> None:
     kind.add_argument("--lora", type=int, metavar="R", default=None,
                       help=f"train LoRA adapters of rank R on every linear projection (default: {DEFAULT_LORA_RANK})")
     kind.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
-    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default: 2 x rank)")
-    p.add_argument("--seed", type=int, default=0, help="data order, subsampling, noise and LoRA init (default: 0)")
+    p.add_argument("--lora-alpha", type=finite_float, default=None, help="LoRA scaling numerator (default: 2 x rank)")
+    p.add_argument("--seed", type=seed, default=0, help="data order, subsampling, noise and LoRA init (default: 0)")
     p.add_argument("--limit", type=int, default=None, help="train on a seeded random subset of N records")
     if data:
-        p.add_argument("--heldout", type=float, default=0.05,
+        p.add_argument("--heldout", type=finite_float, default=0.05,
                        help="fraction of records held out for 'fastforward eval --task nll' (default: %(default)s)")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (default: %(default)s)")
     p.add_argument("--keep-checkpoints", type=int, default=1, help="checkpoints kept (default: %(default)s)")
-    p.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of the steps (default: %(default)s)")
+    p.add_argument("--warmup", type=finite_float, default=0.05,
+                   help="warmup fraction of the steps (default: %(default)s)")
     p.add_argument("--schedule", default="cosine", choices=["linear", "cosine", "constant"],
                    help="learning-rate schedule after warmup (default: %(default)s)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, 0 = off (default: 1.0)")
+    p.add_argument("--weight-decay", type=finite_float, default=0.0, help="AdamW weight decay (default: %(default)s)")
+    p.add_argument("--max-grad-norm", type=finite_float, default=1.0, help="gradient clipping, 0 = off (default: 1.0)")
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -124,8 +127,9 @@ def add_cllm_arguments(p) -> None:
     g.add_argument("--loss", default="global", choices=LOSSES,
                    help="global (eq. 4: any state -> fixed point) or local (eq. 5: state -> next state) "
                         "(default: %(default)s)")
-    g.add_argument("--ar-weight", type=float, default=10.0, help="w in eq. 7 (default: %(default)s, as official)")
-    g.add_argument("--label-smoothing", type=float, default=0.1,
+    g.add_argument("--ar-weight", type=finite_float, default=10.0,
+                   help="w in eq. 7 (default: %(default)s, as official)")
+    g.add_argument("--label-smoothing", type=finite_float, default=0.1,
                    help="label smoothing of the AR loss (default: %(default)s, as official)")
     g.add_argument("--no-mask", dest="mask", action="store_false",
                    help="also average the KL over the state's converged prefix (zero-KL positions)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..train.trajectories import TRAJECTORIES, collect
-from .options import add_model_argument, add_threads_argument
+from .options import add_model_argument, add_threads_argument, finite_float, max_new_tokens, seed
 
 
 def add_arguments(p, name: str) -> None:
@@ -14,19 +14,21 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--prompts", required=True,
                    help="prompt file: .jsonl with 'question' (GSM8K), 'turns' (first turn used) or 'prompt', or "
                         "alpaca .json/.jsonl ('instruction' [+ 'input'])")
-    p.add_argument("--out", required=True, help="output folder: trajectories.jsonl, prompts.jsonl, meta.json")
+    p.add_argument("--out", required=True,
+                   help="output folder: trajectories.jsonl, prompts.jsonl, meta.json; new, empty, or one an earlier "
+                        "collect-trajectories wrote (the same command resumes it)")
     p.add_argument("--n-token", type=int, default=16, help="Jacobi block size n (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=256,
+    p.add_argument("--max-new-tokens", type=max_new_tokens, default=256,
                    help="answer budget per prompt, N in Algorithm 1 (default: %(default)s)")
     p.add_argument("--augment", action="store_true",
                    help="randomly correct wrong tokens of intermediate states (CLLM §3.2.1 data augmentation)")
-    p.add_argument("--augment-prob", type=float, default=0.5,
+    p.add_argument("--augment-prob", type=finite_float, default=0.5,
                    help="with --augment, the chance that each wrong token is corrected (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="the first N prompts of the file only")
-    p.add_argument("--seed", type=int, default=0, help="block initialisation and augmentation (default: 0)")
+    p.add_argument("--seed", type=seed, default=0, help="block initialisation and augmentation (default: 0)")
     g = p.add_argument_group("repetition filter (post-processing)")
     g.add_argument("--ngram", type=int, default=4, help="token n-gram size of the token-level rule (default: 4)")
-    g.add_argument("--max-ngram-repeat", type=float, default=0.4,
+    g.add_argument("--max-ngram-repeat", type=finite_float, default=0.4,
                    help="drop an answer whose fraction of repeated n-grams exceeds this (default: %(default)s)")
     g.add_argument("--max-sentence-repeats", type=int, default=2,
                    help="drop an answer in which a sentence occurs more often than this (default: %(default)s)")

@@ -9,12 +9,16 @@ first 8 of a category nor at the multiples of 10 or 20 the benchmark's evenly sp
 ``--per-category 4`` and ``8``), so calibration and benchmark prompts are disjoint
 (:func:`fastforward.tree_builder.select_calibration`).
 
+The tree is written to ``--out`` only; ``--install`` also makes it this model's default ``tr-jacobi`` tree (in the
+fastforward cache), which every later ``tr-jacobi`` run without ``-o tree=...`` then uses.
+
 ``--from TREE`` re-sizes a tree built earlier: its measured acceptance (``greedy_order``, ``tau_by_nodes``) is kept
 and only the cost curve is measured again, for when the engine or the machine changed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -23,9 +27,18 @@ import fastforward as ff
 
 from ..bench.questions import load_questions
 from ..errors import UsageError
+from ..paths import check_output_file, check_writable
 from ..proposers.tr_jacobi import installed_tree_path, model_key
-from ..tree_builder import build_tree, cost_qs, measure_costs, save_tree, select_calibration, size_tree
-from .options import add_model_arguments
+from ..tree_builder import (
+    build_tree,
+    cost_qs,
+    is_tree_file,
+    measure_costs,
+    save_tree,
+    select_calibration,
+    size_tree,
+)
+from .options import add_model_arguments, max_new_tokens, seed
 
 
 def add_arguments(p, name: str) -> None:
@@ -33,7 +46,9 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--from", dest="from_tree", metavar="TREE",
                    help="instead of calibrating, re-size a tree built earlier: keep its measured acceptance, "
                         "measure only this machine's cost curve again (after an engine or machine change)")
-    p.add_argument("--out", required=True, help="where to write the tree JSON")
+    p.add_argument("--out", required=True,
+                   help="where to write the tree JSON (a new file, or a tree an earlier build-tree wrote); use it "
+                        "with -o tree=FILE, or --install it")
     add_model_arguments(p)
     p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (default: %(default)s)")
     p.add_argument("--budget", default="auto",
@@ -41,15 +56,25 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--per-category", type=int, default=None, help="calibration prompts per category")
     p.add_argument("--limit", type=int, default=None, help="calibration prompts overall (default: 12)")
     p.add_argument("--offset", type=int, default=11, help="index of the first pick in a category (default: 11)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
+    p.add_argument("--max-new-tokens", type=max_new_tokens, default=128,
+                   help="tokens generated per prompt (default: 128)")
     p.add_argument("--width", type=int, default=10, help="candidates per depth measured (default: %(default)s)")
     p.add_argument("--depth", type=int, default=5, help="depths measured (default: %(default)s)")
     p.add_argument("--retrieval-len", type=int, default=5, help="retrieval chain length (default: %(default)s)")
     p.add_argument("--kv", type=int, default=300, help="KV length for the cost curve (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per q (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the table's noise (default: %(default)s)")
-    p.add_argument("--no-install", action="store_true",
-                   help="do not install the tree as this model's default tr-jacobi tree (in the fastforward cache)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the table's noise (default: %(default)s)")
+    p.add_argument("--install", action="store_true",
+                   help="also install the tree as this model's default tr-jacobi tree (in the fastforward cache), "
+                        "used by every later tr-jacobi run without -o tree=...; without it, only --out is written")
+    p.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)  # the old default; now implied
+
+
+def _check_kv(kv: int, qs: list[int], target) -> None:
+    """The cost curve's forwards must fit the model's context (checked after the load, before any measuring)."""
+    if kv + max(qs) > target.max_context:
+        raise UsageError(f"--kv {kv} plus the largest tree ({max(qs)} tokens) exceeds the model's context "
+                         f"{target.max_context}; lower --kv or --max-nodes")
 
 
 def _positive(value, flag: str) -> None:
@@ -90,11 +115,9 @@ def _validate(args) -> tuple[int | str, list]:
             raise UsageError(f"--budget must be in 1..{args.max_nodes} (--max-nodes), got {budget}")
     if (args.prompts is None) == (args.from_tree is None):
         raise UsageError("give --prompts (calibrate and build a tree) or --from TREE (re-size a built tree)")
-    out = Path(args.out).expanduser()
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory; give a file name")
-    if out.parent != Path("") and not out.parent.is_dir():
-        raise UsageError(f"--out: the folder {out.parent} does not exist")
+    check_output_file(args.out, "--out", owned=is_tree_file)
+    if args.install:
+        check_writable(installed_tree_path(args.model), "--install")
     if args.from_tree is not None:
         return budget, [_read_built_tree(args.from_tree)]
     questions = load_questions(args.prompts)
@@ -113,11 +136,13 @@ def run(args, name: str) -> int:
             raise UsageError(f"--from: that tree was calibrated on '{built.get('model')}', not '{args.model}'")
         target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
         qs = cost_qs(len(built["greedy_order"]), int(built["retrieval_len"]))
+        _check_kv(args.kv, qs, target)
         costs, sweeps = measure_costs(target, qs, args.kv, args.repeats, 2, progress)
         data = size_tree(built, costs, budget, sweeps, args.kv, target)
         data["resized_from"] = str(args.from_tree)
     else:
         target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+        _check_kv(args.kv, cost_qs(args.max_nodes, args.retrieval_len), target)
         progress(f"{len(questions)} calibration prompts: "
                  + ", ".join(f"{q.category}:{q.question_id}" for q in questions))
         prompts = [target.encode(q.turns[0]) for q in questions]
@@ -139,7 +164,9 @@ def run(args, name: str) -> int:
         progress(f"warning: the cost sweeps disagree by {spread:.0%} (median over q): other processes competed for "
                  "the CPU, so the budget may be off; re-size later on a quiet machine with --from")
     print("cost curve (ms): " + ", ".join(f"q={q}: {t}" for q, t in data["cost_curve_ms"].items()))
-    if not args.no_install:
+    if args.install:
         installed = save_tree(data, installed_tree_path(args.model))
         print(f"installed as the default tr-jacobi tree for {args.model}: {installed}")
+    else:
+        print(f"not installed: use it with -o tree={out}, or re-run with --install to make it the default")
     return 0

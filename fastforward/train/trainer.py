@@ -22,6 +22,7 @@ number of loss tokens) and ``loss`` (model, batch -> the *sum* of the per-token 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 import random
@@ -36,6 +37,7 @@ from pathlib import Path
 import fastforward as ff
 
 from ..errors import UsageError
+from ..paths import check_output_dir, mark_output_dir
 from .data import check_heldout, encode_examples, parse_paths, read_examples, split_examples, subsample
 
 CHECKPOINTS = "checkpoints"
@@ -115,11 +117,15 @@ class TrainConfig:
             raise UsageError("--weight-decay and --max-grad-norm must be >= 0")
         if self.max_length < 2:
             raise UsageError(f"--max-length must be at least 2, got {self.max_length}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise UsageError(f"--lora-alpha must be positive, got {self.lora_alpha}")
         check_heldout(self.heldout)
         parse_paths(self.data)
-        out = Path(self.out).expanduser()
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"--out {out} exists and is not a directory")
+        if self.lora and importlib.util.find_spec("peft") is None:
+            raise UsageError("LoRA training needs peft, which is not installed: pip install -e '.[train]' "
+                             "(or train with --full)")
+        # a new or empty folder, or one 'fastforward train' wrote (re-running resumes it); never someone else's
+        check_output_dir(self.out, "train", owned=_is_train_folder)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -251,6 +257,11 @@ class BatchSchedule:
 # ------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 # ------------------------------------------------------------------------------------------------------------------
+
+
+def _is_train_folder(out: Path) -> bool:
+    """A training output written before output folders were marked: a checkpoint or the run summary."""
+    return latest_checkpoint(out) is not None or (out / SUMMARY_FILE).is_file()
 
 
 def checkpoint_dirs(out: Path) -> list[tuple[int, Path]]:
@@ -461,7 +472,7 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
     identity = cfg.identity()
     log_path = out / LOG_FILE
     if main:
-        out.mkdir(parents=True, exist_ok=True)
+        mark_output_dir(out, "train")
         _trim_log(log_path, start_step)
 
     def state_at(step, loss):
@@ -518,9 +529,10 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
     except KeyboardInterrupt:
         bar.close()
         if step > last_saved:
-            _log(f"interrupted: saving a checkpoint at step {step} (re-run the same command to resume)", quiet)
             save_checkpoint(accelerator, model, tokenizer, out, step, state_at(step, last_loss), cfg)
-        raise
+            last_saved = step
+        kept = f"checkpoint at step {last_saved} in {out / CHECKPOINTS}" if last_saved else "no step finished"
+        raise KeyboardInterrupt(f"{kept}; re-run the same command to resume") from None
     bar.close()
     seconds = time.perf_counter() - t0
 

@@ -39,6 +39,7 @@ import fastforward as ff
 
 from ..bench.questions import load_question_file
 from ..errors import UsageError
+from ..paths import check_output_dir, mark_output_dir
 from .trainer import seed_key
 
 SCHEMA = "fastforward-cllm-trajectories/1"
@@ -209,6 +210,14 @@ def recover(out: Path) -> dict[str, dict]:
     return done
 
 
+def _is_collection(out: Path) -> bool:
+    """A collection written before output folders were marked: its meta.json names the schema."""
+    try:
+        return json.loads((out / META).read_text(encoding="utf-8")).get("schema") == SCHEMA
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
+
+
 def _identity(settings: dict) -> dict:
     return {k: settings.get(k) for k in IDENTITY_KEYS}
 
@@ -247,9 +256,7 @@ def collect(model: str, prompts: str, out: str, *, n_token: int = 16, max_new_to
             threads: int | None = None, quiet: bool = False) -> dict:
     """Collect (or resume collecting) trajectories into ``out``; return the meta.json contents."""
     check_settings(n_token, max_new_tokens, limit, augment_prob, ngram, max_ngram_repeat, max_sentence_repeats)
-    out_dir = Path(out).expanduser()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"--out {out_dir} exists and is not a directory")
+    out_dir = check_output_dir(out, "collect-trajectories", owned=_is_collection)
     questions = load_question_file(prompts)
     if limit is not None:
         questions = questions[:limit]
@@ -270,7 +277,7 @@ def collect(model: str, prompts: str, out: str, *, n_token: int = 16, max_new_to
                              "use another --out")
     target = ff.load(model, threads=threads)
     started = time.time()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    mark_output_dir(out_dir, "collect-trajectories")
     done = recover(out_dir)
     todo = [q for q in questions if q.question_id not in done]
 
@@ -328,6 +335,9 @@ def collect(model: str, prompts: str, out: str, *, n_token: int = 16, max_new_to
                 write_meta(False)
                 bar.set_postfix(records=sum(int(r.get("records", 0)) for r in done.values()), refresh=False)
                 bar.update(1)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"{len(done)} of {len(questions)} prompts are done in {out_dir}; re-run the same "
+                                "command to resume") from None
     finally:
         bar.close()
     meta = write_meta(True)
