@@ -180,12 +180,46 @@ def tree_from_choices(choices) -> ChoicesTree:
     return ChoicesTree(unique, TreeShape(torch.tensor(parents)), depth, rank)
 
 
+TREE_FORMAT = "fastforward-tree/1"  # the format tag of a tree file written by fastforward build-tree
+BUILT_TREE_KEYS = ("choices", "greedy_order", "tau_by_nodes")
+
+
+def read_tree_file(path) -> dict | list:
+    """The JSON of a tree file: a built tree (an object tagged :data:`TREE_FORMAT`, with ``choices``), an object
+    of named choices lists, or a bare choices list. A tagged file of another format version is refused."""
+    file = Path(path).expanduser()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read tree file {file}: {exc}") from None
+    if isinstance(data, dict) and "format" in data and data["format"] != TREE_FORMAT:
+        raise UsageError(f"{file} is a tree file of format {data['format']!r}; this version reads {TREE_FORMAT}")
+    return data
+
+
+def is_built_tree(data) -> bool:
+    """Whether parsed tree-file JSON is a tree ``fastforward build-tree`` wrote."""
+    return isinstance(data, dict) and all(k in data for k in BUILT_TREE_KEYS)
+
+
+def write_tree_file(data: dict, path) -> Path:
+    """Write a built tree as JSON (tagged :data:`TREE_FORMAT`, one top-level key per line, lists on one line),
+    atomically: a reader never sees half a file."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": TREE_FORMAT, **{k: v for k, v in data.items() if k != "format"}}
+    text = "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items()) + "\n}\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
 def load_choices(path, name: str | None = None) -> list[list[int]]:
     """Read a choices list from JSON: either a list of paths, or an object of named lists (pick ``name``)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"cannot read tree choices from {path}: {exc}") from None
+    data = read_tree_file(path)
+    if is_built_tree(data) and name is None:
+        data = data["choices"]
     if isinstance(data, dict):
         if name is None:
             raise UsageError(f"{path} holds several trees; name one of: {', '.join(sorted(data))}")

@@ -30,7 +30,6 @@ installed for this model on this machine is used if there is one, else :func:`bu
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from ..model import MODEL_ALIASES
 from ..paths import trees_dir
-from ..tree import DraftTree, TreeShape, load_choices, tree_from_choices
+from ..tree import DraftTree, TreeShape, load_choices, read_tree_file, tree_from_choices
 from . import register
 from .jacobi import INIT_MODES, init_tokens
 from .pld import prompt_lookup
@@ -95,10 +94,7 @@ def read_tree(spec) -> tuple[list[list[int]], dict]:
     file = Path(path).expanduser()
     if not file.is_file():
         raise UsageError(f"tree file {file} does not exist")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"cannot read tree choices from {file}: {exc}") from None
+    data = read_tree_file(file)
     if isinstance(data, dict) and isinstance(data.get("choices"), list) and name is None:
         if not all(isinstance(c, list) for c in data["choices"]):
             raise UsageError(f"{file}: 'choices' must be a list of lists of ranks")
