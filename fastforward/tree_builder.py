@@ -25,7 +25,6 @@ Calibration prompts come from question files (:func:`select_calibration`). ``fas
 from __future__ import annotations
 
 import heapq
-import json
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +36,8 @@ import torch
 from .costs import DEFAULT_QS, CostCurve, measure_forward_costs
 from .engine import Generation
 from .errors import UsageError
-from .proposers.tr_jacobi import TREE_FORMAT, TRJacobiProposer, build_template
+from .proposers.tr_jacobi import TRJacobiProposer, build_template
+from .tree import TREE_FORMAT, is_built_tree, read_tree_file, write_tree_file
 
 __all__ = [
     "Calibration",
@@ -427,18 +427,11 @@ def build_tree(
 def is_tree_file(path) -> bool:
     """Whether ``path`` holds a tree ``fastforward build-tree`` wrote (so writing there again replaces only that)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        return is_built_tree(read_tree_file(path))
+    except UsageError:
         return False
-    return isinstance(data, dict) and {"choices", "greedy_order", "tau_by_nodes"} <= set(data)
 
 
 def save_tree(data: dict, path) -> Path:
-    """Write a tree as JSON, one top-level key per line (lists stay on one line)."""
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items()) + "\n}\n"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+    """Write a built tree file (see :func:`fastforward.tree.write_tree_file`)."""
+    return write_tree_file(data, path)

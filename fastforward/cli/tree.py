@@ -19,9 +19,7 @@ and only the cost curve is measured again, for when the engine or the machine ch
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import fastforward as ff
 
@@ -29,6 +27,7 @@ from ..bench.questions import load_questions
 from ..errors import UsageError
 from ..paths import check_output_file, check_writable
 from ..proposers.tr_jacobi import installed_tree_path, model_key
+from ..tree import read_tree_file
 from ..tree_builder import (
     build_tree,
     cost_qs,
@@ -83,14 +82,10 @@ def _positive(value, flag: str) -> None:
 
 
 def _read_built_tree(path: str) -> dict:
-    file = Path(path).expanduser()
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"--from: cannot read {file}: {exc}") from None
+    data = read_tree_file(path)
     need = ("greedy_order", "tau_by_nodes", "tau_rates_only_by_nodes", "retrieval_len")
     if not isinstance(data, dict) or any(k not in data for k in need):
-        raise UsageError(f"--from: {file} is not a tree written by 'fastforward build-tree'")
+        raise UsageError(f"--from: {path} is not a tree written by 'fastforward build-tree'")
     return data
 
 

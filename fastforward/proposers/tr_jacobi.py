@@ -45,8 +45,6 @@ from . import register
 from .jacobi import INIT_MODES, init_tokens
 from .pld import prompt_lookup
 
-TREE_FORMAT = "fastforward-tree/1"
-
 
 def builtin_choices(depth: int = 2, width: int = 2) -> list[list[int]]:
     """The default tree when no measured one is installed: ranks 0..width-1 at depth 1 plus a rank-0 chain down
