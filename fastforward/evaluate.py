@@ -35,6 +35,7 @@ import fastforward as ff
 from .bench.questions import humaneval_prompt  # the eval and the bench share the prompt
 from .errors import UsageError
 from .paths import data_root
+from .stats import totals
 from .train.data import encode_examples, read_examples, split_examples
 from .train.msn import apply_ahead_noise, random_starts
 
@@ -352,11 +353,8 @@ def _generate(target, prompt, method: str, max_new_tokens: int, options: dict):
 
 
 def _generation_stats(results) -> dict:
-    forwards = sum(r.stats.target_forwards for r in results)
-    tokens = sum(r.stats.new_tokens for r in results)
-    wall = sum(r.stats.wall_time for r in results)
-    return {"new_tokens": tokens, "tau": tokens / forwards if forwards else 0.0,
-            "tokens_per_s": tokens / wall if wall else 0.0}
+    t = totals(r.stats for r in results)
+    return {"new_tokens": t["new_tokens"], "tau": t["tau"], "tokens_per_s": t["tokens_per_s"]}
 
 
 def eval_gsm8k(target, rows, *, method: str = "ar", max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS["gsm8k"],

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
+from ..stats import acceptance_by_depth, sum_lists, tau, tokens_per_s
 from ..version import __version__
 from .methods import effective_options, make_runner
 from .questions import Question
@@ -190,19 +191,14 @@ def logit_gap(target, prompt_ids: list[int], ar_tokens: list[int], index: int, t
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _sum_lists(lists: list[list[int]]) -> list[int]:
-    n = max((len(x) for x in lists), default=0)
-    return [sum(x[i] for x in lists if i < len(x)) for i in range(n)]
-
-
 def make_row(question: Question, spec: MethodSpec, repeat: int, lossless_claimed: bool,
              turns: list[tuple[list[int], TurnOutcome]], target) -> dict:
     outs = [o for _, o in turns]
     new_tokens = sum(len(o.token_ids) for o in outs)
     wall = sum(o.wall_time for o in outs)
     steps = sum(o.decoding_steps for o in outs)
-    attempts = _sum_lists([o.depth_attempts for o in outs])
-    accepts = _sum_lists([o.depth_accepts for o in outs])
+    attempts = sum_lists(o.depth_attempts for o in outs)
+    accepts = sum_lists(o.depth_accepts for o in outs)
     return {
         "question_id": question.question_id,
         "category": question.category,
@@ -221,11 +217,11 @@ def make_row(question: Question, spec: MethodSpec, repeat: int, lossless_claimed
         "decoding_steps": steps,
         "accept_lengths": [a for o in outs for a in o.accept_lengths],
         # ours
-        "tau": new_tokens / steps if steps else 0.0,
-        "tokens_per_s": new_tokens / wall if wall > 0 else 0.0,
+        "tau": tau(new_tokens, steps),
+        "tokens_per_s": tokens_per_s(new_tokens, wall),
         "depth_attempts": attempts,
         "depth_accepts": accepts,
-        "acceptance_by_depth": [a / t if t else 0.0 for a, t in zip(accepts, attempts, strict=False)],
+        "acceptance_by_depth": acceptance_by_depth(accepts, attempts),
         "prefill_time": sum(o.prefill_time for o in outs),
         "draft_time": sum(o.draft_time for o in outs),
         "verify_time": sum(o.verify_time for o in outs),
