@@ -31,12 +31,15 @@ class Proposal:
     ``tree`` holds the candidates (root first). ``aux_tokens`` are extra tokens scored in the same forward but never
     accepted (lookahead's Jacobi window); ``aux_depths`` give their positions relative to the root, and
     ``aux_mask`` ``[a, len(tree) + a]`` says which tree nodes and aux tokens each aux token attends to.
+    ``info`` is what the method tells step observers about this draft (e.g. TR-Jacobi's candidate table, which
+    ``build-tree``'s calibration records); the engine never reads it.
     """
 
     tree: DraftTree
     aux_tokens: torch.Tensor | None = None
     aux_depths: torch.Tensor | None = None
     aux_mask: torch.Tensor | None = None
+    info: dict = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -134,7 +137,7 @@ def _fit(proposal: Proposal, room: int) -> Proposal:
     n = max(1, min(room, len(proposal.tree)))
     tree = proposal.tree
     probs = None if tree.draft_probs is None else tree.draft_probs[:n]
-    return Proposal(DraftTree(tree.tokens[:n], TreeShape(tree.shape.parents[:n]), probs))
+    return Proposal(DraftTree(tree.tokens[:n], TreeShape(tree.shape.parents[:n]), probs), info=proposal.info)
 
 
 def _full_mask(proposal: Proposal) -> torch.Tensor | None:

@@ -156,13 +156,18 @@ def collect_calibration(
     t_start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         ids = target.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        proposer = TRJacobiProposer(template)
-        proposer.record = []
+        record = []  # per step: (root position, candidate table, retrieval chain), from the proposal's info
+
+        def observe(state, step, record=record):
+            info = step.proposal.info
+            record.append((info["root_position"], info["candidates"], info["retrieval"]))
+
         t0 = time.perf_counter()
-        result = Generation(target, ids, proposer, max_new_tokens=max_new_tokens, seed=seed + i).run()
+        result = Generation(target, ids, TRJacobiProposer(template), max_new_tokens=max_new_tokens, seed=seed + i,
+                            observers=[observe]).run()
         sequence = torch.tensor(ids + result.token_ids, dtype=torch.long)
-        if proposer.record:
-            parts.append(_record_steps(proposer.record, sequence, template.depth, template.width, retrieval_len))
+        if record:
+            parts.append(_record_steps(record, sequence, template.depth, template.width, retrieval_len))
         stats["prompts"] += 1
         stats["new_tokens"] += len(result.token_ids)
         stats["forwards"] += result.stats.target_forwards

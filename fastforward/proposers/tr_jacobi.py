@@ -185,9 +185,6 @@ class TRJacobiProposer(Proposer):
         self._dk = template.depth * template.width
         self._buf = torch.zeros(1 + self._dk + template.retrieval_len, dtype=torch.long)
         self._k = template.width
-        #: calibration hook (``fastforward.tree_builder``): when a list, every proposal appends
-        #: ``(root_position, table, retrieval tokens)``
-        self.record: list | None = None
         self._reset_stats()
 
     def _reset_stats(self):
@@ -218,12 +215,13 @@ class TRJacobiProposer(Proposer):
         buf[1 : 1 + self._dk] = self.cand.view(-1)
         if m:
             buf[1 + self._dk : 1 + self._dk + m] = retrieved
-        if self.record is not None:
-            self.record.append((state.root_position, self.cand.clone(), buf[1 + self._dk : 1 + self._dk + m].clone()))
         self._steps += 1
         self._retrieval_steps += m > 0
         self._retrieval_tokens += m
-        return Proposal(DraftTree(buf[t.gathers[m]], t.shapes[m]))
+        # for step observers (build-tree's calibration): the candidate table and the retrieval chain behind the draft
+        info = {"root_position": state.root_position, "candidates": self.cand.clone(),
+                "retrieval": buf[1 + self._dk : 1 + self._dk + m].clone()}
+        return Proposal(DraftTree(buf[t.gathers[m]], t.shapes[m]), info=info)
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
         t = self.t
