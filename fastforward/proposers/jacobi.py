@@ -81,6 +81,35 @@ def init_tokens(state: DecodeState, k: int, mode: str = "noise") -> torch.Tensor
     return pool[torch.randint(pool.numel(), (k,), generator=g)]
 
 
+class JacobiTrajectories:
+    """A step observer collecting every converged block's Jacobi trajectory (block mode), for CLLM training.
+
+    Each of the jacobi proposer's steps carries the block it refines in ``Proposal.info`` (``block_start``,
+    ``block_size``, ``iterate`` = the guesses being verified). A trajectory is ``prefix_length``/``prefix_ids`` (the
+    context before the block), ``states`` (the iterate of every step, then the fixed point) and ``fixed_point`` (the
+    block's final tokens, which equal the AR continuation). Pass it as ``observers=[...]`` to a generation, or use
+    the proposer's ``record_trajectory`` option."""
+
+    def __init__(self):
+        self.trajectories: list[dict] = []
+        self._block: dict | None = None
+
+    def __call__(self, state: DecodeState, step: StepResult) -> None:
+        info = step.proposal.info
+        if "block_start" not in info:
+            return
+        base, n = info["block_start"], info["block_size"]
+        if self._block is None or self._block["prefix_length"] != base:
+            self._block = {"prefix_length": base, "prefix_ids": state.ids[:base].tolist(), "states": []}
+        self._block["states"].append(info["iterate"].tolist())
+        if state.length - base >= n:  # this step fixed the block's last token: converged
+            fixed = state.ids[base : base + n].tolist()
+            self._block["states"].append(fixed)
+            self._block["fixed_point"] = fixed
+            self.trajectories.append(self._block)
+            self._block = None
+
+
 class JacobiProposer(Proposer):
     """Jacobi decoding over an n-token window; see the module docstring for semantics and statistics."""
 
@@ -91,8 +120,13 @@ class JacobiProposer(Proposer):
         self.init = init
         self.blocks = blocks
         self.record_trajectory = record_trajectory
-        self.trajectories: list[dict] = []
+        self._recorder = JacobiTrajectories()
         self._reset()
+
+    @property
+    def trajectories(self) -> list[dict]:
+        """With ``record_trajectory``: the trajectories of the blocks this run completed (and observed)."""
+        return self._recorder.trajectories
 
     def _reset(self) -> None:
         self._state: DecodeState | None = None
@@ -103,14 +137,13 @@ class JacobiProposer(Proposer):
         self.stationary = 0
         self.blocks_started = 0
         self.blocks_completed = 0
-        self._trajectory: dict | None = None
 
     def max_proposal_size(self) -> int:
         return self.n
 
     def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
         self._reset()
-        self.trajectories = []
+        self._recorder = JacobiTrajectories()
         self._state = state
         self._new_window(state)
 
@@ -119,22 +152,20 @@ class JacobiProposer(Proposer):
         self.iterate = init_tokens(state, self.n if self.blocks else self.n - 1, self.init)
         self._prev = _EMPTY
         self.blocks_started += 1
-        if self.record_trajectory:
-            self._trajectory = {
-                "prefix_length": state.length,
-                "prefix_ids": state.tokens.tolist(),
-                "states": [self.iterate.tolist()],
-            }
 
     def propose(self, state: DecodeState) -> Proposal | None:
         fixed = state.length - self.base  # block tokens already fixed (0 in sliding mode)
         m = min(self.n - 1 - fixed, state.remaining - 1)
+        info = {"block_start": self.base, "block_size": self.n, "iterate": self.iterate.clone()} if self.blocks \
+            else {}
         if m <= 0:
-            return None
+            return Proposal(DraftTree.single(state.root), info=info)
         tokens = torch.cat([state.ids[state.length - 1 : state.length], self.iterate[fixed : fixed + m]])
-        return Proposal(DraftTree(tokens, chain_shape(m + 1)))
+        return Proposal(DraftTree(tokens, chain_shape(m + 1)), info=info)
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
+        if self.record_trajectory:
+            self._recorder(state, step)
         tree = step.proposal.tree
         m = len(tree) - 1
         k = step.verdict.accepted
@@ -154,13 +185,8 @@ class JacobiProposer(Proposer):
         now = fixed + e
         self.iterate[fixed:now] = torch.as_tensor(step.new_tokens, dtype=torch.long)
         self.iterate[now : now + preds.numel()] = preds
-        if self._trajectory is not None:
-            self._trajectory["states"].append(self.iterate.tolist())
         if now >= self.n:
             self.blocks_completed += 1
-            if self._trajectory is not None:
-                self._trajectory["fixed_point"] = self.iterate.tolist()
-                self.trajectories.append(self._trajectory)
             self._new_window(state)
 
     def stats(self) -> dict:

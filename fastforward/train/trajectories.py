@@ -1,10 +1,10 @@
 """``fastforward collect-trajectories``: the Jacobi trajectories CLLM trains on (CLLM §3.2.1, Algorithm 1).
 
-For every prompt the target decodes greedily with Jacobi decoding in n-token blocks (the ``jacobi`` proposer with
-``record_trajectory=True``, initialised from prompt tokens as CLLM does). Every block that converges gives one
-record: the tokens before it (prompt + the answer so far), every intermediate n-token state and the fixed point,
-which in greedy mode is the AR continuation of that prefix. The full greedy answer is kept with each record for the
-AR loss (eq. 6).
+For every prompt the target decodes greedily with Jacobi decoding in n-token blocks (the ``jacobi`` proposer,
+initialised from prompt tokens as CLLM does, watched by a ``JacobiTrajectories`` step observer). Every block that
+converges gives one record: the tokens before it (prompt + the answer so far), every intermediate n-token state
+and the fixed point, which in greedy mode is the AR continuation of that prefix. The full greedy answer is kept with
+each record for the AR loss (eq. 6).
 
 * ``--augment`` (§3.2.1 data augmentation): in every state except the fixed point, each *wrong* token (one that
   differs from the fixed point at that position) is replaced by the fixed point's token with probability
@@ -40,6 +40,7 @@ import fastforward as ff
 from ..bench.questions import load_question_file
 from ..errors import UsageError
 from ..paths import check_output_dir, mark_output_dir
+from ..proposers.jacobi import JacobiTrajectories
 from .trainer import seed_key
 
 SCHEMA = "fastforward-cllm-trajectories/1"
@@ -129,10 +130,12 @@ def prompt_seed(seed: int, prompt_id: str, stream: int = 0) -> int:
 
 def collect_prompt(target, prompt_ids: list[int], *, n_token: int = 16, max_new_tokens: int = 256,
                    seed: int = 0) -> tuple[list[int], list[dict], dict]:
-    """Greedy Jacobi decoding of one prompt: (answer ids, the proposer's trajectories, the generation's stats)."""
-    proposer = ff.make_proposer("jacobi", target, n_tokens=n_token, init="prompt", record_trajectory=True)
-    result = ff.generate(target, list(prompt_ids), proposer, max_new_tokens=max_new_tokens, seed=seed)
-    return list(result.token_ids), list(proposer.trajectories), result.stats.method_stats
+    """Greedy Jacobi decoding of one prompt: (answer ids, every converged block's trajectory, the generation's
+    stats); the trajectories come from a step observer (:class:`~fastforward.proposers.jacobi.JacobiTrajectories`)."""
+    recorder = JacobiTrajectories()
+    result = ff.generate(target, list(prompt_ids), "jacobi", method_options={"n_tokens": n_token, "init": "prompt"},
+                         max_new_tokens=max_new_tokens, seed=seed, observers=[recorder])
+    return list(result.token_ids), list(recorder.trajectories), result.stats.method_stats
 
 
 def block_records(prompt_id: str, prompt_ids: list[int], answer_ids: list[int], trajectories: list[dict], *,
