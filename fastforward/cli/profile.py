@@ -30,6 +30,13 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--llama-cpp", action="store_true",
                    help="also measure llama.cpp on the same GGUF file (needs llama-cpp-python)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--stream", type=positive_int, default=None, metavar="N",
+                   help="instead: stream N tokens with a stop string (--stop) and print the time per step at tokens "
+                        "100 and N-100: the work per step must not grow with the generation")
+    p.add_argument("--stop", default="<<never-in-the-text>>", help="with --stream: the stop string watched for")
+    p.add_argument("--method", default="ar", help="with --stream: the decoding method (default: ar)")
+    p.add_argument("--prompt", default="Count from 1 to 2000, separated by commas: 1, 2, 3,",
+                   help="with --stream: the prompt, fed without the chat template")
 
 
 def run(args, name: str) -> int:
@@ -39,6 +46,8 @@ def run(args, name: str) -> int:
         raise UsageError(f"--q takes comma-separated integers, got '{args.q}'") from None
     if not qs or min(qs) < 1:
         raise UsageError("--q values must be >= 1")
+    if args.stream is not None:
+        return _run_stream(args)
     gguf = None
     if args.llama_cpp:
         gguf = gguf_path(args.model)
@@ -71,4 +80,31 @@ def run(args, name: str) -> int:
     print(f"| fastforward t(q)/t({qs[0]}) | " + " | ".join(f"{lean[q] / base:.2f}" for q in qs) + " |")
     if llama:
         print(f"| llama.cpp t(q)/t({qs[0]}) | " + " | ".join(f"{llama[q] / llama[qs[0]]:.2f}" for q in qs) + " |")
+    return 0
+
+
+def _run_stream(args) -> int:
+    """``--stream N``: median ms per streamed step around token 100 and token N-100."""
+    from ..bench.streaming import stream_step_times
+    from ..request import GenerationRequest
+
+    if args.stream < 300:
+        raise UsageError("--stream needs at least 300 tokens (steps are timed around 100 and N-100)")
+    GenerationRequest(args.prompt, args.method, max_new_tokens=args.stream, stop=args.stop, chat=False)  # checks
+    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    marks = (100, args.stream - 100)
+    times = stream_step_times(target, args.prompt, args.stream, args.stop, args.method, marks=marks)
+    if args.json:
+        print(json.dumps({"tokens": times.tokens, "finish_reason": times.finish_reason, "step_ms": times.at,
+                          "outside_forward_ms": times.text_ms_at}))
+        return 0
+    print(f"streamed {times.tokens} tokens ({args.method}, stop string {args.stop!r}, finish: "
+          f"{times.finish_reason}); median ms per step over the 50 steps around each mark")
+    print("| around token | ms per step | of which outside the target forward |")
+    print("|---|---|---|")
+    for mark in marks:
+        if mark in times.at:
+            print(f"| {mark} | {times.at[mark]:.2f} | {times.text_ms_at[mark]:.2f} |")
+    if len(times.at) < len(marks):
+        print(f"(the generation ended after {times.tokens} tokens, before the last mark)")
     return 0
