@@ -109,6 +109,7 @@ def generate_batch(
     system: str | None = None,
     method_options: dict | None = None,
     max_batch_tokens: int | None = None,
+    max_active: int | None = None,
     on_tokens=None,
 ) -> list[GenerationResult]:
     """Decode several prompts together and return one result per prompt, in order.
@@ -117,9 +118,10 @@ def generate_batch(
     ``method`` one name for all or a list with one per prompt; ``seed`` an int for all (each sequence then samples
     as it would alone with that seed) or a list. Each step every unfinished sequence drafts as it would alone and
     one target forward carries the drafts of as many sequences as fit in ``max_batch_tokens`` rows (default:
-    :func:`batch_token_budget`). Each result equals what :func:`generate` gives that prompt alone: token for token
-    at temperature 0, the same samples with the same seed. ``on_tokens(index, token_ids)`` is called as tokens
-    come.
+    :func:`batch_token_budget`). With ``max_active``, at most that many sequences decode at once and the next
+    prompt starts as soon as one finishes (continuous batching). Each result equals what :func:`generate` gives
+    that prompt alone: token for token at temperature 0, the same samples with the same seed.
+    ``on_tokens(index, token_ids)`` is called as tokens come.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise InputTypeError("prompts must be a list of prompts (or GenerationRequests)")
@@ -142,6 +144,9 @@ def generate_batch(
     if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool)
                                          or max_batch_tokens <= 0):
         raise UsageError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
+    if max_active is not None and (not isinstance(max_active, int) or isinstance(max_active, bool)
+                                   or max_active <= 0):
+        raise UsageError(f"max_active must be a positive integer, got {max_active!r}")
     if on_tokens is not None and not callable(on_tokens):
         raise InputTypeError("on_tokens must be a callable (index, token_ids) or None")
     target = _target(model)
@@ -150,7 +155,7 @@ def generate_batch(
                         max_new_tokens=r.max_new_tokens, sampling=r.sampling, seed=r.seed, stops=r.stops)
             for r, ids in zip(requests, prompt_ids, strict=True)]
     budget = max_batch_tokens or batch_token_budget(target)
-    for i, tokens in decode_batch(runs, budget):
+    for i, tokens in decode_batch(runs, budget, max_active):
         if on_tokens is not None and tokens:
             on_tokens(i, tokens)
     results = []

@@ -366,20 +366,27 @@ def _run_steps(run: SequenceRun) -> Iterator[list[int]]:
         yield run.complete(out, time.perf_counter() - t0)
 
 
-def decode_batch(runs: list[SequenceRun], max_batch_tokens: int) -> Iterator[tuple[int, list[int]]]:
+def decode_batch(runs: list[SequenceRun], max_batch_tokens: int,
+                 max_active: int | None = None) -> Iterator[tuple[int, list[int]]]:
     """Decode several sequences together, yielding ``(index of the run, its newly emitted tokens)`` as they come.
 
-    Each step every unfinished run proposes; the proposals are packed in order into forwards of at most
-    ``max_batch_tokens`` rows (a proposal larger than that gets a forward of its own), each forward carries every
-    packed sequence's root and draft nodes (a sequence sees only its own cache and nodes), and each run completes
-    from its slice of the logits. Proposals are never cut to fit the batch, so each run decodes exactly as alone.
+    At most ``max_active`` runs decode at once (all when None); the others wait in order and start (prefill) as
+    soon as one finishes -- continuous batching. Each step every active run proposes exactly what it would alone;
+    the proposals are packed in order into forwards of at most ``max_batch_tokens`` rows (a proposal larger than
+    that gets a forward of its own); each forward carries every packed sequence's root and draft nodes (a sequence
+    sees only its own cache and nodes), and each run completes from its slice of the logits. Proposals are never
+    cut to fit the batch, so each run decodes exactly as alone.
     """
-    for i, run in enumerate(runs):
-        yield i, run.prefill()
-    while True:
-        active = [i for i, run in enumerate(runs) if not run.finished]
+    waiting = list(range(len(runs)))[::-1]  # a stack: the next run to start is at the end
+    active: list[int] = []
+    while waiting or active:
+        while waiting and (max_active is None or len(active) < max_active):
+            i = waiting.pop()
+            yield i, runs[i].prefill()
+            if not runs[i].finished:
+                active.append(i)
         if not active:
-            return
+            continue
         sizes = {i: runs[i].propose().size for i in active}
         groups: list[list[int]] = []
         used = 0
@@ -398,6 +405,7 @@ def decode_batch(runs: list[SequenceRun], max_batch_tokens: int) -> Iterator[tup
             seconds = time.perf_counter() - t0
             for i, out in zip(group, outs, strict=True):
                 yield i, runs[i].complete(out, seconds)
+        active = [i for i in active if not runs[i].finished]
 
 
 class Generation:

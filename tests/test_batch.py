@@ -116,6 +116,7 @@ def test_batch_stop_and_eos_per_sequence(packed):
         ([[1, 2]], {"method": ["ar", "pld"]}, UsageError),
         ([[1, 2]], {"seed": [1, 2]}, UsageError),
         ([[1, 2]], {"max_batch_tokens": 0}, UsageError),
+        ([[1, 2]], {"max_active": 0}, UsageError),
         ([[1, 2]], {"method": "nope"}, UsageError),
         ([[1, 2]], {"on_tokens": 3}, TypeError),
         ([[1, 2], [10**9]], {}, UsageError),
@@ -124,3 +125,14 @@ def test_batch_stop_and_eos_per_sequence(packed):
 def test_batch_bad_input(tiny, prompts, kwargs, error):
     with pytest.raises(error):
         ff.generate_batch(tiny, prompts, **kwargs)
+
+
+def test_continuous_batching_keeps_at_most_max_active(packed, forward_sizes):
+    prompts = [[3 + i, 4, 5, 3 + i] for i in range(6)]
+    lengths = [3, 9, 5, 12, 4, 7]
+    requests = [ff.GenerationRequest(p, "pld" if i % 2 else "ar", max_new_tokens=n)
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    results = ff.generate_batch(packed, requests, max_active=3, max_batch_tokens=512)
+    assert max(forward_sizes) == 3  # never more than three sequences in flight
+    for prompt, n, result in zip(prompts, lengths, results, strict=True):
+        assert result.token_ids == ff.generate(packed, prompt, max_new_tokens=n).token_ids

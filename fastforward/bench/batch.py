@@ -1,9 +1,10 @@
 """Throughput of many sequences per forward: the same prompts decoded B at a time, for several B and methods.
 
-For each method and batch size B the questions' first turns are decoded in consecutive groups of B with
-:func:`fastforward.generate_batch` (greedy). Reported per (method, B): aggregate tokens per second over all
-groups, mean and max per-sequence latency (from its group's start to its last token), target forwards, and
-whether every sequence's tokens equal its solo AR output (greedy: they must, for every method and B).
+For each method and batch size B the questions' first turns are decoded with :func:`fastforward.generate_batch`
+(greedy), at most B at once: the next prompt starts as soon as a sequence finishes (continuous batching, as a
+server runs). Reported per (method, B): aggregate tokens per second over all prompts (prefills included), mean and
+max per-sequence latency (from the start of its prefill to its last token), and whether every sequence's tokens
+equal its solo AR output (greedy: they must, for every method and B).
 """
 
 from __future__ import annotations
@@ -38,22 +39,13 @@ def run_batch_throughput(target, prompts: list[list[int]], methods: list[str], b
     methods = ["ar"] + [m for m in methods if m != "ar"]
     for method in methods:
         for b in sorted(set(batch_sizes) | {1}):
-            outputs, latencies, tokens = [], [], 0
-            t_all = time.perf_counter()
-            for g0 in range(0, len(prompts), b):
-                group = prompts[g0 : g0 + b]
-                t0 = time.perf_counter()
-                last = [t0] * len(group)
-
-                def seen(i, _tokens, last=last):
-                    last[i] = time.perf_counter()
-
-                results = generate_batch(target, group, method, max_new_tokens=max_new_tokens,
-                                         max_batch_tokens=max_batch_tokens, on_tokens=seen)
-                latencies += [t - t0 for t in last]
-                outputs += [r.token_ids for r in results]
-                tokens += sum(len(r.token_ids) for r in results)
-            wall = time.perf_counter() - t_all
+            t0 = time.perf_counter()
+            results = generate_batch(target, prompts, method, max_new_tokens=max_new_tokens,
+                                     max_batch_tokens=max_batch_tokens, max_active=b)
+            wall = time.perf_counter() - t0
+            outputs = [r.token_ids for r in results]
+            latencies = [r.stats.wall_time for r in results]
+            tokens = sum(len(o) for o in outputs)
             if reference is None:
                 reference = outputs
             row = BatchRow(method, b, len(prompts), tokens, wall, tokens / wall, statistics.mean(latencies),
