@@ -36,26 +36,21 @@ BACKENDS = ("auto", "lean", "hf")
 WEIGHTS = ("auto", "fp32", "bf16", "int8")
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _int_at_least(low: int, words: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {words}, got {value}")
+        return value
+
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
+positive_int = _int_at_least(1, "a positive integer")  # argparse ``type=``: an integer >= 1
+nonnegative_int = _int_at_least(0, "an integer >= 0")  # argparse ``type=``: an integer >= 0
 
 
 def finite_float(text: str) -> float:
