@@ -396,7 +396,12 @@ def test_errors(ops):
         (dict(start=14), "do not fit"),
         (dict(start=-1), "do not fit"),
         (dict(visible=torch.ones(3, 3)), "visible must be a bool"),
-        (dict(visible=torch.ones(3, 4, dtype=torch.bool)), "visible must be a bool"),
+        (dict(visible=torch.ones(4, 3, dtype=torch.bool)), "visible must be a bool"),
+        (dict(visible=torch.ones(3, 11, dtype=torch.bool)), "visible must be a bool"),  # past the capacity (16)
+        (dict(write_slots=torch.tensor([11, 12, 13])), "give visible"),
+        (dict(visible=torch.ones(3, 3, dtype=torch.bool), write_slots=torch.tensor([10, 10, 12])), "twice"),
+        (dict(visible=torch.ones(3, 3, dtype=torch.bool), write_slots=torch.tensor([9, 11, 12])), "outside"),
+        (dict(visible=torch.ones(3, 3, dtype=torch.bool), write_slots=torch.tensor([10, 11])), "write_slots must"),
         (dict(n_heads=3), "multiple of n_kv_heads"),
         (dict(n_kv_heads=0), "multiple of n_kv_heads"),
         (dict(cos=cos[:, :8].contiguous()), "cos"),

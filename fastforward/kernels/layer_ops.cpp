@@ -12,9 +12,14 @@
 // sequence of keys/values it sees -- never on q, on the other rows, on where the prefix ends or on threads:
 //   1. RoPE (serial): for every new token i and every q and k head, out[e] = x[e]*cos[pos][e] + rh[e]*sin[pos][e]
 //      with rh = cat(-x[d/2:], x[:d/2]): two rounded products, one rounded sum (as torch computes it). The rotated
-//      k and the raw v of token i go to k_cache[:, start+i], v_cache[:, start+i].
-//   2. The keys row i sees form its list: slots 0..start-1, then start+j for every j with visible[i][j], in
-//      ascending order (L_i entries). The list is cut into chunks of kChunk (64) consecutive list positions.
+//      k and the raw v of token i go to slot w_i of k_cache / v_cache: w_i = write_slots[i] when given (each in
+//      [start, capacity), distinct), else start+i.
+//   2. The keys row i sees form its list: slots 0..start-1 (the part every row sees), then start+j for every j with
+//      visible[i][j], in ascending order (L_i entries). visible is [q, W]: with W = q and the default write slots
+//      it is the tree mask over the new tokens; wider (W up to capacity - start) it also names slots after `start`
+//      written earlier that only some rows see (a slot pool: threads of one sequence, each seeing the shared prefix
+//      and its own slots). None = causal over the new tokens. The list is cut into chunks of kChunk (64)
+//      consecutive list positions.
 //   3. Per (row i, head h, chunk c):
 //      a. score of list position t: acc = Σ over d in steps of one vector, ascending, fma(q, k, acc) (masked
 //         tail), then the vector's lanes are summed by a fixed tree (fold to 8 lanes -- AVX-512 adds lane l and
@@ -581,7 +586,8 @@ void attend_rows(const float* qr, const float* kc, const float* vc, int64_t cap,
 
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& positions_in, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,
-                     const std::optional<at::Tensor>& visible_in, int64_t n_heads, int64_t n_kv_heads) {
+                     const std::optional<at::Tensor>& visible_in, int64_t n_heads, int64_t n_kv_heads,
+                     const std::optional<at::Tensor>& write_slots_in) {
   const char* fn = "attention";
   TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, fn,
               ": n_heads must be a positive multiple of n_kv_heads, got n_heads=", n_heads,
@@ -611,21 +617,46 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
                   positions_in.size(0) == Q,
               fn, ": positions must be a 1-D int64 CPU tensor of ", Q, " entries, got ", positions_in.scalar_type(),
               " of shape ", positions_in.sizes());
-  TORCH_CHECK(start >= 0 && start + Q <= cap, fn, ": slots [", start, ", ", start + Q,
-              ") do not fit a cache of capacity ", cap);
   const at::Tensor positions = positions_in.contiguous();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t P = cos.size(0);
   for (int64_t i = 0; i < Q; ++i)
     TORCH_CHECK(pos[i] >= 0 && pos[i] < P, fn, ": position ", pos[i], " outside the RoPE tables [0, ", P, ")");
+  // Where each new token's key and value go: write_slots, else start + i.
+  std::vector<int64_t> wslot(Q);
+  if (write_slots_in.has_value() && write_slots_in->defined()) {
+    const at::Tensor& ws = *write_slots_in;
+    TORCH_CHECK(ws.device().is_cpu() && ws.scalar_type() == at::kLong && ws.dim() == 1 && ws.size(0) == Q, fn,
+                ": write_slots must be a 1-D int64 CPU tensor of ", Q, " entries, got ", ws.scalar_type(),
+                " of shape ", ws.sizes());
+    const at::Tensor wc = ws.contiguous();
+    const int64_t* wp = wc.data_ptr<int64_t>();
+    std::vector<bool> used(static_cast<size_t>(cap > start ? cap - start : 0), false);
+    for (int64_t i = 0; i < Q; ++i) {
+      TORCH_CHECK(start >= 0 && wp[i] >= start && wp[i] < cap, fn, ": write slot ", wp[i], " is outside [start=",
+                  start, ", capacity=", cap, ")");
+      TORCH_CHECK(!used[wp[i] - start], fn, ": write slot ", wp[i], " is given twice");
+      used[wp[i] - start] = true;
+      wslot[i] = wp[i];
+    }
+  } else {
+    TORCH_CHECK(start >= 0 && start + Q <= cap, fn, ": slots [", start, ", ", start + Q,
+                ") do not fit a cache of capacity ", cap);
+    for (int64_t i = 0; i < Q; ++i) wslot[i] = start + i;
+  }
   at::Tensor visible;
+  int64_t W = Q;  // visible's columns: slots start .. start + W - 1
   if (visible_in.has_value() && visible_in->defined()) {
     const at::Tensor& vis = *visible_in;
     TORCH_CHECK(vis.device().is_cpu() && vis.scalar_type() == at::kBool && vis.dim() == 2 && vis.size(0) == Q &&
-                    vis.size(1) == Q,
-                fn, ": visible must be a bool CPU tensor [q, q] = [", Q, ", ", Q, "], got ", vis.scalar_type(),
-                " of shape ", vis.sizes());
+                    vis.size(1) >= 1 && start + vis.size(1) <= cap,
+                fn, ": visible must be a bool CPU tensor [q, W] with q = ", Q, " and start + W <= capacity (",
+                cap, "), got ", vis.scalar_type(), " of shape ", vis.sizes());
     visible = vis.contiguous();
+    W = vis.size(1);
+  } else {
+    for (int64_t i = 0; i < Q; ++i)
+      TORCH_CHECK(wslot[i] == start + i, fn, ": with write_slots, give visible (causal needs the default slots)");
   }
   at::Tensor out = at::empty({Q, nh * d}, qkv.options());
   if (Q == 0) return out;
@@ -635,8 +666,8 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   vis_idx.reserve(visible.defined() ? Q * 4 : Q * (Q + 1) / 2);
   const bool* vp = visible.defined() ? visible.data_ptr<bool>() : nullptr;
   for (int64_t i = 0; i < Q; ++i) {
-    for (int64_t j = 0; j < Q; ++j)
-      if (vp ? vp[i * Q + j] : j <= i) vis_idx.push_back(j);
+    for (int64_t j = 0; j < W; ++j)
+      if (vp ? vp[i * W + j] : j <= i) vis_idx.push_back(j);
     vis_off[i + 1] = static_cast<int64_t>(vis_idx.size());
   }
 
@@ -666,7 +697,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
     const float* s = sp + pos[i] * d;
     for (int64_t h = 0; h < nh; ++h) rope(row + h * d, c, s, qr.get() + (i * nh + h) * d);
     for (int64_t g = 0; g < nkv; ++g) {
-      const int64_t slot = (g * cap + start + i) * d;
+      const int64_t slot = (g * cap + wslot[i]) * d;
       rope(row + (nh + g) * d, c, s, kc + slot);
       std::copy(row + (nh + nkv + g) * d, row + (nh + nkv + g + 1) * d, vc + slot);
     }
@@ -691,10 +722,12 @@ void register_layer_ops(pybind11::module& m) {
         pybind11::arg("delta"), pybind11::arg("w"), pybind11::arg("eps"));
   m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:] for gu [q, 2I] (fp32)", pybind11::arg("gu"));
   m.def("attention", &attention,
-        "RoPE, KV-cache write and GQA attention of q new tokens over a prefix of `start` cached tokens plus the new "
-        "tokens each sees (visible [q, q] bool, None = causal); returns [q, n_heads * head_dim]. Row i is bitwise "
-        "what row i alone gives on a cache holding exactly its visible keys in order.",
+        "RoPE, KV-cache write and GQA attention of q new tokens over a prefix of `start` cached tokens plus the "
+        "slots after it each row sees (visible [q, W] bool: row i sees slot start+j where visible[i, j]; None = "
+        "causal); the new tokens' keys/values go to write_slots (default start..start+q-1); returns "
+        "[q, n_heads * head_dim]. Row i is bitwise what row i alone gives on a cache holding exactly its visible keys "
+        "in order.",
         pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("start"), pybind11::arg("visible"),
-        pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"));
+        pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"), pybind11::arg("write_slots") = pybind11::none());
 }

@@ -45,6 +45,8 @@ class HFForward:
     @torch.inference_mode()
     def forward(self, ids, positions, cache: HFDynamicKVCache, tree_mask=None, hidden_layers=(), last_only=False):
         q = ids.shape[0]
+        if tree_mask is not None and tuple(tree_mask.shape) != (q, q):
+            raise UsageError("the HF backend takes a [q, q] tree mask over the new tokens only (no slot pool)")
         cache.drop_pending()
         start = cache.length
         if start + q > cache.capacity:

@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..gguf_file import linear_from_tensor, unpermute_rows, vector
 from ..kernels import load_native
 from ..linear import FORMAT_IDS, DenseLinear, PackedLinear, concat_linears, format_names, quantize
-from .forward import ForwardOutput, ForwardRequest, _full_mask
+from .forward import ForwardOutput, ForwardRequest, _full_mask, check_slots
 from .kv import StaticKVCache
 
 
@@ -224,20 +224,23 @@ class LeanLlama:
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     @torch.inference_mode()
-    def forward(self, ids, positions, cache: StaticKVCache, tree_mask=None, hidden_layers=(), last_only=False):
+    def forward(self, ids, positions, cache: StaticKVCache, tree_mask=None, hidden_layers=(), last_only=False,
+                write_slots=None):
+        """Logits (and requested hidden states) of q new tokens; see :class:`ForwardRequest` for the slots."""
+        request = ForwardRequest(ids, positions, cache, tree_mask, write_slots)
+        end = check_slots(request)  # the slots touched: [0, end)
+        if self.ops is not None:
+            return self._forward_native([request], hidden_layers, last_only)[0]
         q = ids.shape[0]
         start = cache.length
-        end = start + q
-        if end > cache.capacity:
-            raise UsageError(f"KV cache capacity {cache.capacity} exceeded ({end} tokens)")
-        if self.ops is not None:
-            return self._forward_native([ForwardRequest(ids, positions, cache, tree_mask)], hidden_layers,
-                                        last_only)[0]
+        slots = torch.arange(start, start + q) if write_slots is None else write_slots.to(torch.long)
         nh, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         x = self.embed.rows(ids)
         cos = self.cos[positions].unsqueeze(0)  # [1, q, d]
         sin = self.sin[positions].unsqueeze(0)
-        mask = None if q == 1 and tree_mask is None else _full_mask(q, start, tree_mask)
+        mask = None if q == 1 and tree_mask is None else _full_mask(q, start, tree_mask)  # [q, start + W]
+        if mask is not None and mask.shape[1] < end:  # write slots past the mask's width: nobody sees them
+            mask = torch.cat([mask, torch.zeros(q, end - mask.shape[1], dtype=torch.bool)], dim=1)
         wanted = set(hidden_layers)
         hidden = {}
         for i, layer in enumerate(self.layers):
@@ -250,8 +253,8 @@ class LeanLlama:
             vh = qkv[:, (nh + nkv) * d :].view(q, nkv, d).transpose(0, 1)
             qh = qh * cos + self._rotate_half(qh) * sin
             kh = kh * cos + self._rotate_half(kh) * sin
-            cache.k[i, :, start:end] = kh
-            cache.v[i, :, start:end] = vh
+            cache.k[i][:, slots] = kh  # [nkv, q, d] into the write slots
+            cache.v[i][:, slots] = vh
             o = F.scaled_dot_product_attention(
                 qh.unsqueeze(0),
                 cache.k[i, :, :end].unsqueeze(0),
@@ -292,10 +295,10 @@ class LeanLlama:
         (with the native layer ops and row-exact matmuls; otherwise the sequences run one by one)."""
         total = sum(r.size for r in requests)
         if len(requests) == 1 or self.ops is None or total > self.batch_rows_limit():
-            return [self.forward(r.ids, r.positions, r.cache, r.tree_mask, hidden_layers) for r in requests]
+            return [self.forward(r.ids, r.positions, r.cache, r.tree_mask, hidden_layers, write_slots=r.write_slots)
+                    for r in requests]
         for r in requests:
-            if r.cache.length + r.size > r.cache.capacity:
-                raise UsageError(f"KV cache capacity {r.cache.capacity} exceeded ({r.cache.length + r.size} tokens)")
+            check_slots(r)
         return self._forward_native(requests, hidden_layers, last_only=False)
 
     def _forward_native(self, requests: list[ForwardRequest], hidden_layers, last_only):
@@ -318,7 +321,8 @@ class LeanLlama:
         for i, layer in enumerate(self.layers):
             qkv = layer.project_qkv(h)  # [T, (nh + 2 nkv) d]
             parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
-                                   requests[j].cache.v[i], starts[j], visible[j], self.n_heads, self.n_kv_heads)
+                                   requests[j].cache.v[i], starts[j], visible[j], self.n_heads, self.n_kv_heads,
+                                   requests[j].write_slots)
                      for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]: every sequence over its own cache
             o = layer.attention_output(parts[0] if len(parts) == 1 else torch.cat(parts))  # [T, hidden]
             h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output

@@ -77,8 +77,14 @@ class TargetModel:
     def new_cache(self, capacity: int):
         return self.backend.new_cache(min(capacity, self.max_context))
 
-    def forward(self, ids, positions, cache, tree_mask=None, hidden_layers=(), last_only=False) -> ForwardOutput:
-        return self.backend.forward(ids, positions, cache, tree_mask, hidden_layers, last_only)
+    def forward(self, ids, positions, cache, tree_mask=None, hidden_layers=(), last_only=False,
+                write_slots=None) -> ForwardOutput:
+        """One forward over q new tokens (see :class:`~fastforward.model.forward.ForwardRequest` for the slots)."""
+        if write_slots is None:
+            return self.backend.forward(ids, positions, cache, tree_mask, hidden_layers, last_only)
+        if self.backend_name != "lean":
+            raise UsageError("explicit write slots need the lean backend")
+        return self.backend.forward(ids, positions, cache, tree_mask, hidden_layers, last_only, write_slots)
 
     def forward_many(self, requests: list[ForwardRequest], hidden_layers=()) -> list[ForwardOutput]:
         """One forward over several sequences' new tokens (see :meth:`LeanLlama.forward_many`); backends that
@@ -86,7 +92,8 @@ class TargetModel:
         many = getattr(self.backend, "forward_many", None)
         if many is not None:
             return many(requests, hidden_layers)
-        return [self.backend.forward(r.ids, r.positions, r.cache, r.tree_mask, hidden_layers) for r in requests]
+        return [self.forward(r.ids, r.positions, r.cache, r.tree_mask, hidden_layers, write_slots=r.write_slots)
+                for r in requests]
 
     def batch_rows_limit(self) -> int:
         """Rows one shared forward may carry (0: the backend runs sequences one by one)."""
