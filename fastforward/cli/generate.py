@@ -75,7 +75,13 @@ def run(args, name: str) -> int:
     )
     # Every check that does not need the model runs here, before the (slow) model load.
     if args.prompts is not None:
-        requests = [ff.GenerationRequest(p, args.method, **kwargs) for p in read_prompts(args.prompts)]
+        ff.GenerationRequest("probe", args.method, **kwargs)  # every setting but the prompts, checked once
+        requests = []
+        for n, prompt in enumerate(read_prompts(args.prompts), 1):
+            try:
+                requests.append(ff.GenerationRequest(prompt, args.method, **kwargs))
+            except UsageError as exc:
+                raise UsageError(f"--prompts {args.prompts}, prompt {n}: {exc}") from None
     else:
         requests = [ff.GenerationRequest(_read_prompt(args.prompt), args.method, **kwargs)]
     t_load = time.perf_counter()
