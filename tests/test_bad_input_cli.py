@@ -49,6 +49,10 @@ def files(tmp_path_factory):
     traj = root / "traj"  # a trajectories folder (train cllm only needs it to exist for the checks below)
     traj.mkdir()
     (traj / "trajectories.jsonl").write_text("")
+    (root / "prompts-bad-json.jsonl").write_text('{"prompt": "ok"}\n{"prompt": \n')
+    (root / "prompts-empty.txt").write_text("\n \n")
+    (root / "prompts-mixed.jsonl").write_text('{"prompt": "ok"}\n{"prompt": [1, "a"]}\n')
+    (root / "prompts-no-field.jsonl").write_text('{"text": "ok"}\n')
     foreign = root / "foreign"  # somebody's folder: no command of ours wrote it
     foreign.mkdir()
     (foreign / "config.json").write_text('{"mine": true}\n')
@@ -184,6 +188,14 @@ CASES = [
     (PROFILE + ["--q", "0"], "--q"),
     (PROFILE + ["--q", "1,x"], "--q"),
     (PROFILE + ["--model", "{hfonly}"], "has no tokenizer"),
+    # generate --prompts FILE: the file and each prompt checked before the model loads
+    (["generate", "--prompts", "{dir}/prompts-bad-json.jsonl", "--model", "{tiny}"], "line 2: not JSON"),
+    (["generate", "--prompts", "{dir}/prompts-empty.txt", "--model", "{tiny}"], "holds no prompt"),
+    (["generate", "--prompts", "{dir}/prompts-mixed.jsonl", "--model", "{tiny}"], "prompt 2:"),
+    (["generate", "--prompts", "{dir}/prompts-no-field.jsonl", "--model", "{tiny}"], "\"prompt\" field"),
+    (["generate", "--prompts", "{dir}/no-such-file.txt", "--model", "{tiny}"], "cannot read --prompts"),
+    (["generate", "hi", "--prompts", "{q}", "--model", "{tiny}"], "one of them"),
+    (["generate", "--prompts", "{q}", "--model", "{tiny}", "--batch-tokens", "0"], "--batch-tokens"),
     # methods, and the command line itself
     (["methods", "--bogus"], "unrecognized arguments"),
     (["methods", "extra"], "unrecognized arguments"),
