@@ -4,6 +4,10 @@ Each step a :class:`Proposer` proposes a :class:`~fastforward.tree.DraftTree` ro
 (plus, optionally, auxiliary tokens it wants the target to score without verifying them, as lookahead decoding
 does). The target scores everything in one forward under a tree mask, the verifier keeps the longest acceptable
 path, the KV cache keeps that path, and the proposer observes the outcome.
+
+:class:`SequenceRun` is one sequence in flight (its ids, cache, proposer, sampling RNG, stop matcher, statistics)
+with the three calls of a step; :func:`decode_steps` drives one run, :func:`decode_batch` several at once through
+shared forwards; :class:`Generation` streams one run's text.
 """
 
 from __future__ import annotations
