@@ -111,6 +111,7 @@ def generate_batch(
     max_batch_tokens: int | None = None,
     max_active: int | None = None,
     on_tokens=None,
+    on_result=None,
 ) -> list[GenerationResult]:
     """Decode several prompts together and return one result per prompt, in order.
 
@@ -121,7 +122,8 @@ def generate_batch(
     :func:`batch_token_budget`). With ``max_active``, at most that many sequences decode at once and the next
     prompt starts as soon as one finishes (continuous batching). Each result equals what :func:`generate` gives
     that prompt alone: token for token at temperature 0, the same samples with the same seed.
-    ``on_tokens(index, token_ids)`` is called as tokens come.
+    ``on_tokens(index, token_ids)`` is called as tokens come, ``on_result(index, result)`` as soon as a sequence
+    finishes (to save finished work while the others still decode).
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise InputTypeError("prompts must be a list of prompts (or GenerationRequests)")
@@ -149,17 +151,26 @@ def generate_batch(
         raise UsageError(f"max_active must be a positive integer, got {max_active!r}")
     if on_tokens is not None and not callable(on_tokens):
         raise InputTypeError("on_tokens must be a callable (index, token_ids) or None")
+    if on_result is not None and not callable(on_result):
+        raise InputTypeError("on_result must be a callable (index, result) or None")
     target = _target(model)
     prompt_ids = [r.prompt_ids(target) for r in requests]
     runs = [SequenceRun(target, ids, make_proposer(r.method, target, **r.method_options),
                         max_new_tokens=r.max_new_tokens, sampling=r.sampling, seed=r.seed, stops=r.stops)
             for r, ids in zip(requests, prompt_ids, strict=True)]
     budget = max_batch_tokens or batch_token_budget(target)
+    results: list[GenerationResult | None] = [None] * n
+
+    def finished(i: int) -> GenerationResult:
+        run = runs[i]
+        text = Generation.final_text(target, run.emitted, run.stops)
+        return GenerationResult(text, list(run.emitted), run.stats, run.prompt_ids)
+
     for i, tokens in decode_batch(runs, budget, max_active):
         if on_tokens is not None and tokens:
             on_tokens(i, tokens)
-    results = []
-    for run in runs:
-        text = Generation.final_text(target, run.emitted, run.stops)
-        results.append(GenerationResult(text, list(run.emitted), run.stats, run.prompt_ids))
-    return results
+        if runs[i].finished and results[i] is None:
+            results[i] = finished(i)
+            if on_result is not None:
+                on_result(i, results[i])
+    return [r if r is not None else finished(i) for i, r in enumerate(results)]

@@ -29,6 +29,7 @@ COMMANDS = {
     "eval": ("fastforward.cli.eval", "task quality of a model: held-out NLL, GSM8K accuracy, HumanEval pass@1"),
     "build-tree": ("fastforward.cli.tree", "measure and build a TR-Jacobi tree sized for this machine"),
     "collect-trajectories": ("fastforward.cli.trajectories", "collect Jacobi trajectories for CLLM training"),
+    "make-data": ("fastforward.cli.make_data", "the target's own responses to training prompts, for drafters"),
 }
 
 
