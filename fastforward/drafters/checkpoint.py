@@ -1,0 +1,88 @@
+"""Drafter checkpoints in the native EAGLE-3 layout -- the one format fastforward, vLLM (``eagle3``) and SGLang
+(``EAGLE3``) all load: ``config.json`` (``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``,
+``tie_word_embeddings: false``; fastforward adds a ``fastforward`` section naming the target, which the servers
+ignore) and ``model.safetensors`` with ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``
+``[draft_vocab, hidden]``, ``d2t`` (int64) and ``t2d`` (bool), no ``embed_tokens`` (the target's is shared).
+Drafters trained elsewhere in that layout load too (their extra tensors, e.g. an ``embed_tokens`` copy, are
+ignored)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import UsageError
+from .eagle import Eagle3Config, Eagle3Drafter
+from .vocab import DraftVocab
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+SERVING_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def save_eagle3(drafter: Eagle3Drafter, folder, dtype: str = "float16") -> Path:
+    """Write ``drafter`` into ``folder`` (created); floating tensors in ``dtype``; files replaced atomically."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in drafter.state_dict().items():
+        t = t.detach().cpu()
+        tensors[name] = (t.to(DTYPES[dtype]) if t.is_floating_point() else t).contiguous()
+    cfg = drafter.cfg.to_hf()
+    cfg["torch_dtype"] = dtype
+    tmp = folder / f"{WEIGHTS}.tmp{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / WEIGHTS)
+    (folder / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+    return folder
+
+
+def load_eagle3(folder, target=None) -> Eagle3Drafter:
+    """An EAGLE-3 drafter from ``folder`` (fp32); with ``target``, checked to belong to it (one-line refusals)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder).expanduser()
+    if not (folder / CONFIG).is_file():
+        raise UsageError(f"drafter {folder}: no {CONFIG} (expected an EAGLE-3 drafter folder)")
+    try:
+        raw = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"drafter {folder}: unreadable {CONFIG} ({exc})") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"drafter {folder}: {CONFIG} is not a JSON object")
+    cfg = Eagle3Config.from_hf(raw, target)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"drafter {folder}: no *.safetensors weights")
+    tensors = {}
+    try:
+        for f in files:
+            tensors.update(load_file(str(f)))
+    except (SafetensorError, OSError) as exc:
+        raise UsageError(f"drafter {folder}: unreadable weights ({exc})") from None
+    missing = [k for k in SERVING_KEYS if k not in tensors]
+    if missing:
+        raise UsageError(f"drafter {folder}: missing tensors {', '.join(missing)}")
+    vocab = DraftVocab(tensors["d2t"], tensors["t2d"])
+    if vocab.size != cfg.draft_vocab_size:
+        raise UsageError(f"drafter {folder}: d2t has {vocab.size} entries, config says draft_vocab_size "
+                         f"{cfg.draft_vocab_size}")
+    if target is not None:
+        cfg.check_target(target)
+    drafter = Eagle3Drafter(cfg, vocab)
+    state = drafter.state_dict()
+    for name in state:
+        if name not in tensors:
+            raise UsageError(f"drafter {folder}: missing tensor {name}")
+        if tuple(tensors[name].shape) != tuple(state[name].shape):
+            raise UsageError(f"drafter {folder}: {name} has shape {tuple(tensors[name].shape)}, expected "
+                             f"{tuple(state[name].shape)}")
+    drafter.load_state_dict({k: tensors[k].to(state[k].dtype) for k in state})
+    return drafter.eval()

@@ -1,0 +1,448 @@
+"""An EAGLE-3-style drafter: one decoder layer over the target's fused features, read out through a frozen slice of
+the target's LM head. Training (:mod:`fastforward.train.eagle`) and inference (:mod:`fastforward.proposers.eagle`)
+both import this module.
+
+Shapes (the default model: hidden d = 576, 9 query / 3 KV heads of 64, MLP 1536, 30 layers):
+
+* ``fc``: the three taps ``[3 d_target] -> [d]`` (the fused feature ``g_j`` of target position j);
+* ``midlayer``: a Llama decoder layer whose attention reads ``[input_layernorm(e) ; hidden_norm(g)]`` (``2d``), where
+  ``e`` is the target's embedding of the next token; the residual is ``g`` itself (taken before ``hidden_norm``,
+  vLLM's ``norm_before_residual = False``); output ``h`` (pre-norm);
+* ``norm`` + ``lm_head`` ``[draft_vocab, d]`` (frozen rows of the target's head) -> logits over the draft vocabulary.
+
+Alignment: row j reads ``(g_j, e(x_{j+1}))`` at position j and predicts ``x_{j+2}``. At decode time the drafter's KV
+cache holds one row per committed pair; a draft node at depth m reads (its parent row's output ``h``, its own token)
+at position ``root + m - 1`` -- the drafter feeds its own output back instead of a target feature, which training
+imitates ("training-time test", :meth:`Eagle3Drafter.ttt_logits`): step k re-runs every position with the previous
+step's outputs and the tokens k further on, attending to the step-0 keys of positions <= j and to its own keys of
+steps 1..k (the path it drafted), at positions j + k.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UsageError
+from .features import default_aux_layers
+from .vocab import DraftVocab
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+KNOWN_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
+
+
+def target_fingerprint(target) -> str:
+    """A short hash of the target's shape and a few embedding rows: equal for the same weights however they were
+    loaded (GGUF, converted folder), different for another model."""
+    cfg = target.config
+    rows = target_embedding_rows(target, torch.arange(min(16, target.vocab_size))).to(torch.float16)
+    h = hashlib.sha256(f"{cfg.num_hidden_layers}:{cfg.hidden_size}:{target.vocab_size}".encode())
+    h.update(rows.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def target_embedding_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 embedding rows of the target (its input embedding, whatever the backend stores)."""
+    embed = getattr(target.backend, "embed", None)
+    if embed is not None:
+        return embed.rows(ids).float()
+    return target.hf_model.get_input_embeddings()(ids).float().detach()
+
+
+def target_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 rows of the target's LM head for the token ids ``ids`` (the frozen draft head)."""
+    head = getattr(target.backend, "head", None)
+    if head is not None:
+        if hasattr(head, "rows"):
+            return head.rows(ids).float()
+        return head.dense()[ids].float()
+    return target.hf_model.get_output_embeddings().weight[ids].float().detach()
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layers: tuple = ()  # HF hidden_states indices (the inputs of these target layers)
+    fastforward: dict = field(default_factory=dict)  # {"target": name, "target_fingerprint": ...}
+
+    @classmethod
+    def for_target(cls, target, draft_vocab_size: int) -> Eagle3Config:
+        c = target.config
+        heads = c.num_attention_heads
+        return cls(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=float(c.rms_norm_eps),
+            rope_theta=float(getattr(c, "rope_theta", 10000.0)),
+            max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)),
+            vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size,
+            aux_layers=default_aux_layers(c.num_hidden_layers),
+            fastforward={"kind": "eagle3", "target": target.name, "target_fingerprint": target_fingerprint(target),
+                         "target_layers": c.num_hidden_layers},
+        )
+
+    def to_hf(self) -> dict:
+        """The native EAGLE-3 ``config.json`` (what vLLM's ``eagle3`` and SGLang's ``EAGLE3`` read). The aux layer ids
+        are left out when they are the engines' default, which both then agree on."""
+        out = {
+            "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size, "tie_word_embeddings": False,
+            "norm_before_residual": False, "torch_dtype": "float16",
+        }
+        layers = self.fastforward.get("target_layers")
+        if layers is None or tuple(self.aux_layers) != default_aux_layers(layers):
+            out["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layers)
+        if self.fastforward:
+            out["fastforward"] = dict(self.fastforward)
+        return out
+
+    @classmethod
+    def from_hf(cls, cfg: dict, target=None) -> Eagle3Config:
+        arch = (cfg.get("architectures") or [""])[0]
+        if arch not in KNOWN_ARCHITECTURES:
+            raise UsageError(f"not an EAGLE-3 drafter: architectures is {cfg.get('architectures')!r}, expected "
+                             f"{ARCHITECTURE}")
+        if cfg.get("norm_before_residual", False):
+            raise UsageError("EAGLE-3 drafters with norm_before_residual = true are not supported")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            ff = dict(cfg.get("fastforward") or {})
+            layers = ff.get("target_layers") or (target.config.num_hidden_layers if target is not None else None)
+            aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+            if aux is None:
+                if layers is None:
+                    raise UsageError("the drafter names no aux layers and no target to take the default from")
+                aux = default_aux_layers(int(layers))
+            vocab = int(cfg["vocab_size"])
+            return cls(
+                hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]), num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+                head_dim=int(cfg.get("head_dim") or hidden // heads), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), vocab_size=vocab,
+                draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
+                target_hidden_size=int(cfg.get("target_hidden_size") or hidden), aux_layers=tuple(int(a) for a in aux),
+                fastforward=ff,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"malformed EAGLE-3 config.json: {exc}") from None
+
+    def check_target(self, target) -> None:
+        """Refuse a drafter made for another target (one line)."""
+        fp = self.fastforward.get("target_fingerprint")
+        if fp and fp != target_fingerprint(target):
+            raise UsageError(f"this drafter was trained for '{self.fastforward.get('target')}', not for "
+                             f"'{target.name}' (target fingerprints differ)")
+        c = target.config
+        if self.vocab_size != target.vocab_size or self.target_hidden_size != c.hidden_size:
+            raise UsageError(f"this drafter expects a target with vocab {self.vocab_size} and hidden size "
+                             f"{self.target_hidden_size}; '{target.name}' has {target.vocab_size} and {c.hidden_size}")
+        if max(self.aux_layers) > c.num_hidden_layers:
+            raise UsageError(f"the drafter taps layer {max(self.aux_layers)}; '{target.name}' has "
+                             f"{c.num_hidden_layers} layers")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (HF's rotate-half convention); ``cos``/``sin`` broadcast over heads."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        d2, hd = 2 * cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d2, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d2, cfg.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d2, cfg.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _Attention(cfg)
+        self.mlp = _MLP(cfg)
+
+
+def rope_cos_sin(head_dim: int, theta: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class Eagle3Drafter(nn.Module):
+    """The trainable drafter (its ``state_dict`` keys are the EAGLE-3 layout's, plus ``d2t``/``t2d`` buffers)."""
+
+    def __init__(self, cfg: Eagle3Config, vocab: DraftVocab):
+        super().__init__()
+        if vocab.size != cfg.draft_vocab_size or vocab.vocab_size != cfg.vocab_size:
+            raise UsageError("the draft vocabulary does not match the drafter's config")
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, d, bias=False)
+        self.midlayer = _MidLayer(cfg)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)  # a frozen slice of the target's head
+        self.register_buffer("d2t", vocab.d2t.clone())
+        self.register_buffer("t2d", vocab.t2d.clone())
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.d2t, self.t2d)
+
+    @classmethod
+    def for_target(cls, target, vocab: DraftVocab, seed: int = 0) -> Eagle3Drafter:
+        """A fresh drafter for ``target``: random layer weights (seeded), the head rows and final norm copied from
+        the target, the decoder layer's norms at 1."""
+        torch.manual_seed(seed)
+        drafter = cls(Eagle3Config.for_target(target, vocab.size), vocab)
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(target_head_rows(target, vocab.target_ids))
+            norm = getattr(target.backend, "norm", None)
+            if norm is not None:
+                drafter.norm.weight.copy_(norm.float())
+            for lin in (drafter.midlayer.self_attn.q_proj, drafter.midlayer.self_attn.k_proj,
+                        drafter.midlayer.self_attn.v_proj, drafter.midlayer.self_attn.o_proj,
+                        drafter.midlayer.mlp.gate_proj, drafter.midlayer.mlp.up_proj, drafter.midlayer.mlp.down_proj,
+                        drafter.fc):
+                nn.init.normal_(lin.weight, std=0.02)
+        return drafter
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # -- the pieces both training and inference use ----------------------------------------------------------------
+    def layer_input(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """[..., 2d] = [input_layernorm(e) ; hidden_norm(g)]."""
+        m = self.midlayer
+        return torch.cat([m.input_layernorm(emb), m.hidden_norm(feat)], dim=-1)
+
+    def finish(self, feat: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The layer's output h from its residual input g and the attention values [..., nh hd]."""
+        m = self.midlayer
+        h = feat + m.self_attn.o_proj(attn_out)
+        return h + m.mlp(m.post_attention_layernorm(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    # -- training ---------------------------------------------------------------------------------------------------
+    def ttt_logits(self, taps: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test over a batch: ``taps`` [B, T, n_taps * d_t], ``ids`` [B, T] (right-padded),
+        ``embed`` [vocab, d] (frozen). Returns ``steps`` logits [B, T, draft_vocab]; at step k row j predicts
+        ``x_{j+2+k}`` (rows whose target falls outside the sequence are garbage, masked by the loss)."""
+        cfg = self.cfg
+        B, T = ids.shape
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        attn = self.midlayer.self_attn
+        feat = self.fc(taps)  # [B, T, d]
+        scale = 1.0 / math.sqrt(hd)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        k0 = v0 = None
+        diag_k, diag_v = [], []
+        out = []
+        for k in range(steps):
+            nxt = torch.zeros_like(ids)
+            if k + 1 < T:
+                nxt[:, : T - 1 - k] = ids[:, 1 + k :]  # row j reads x_{j+1+k}
+            x = self.layer_input(F.embedding(nxt, embed), feat)  # [B, T, 2d]
+            cos, sin = rope_cos_sin(hd, cfg.rope_theta, torch.arange(T) + k)  # positions j + k
+            q = rotate(attn.q_proj(x).view(B, T, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, T, hd]
+            kk = rotate(attn.k_proj(x).view(B, T, nkv, hd).transpose(1, 2), cos, sin)  # [B, nkv, T, hd]
+            vv = attn.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+            g = nh // nkv
+            if k == 0:
+                k0, v0 = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1)
+            else:
+                diag_k.append(kk.repeat_interleave(g, 1))
+                diag_v.append(vv.repeat_interleave(g, 1))
+            scores = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, T, T]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            extra = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # each [B, nh, T, 1]
+            probs = torch.cat([scores, *extra], dim=-1).softmax(-1)
+            o = probs[..., :T] @ v0
+            for m, dv in enumerate(diag_v):
+                o = o + probs[..., T + m : T + m + 1] * dv
+            h = self.finish(feat, o.transpose(1, 2).reshape(B, T, nh * hd))
+            out.append(self.logits(h))
+            feat = h  # the next step reads this step's output at the same row
+        return out
+
+
+class Eagle3Runner:
+    """The drafter at decode time: the weights as the lean forward's linears (fp32, or packed ``Q8_0`` blocks the
+    native kernel multiplies -- the drafter only proposes, so its rounding never changes the output), its own KV
+    cache of committed rows, and draft rows written after them and dropped after each proposal."""
+
+    def __init__(self, drafter: Eagle3Drafter, target, capacity: int, weights: str = "auto"):
+        from ..linear import DenseLinear, PackedLinear, quantize
+        from ..kernels import load_native
+
+        cfg = drafter.cfg
+        self.cfg, self.target = cfg, target
+        native = None
+        try:
+            native = load_native() if weights in ("auto", "q8_0") else None
+        except Exception:  # noqa: BLE001 - no compiler: the plain path
+            native = None
+        if weights == "q8_0" and native is None:
+            raise UsageError("drafter weights q8_0 need the native kernels, which did not build on this machine")
+
+        def linear(w: torch.Tensor):
+            w = w.detach().float().contiguous()
+            if native is not None and w.shape[1] % 32 == 0:
+                return PackedLinear(quantize(w, "Q8_0"), 8, w.shape[1], native=native)
+            return DenseLinear(w)
+
+        m = drafter.midlayer
+        a = m.self_attn
+        self.fc = linear(drafter.fc.weight)
+        self.qkv = linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        self.o = linear(a.o_proj.weight)
+        self.gate_up = linear(torch.cat([m.mlp.gate_proj.weight, m.mlp.up_proj.weight]))
+        self.down = linear(m.mlp.down_proj.weight)
+        self.head = linear(drafter.lm_head.weight)
+        self.norms = {n: getattr(m, n).weight.detach().float() for n in
+                      ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
+        self.final_norm = drafter.norm.weight.detach().float()
+        self.d2t = drafter.d2t.clone()
+        self.eps = cfg.rms_norm_eps
+        nkv, hd = cfg.num_key_value_heads, cfg.head_dim
+        self.k = torch.zeros(nkv, capacity, hd)
+        self.v = torch.zeros(nkv, capacity, hd)
+        self.length = 0  # committed rows
+        positions = torch.arange(capacity + 64)
+        self.cos, self.sin = rope_cos_sin(hd, cfg.rope_theta, positions)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def fresh(self, capacity: int) -> Eagle3Runner:
+        """A runner sharing these weights with an empty KV cache of its own (one per sequence)."""
+        other = copy.copy(self)
+        other.k = torch.zeros(self.k.shape[0], capacity, self.k.shape[2])
+        other.v = torch.zeros_like(other.k)
+        other.length = 0
+        if other.cos.shape[0] < capacity + 64:
+            other.cos, other.sin = rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, torch.arange(capacity + 64))
+        return other
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """[r, n_taps, d_t] target taps -> [r, d] fused features."""
+        return self.fc(taps.reshape(taps.shape[0], -1).float().contiguous())
+
+    def rows(self, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slot: int,
+             visible: torch.Tensor | None) -> torch.Tensor:
+        """Run r rows (features [r, d], target token ids [r], positions [r]) writing their KV at slots
+        ``slot .. slot+r-1``; each sees the committed rows and the slots ``length .. slot+r-1`` that ``visible``
+        [r, slot + r - length] names (None: causal over the r rows, with slot == length). Returns h [r, d]."""
+        cfg = self.cfg
+        r = tokens.numel()
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        emb = target_embedding_rows(self.target, tokens)
+        x = torch.cat([rms_norm(emb, self.norms["input_layernorm"], self.eps),
+                       rms_norm(feat, self.norms["hidden_norm"], self.eps)], dim=-1)
+        qkv = self.qkv(x.contiguous())
+        end = slot + r
+        if end > self.capacity or int(positions.max()) >= self.cos.shape[0]:
+            self._grow(max(end, int(positions.max()) + 1))
+        cos, sin = self.cos[positions], self.sin[positions]
+        q = rotate(qkv[:, : nh * hd].view(r, nh, hd).transpose(0, 1), cos, sin)  # [nh, r, hd]
+        k = rotate(qkv[:, nh * hd : (nh + nkv) * hd].view(r, nkv, hd).transpose(0, 1), cos, sin)
+        v = qkv[:, (nh + nkv) * hd :].view(r, nkv, hd).transpose(0, 1)
+        self.k[:, slot:end] = k
+        self.v[:, slot:end] = v
+        if visible is None:
+            local = torch.ones(r, r, dtype=torch.bool).tril()
+            visible = local if slot == self.length else torch.cat(
+                [torch.zeros(r, slot - self.length, dtype=torch.bool), local], dim=1)
+        mask = torch.cat([torch.ones(r, self.length, dtype=torch.bool), visible], dim=1)  # [r, end]
+        o = F.scaled_dot_product_attention(q.unsqueeze(0), self.k[:, :end].unsqueeze(0), self.v[:, :end].unsqueeze(0),
+                                           attn_mask=mask, enable_gqa=nh != nkv)[0]
+        h = feat + self.o(o.transpose(0, 1).reshape(r, nh * hd).contiguous())
+        gate, up = self.gate_up(rms_norm(h, self.norms["post_attention_layernorm"], self.eps)).chunk(2, dim=-1)
+        return h + self.down((F.silu(gate) * up).contiguous())
+
+    def commit(self, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append committed rows (in chunks, causal); returns their outputs h [r, d]."""
+        outs = []
+        for a in range(0, tokens.numel(), 256):
+            b = min(tokens.numel(), a + 256)
+            outs.append(self.rows(feat[a:b], tokens[a:b], positions[a:b], self.length, None))
+            self.length += b - a
+        return torch.cat(outs)
+
+    def log_probs(self, h: torch.Tensor) -> torch.Tensor:
+        """[r, draft_vocab] log-probabilities of the next token."""
+        return self.head(rms_norm(h, self.final_norm, self.eps).contiguous()).log_softmax(-1)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def _grow(self, end: int) -> None:
+        cap = max(end, 2 * self.capacity)
+        k = torch.zeros(self.k.shape[0], cap, self.k.shape[2])
+        v = torch.zeros_like(k)
+        k[:, : self.capacity] = self.k
+        v[:, : self.capacity] = self.v
+        self.k, self.v = k, v
+        if self.cos.shape[0] < cap + 64:
+            self.cos, self.sin = rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, torch.arange(cap + 64))

@@ -1,0 +1,100 @@
+"""The target's features a drafter reads: hidden states tapped inside the target, and its final normed state.
+
+**Taps.** An EAGLE-3-style drafter reads the residual stream *entering* three target layers, ``(2, L//2, L-3)`` for an
+``L``-layer target -- HF ``output_hidden_states[2]``, ``[L//2]``, ``[L-3]`` (index 0 = the embeddings), the layers vLLM
+and SGLang capture by default (``hidden_states[2], [15], [27]`` for the 30-layer default model). The engine's forward
+reports ``hidden[i]`` = the residual stream *leaving* layer ``i``, so tap ``k`` is ``hidden[k - 1]``
+(:func:`engine_layers`). ``FINAL`` (-1) is the final normed state (FastEagle's and Falcon's regression target).
+
+**Storage.** ``make-data --features`` (or training, on first use) stores per record ``OUT/features/<key>.safetensors``
+with ``taps`` ``[T, n_taps, hidden]`` and ``final`` ``[T, hidden]`` in bf16 (T = prompt + response tokens), written to
+a temporary name and renamed, so a file is whole or absent. :class:`FeatureStore` reads them, computing (and caching)
+any that are missing -- training also works without a stored pass.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+FINAL = -1
+FEATURES_DIR = "features"
+CHUNK = 256  # tokens per forward while computing features
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, ...]:
+    """The layers whose *inputs* an EAGLE-3 drafter reads, in HF ``hidden_states`` indexing: ``(2, L//2, L-3)``."""
+    return (2, n_layers // 2, n_layers - 3)
+
+
+def engine_layers(aux_layers) -> tuple[int, ...]:
+    """``hidden_layers`` to ask the engine's forward for: the input of layer k is the output of layer k - 1."""
+    return tuple(int(k) - 1 for k in aux_layers)
+
+
+@torch.inference_mode()
+def compute_features(target, ids, aux_layers=None) -> dict[str, torch.Tensor]:
+    """``taps`` ``[T, len(aux), hidden]`` and ``final`` ``[T, hidden]`` (fp32) of the token ids ``ids``, computed by the
+    target's decoding forward in chunks over one KV cache (the same numbers the engine gives at decode time)."""
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    aux = default_aux_layers(target.config.num_hidden_layers) if aux_layers is None else tuple(aux_layers)
+    layers = engine_layers(aux) + (FINAL,)
+    cache = target.new_cache(ids.numel() + 1)
+    taps, final = [], []
+    for start in range(0, ids.numel(), CHUNK):
+        end = min(ids.numel(), start + CHUNK)
+        out = target.forward(ids[start:end], torch.arange(start, end), cache, hidden_layers=layers, last_only=True)
+        cache.keep(range(end - start))
+        taps.append(torch.stack([out.hidden[k] for k in engine_layers(aux)], dim=1).float())
+        final.append(out.hidden[FINAL].float())
+    return {"taps": torch.cat(taps), "final": torch.cat(final)}
+
+
+class FeatureStore:
+    """Per-record features of a ``make-data`` folder: read from ``OUT/features/`` when stored, else computed with
+    ``target`` (and stored when ``write``)."""
+
+    def __init__(self, folder, target=None, *, aux_layers=None, write: bool = True):
+        self.dir = Path(folder) / FEATURES_DIR
+        self.target, self.aux_layers, self.write = target, aux_layers, write
+
+    def path(self, key: str) -> Path:
+        return self.dir / f"{key}.safetensors"
+
+    def has(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def get(self, record: dict) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file, save_file
+
+        path = self.path(record["key"])
+        ids = list(record["prompt_ids"]) + list(record["response_ids"])
+        if path.is_file():
+            feats = load_file(str(path))
+            if feats["taps"].shape[0] == len(ids):
+                return {k: v.float() for k, v in feats.items()}
+        if self.target is None:
+            raise FileNotFoundError(f"no stored features for record {record['key']} and no target to compute them")
+        feats = compute_features(self.target, ids, self.aux_layers)
+        if self.write:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            save_file({k: v.to(torch.bfloat16).contiguous() for k, v in feats.items()}, str(tmp))
+            os.replace(tmp, path)
+        return feats
+
+
+def write_features(target, folder, *, log=print) -> int:
+    """Store the features of every record of a ``make-data`` folder that has none yet; returns how many were
+    written."""
+    from ..train.make_data import read_records
+
+    store = FeatureStore(folder, target)
+    records = [r for r in read_records(folder) if not store.has(r["key"])]
+    for n, rec in enumerate(records, 1):
+        store.get(rec)
+        if n % 50 == 0 or n == len(records):
+            log(f"features: {n}/{len(records)} records")
+    return len(records)

@@ -1,0 +1,200 @@
+"""EAGLE-3-style drafting: a one-layer drafter over the target's own features drafts a dynamic tree (EAGLE-2's
+expand / rerank), the target verifies it.
+
+Source: Li et al., *EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees* (2024) and *EAGLE-3:
+Scaling up Inference Acceleration of Large Language Models via Training-Time Test* (2025). The drafter
+(:mod:`fastforward.drafters.eagle`) is trained by ``fastforward train eagle``; a drafter for the default model ships
+with the package.
+
+Each step:
+
+1. **Expand.** The root's children are the top-``topk`` tokens of the drafter's distribution after the last
+   committed row. Then, depth by depth, the ``topk`` frontier nodes of highest *path* probability (the product of the
+   draft probabilities along the path) each get one drafter row -- all of a depth's rows in one drafter call -- and
+   each contributes its top-``topk`` children. Expansion stops at ``depth`` or when the best frontier path
+   probability falls under ``min_prob``.
+2. **Rerank.** The candidates are ranked by path probability (a parent always ranks before its children), and the
+   tree is the top n - 1 of them under the root, where n maximises expected tokens per millisecond:
+   ``(1 + sum of the n - 1 best path probabilities) / t(n)`` over this machine's cost curve t -- the draft's own
+   confidence sizes the tree, so an unsure drafter costs a small forward and a sure one gets a deep chain.
+   ``nodes=N`` fixes n instead. ``topk=1`` drafts a chain.
+3. **Verify** (the engine): greedy, or at T > 0 the lossless scheme for candidates *without* probabilities (sample
+   from the target at each node and walk to the child holding the sample). Top-k candidates are not i.i.d. samples
+   of the drafter's distribution, so recursive rejection with the drafter's probabilities would not be exact.
+4. **Commit.** The target's features of the accepted path (tapped in the verification forward itself) and the
+   accepted tokens become committed drafter rows; the last row's output drafts the next step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..costs import machine_cost_curve
+from ..drafters import shipped_drafter
+from ..drafters.checkpoint import load_eagle3
+from ..drafters.eagle import Eagle3Runner
+from ..drafters.features import engine_layers
+from ..engine import DecodeState, Proposal, Proposer, StepResult
+from ..errors import UsageError
+from ..tree import DraftTree, TreeShape
+from . import register
+from ._options import check_choice, check_int
+
+_RUNNERS: dict = {}  # (drafter folder, weights, id(target)) -> Eagle3Runner (weights shared by every sequence)
+
+
+def drafter_runner(target, drafter: str | None, weights: str) -> Eagle3Runner:
+    if drafter is None:
+        folder = shipped_drafter(target, "eagle3")
+        if folder is None:
+            raise UsageError(f"eagle: no drafter ships for '{target.name}'; train one (fastforward train eagle) and "
+                             "pass -o drafter=FOLDER")
+    else:
+        folder = Path(str(drafter)).expanduser()
+        if not folder.is_dir():
+            raise UsageError(f"eagle: drafter folder not found: {folder}")
+    key = (str(folder.resolve()), weights, id(target))
+    if key not in _RUNNERS:
+        _RUNNERS[key] = Eagle3Runner(load_eagle3(folder, target), target, capacity=64, weights=weights)
+    return _RUNNERS[key]
+
+
+class EagleProposer(Proposer):
+    name = "eagle"
+
+    def __init__(self, runner: Eagle3Runner, *, topk: int, depth: int, nodes: int, max_nodes: int,
+                 min_prob: float):
+        self.shared = runner
+        self.hidden_layers = engine_layers(runner.cfg.aux_layers)
+        self.topk, self.depth, self.nodes, self.max_nodes, self.min_prob = topk, depth, nodes, max_nodes, min_prob
+        self.runner: Eagle3Runner | None = None
+        self.last_h: torch.Tensor | None = None
+        self.curve_ms: torch.Tensor | None = None
+        self._n = {"steps": 0, "draft_rows": 0, "draft_calls": 0, "nodes": 0}
+
+    def max_proposal_size(self) -> int:
+        return self.nodes or self.max_nodes
+
+    def _taps(self, hidden: dict, rows) -> torch.Tensor:
+        return torch.stack([hidden[layer][rows] for layer in self.hidden_layers], dim=1)  # [r, n_taps, d_t]
+
+    def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
+        n = state.prompt_length
+        self.runner = self.shared.fresh(n + state.max_new_tokens + self.depth + 8)
+        if not self.nodes:
+            curve = machine_cost_curve(state.target)
+            self.curve_ms = torch.tensor([curve.t(q) for q in range(1, self.max_nodes + 1)], dtype=torch.float64)
+        feat = self.runner.fuse(self._taps(hidden, slice(0, n)))
+        h = self.runner.commit(feat, state.ids[1 : n + 1], torch.arange(n))
+        self.last_h = h[-1:]
+
+    def observe(self, state: DecodeState, step: StepResult) -> None:
+        path = step.verdict.path
+        r = len(path)
+        root_pos = state.length - len(step.new_tokens) - 1
+        feat = self.runner.fuse(self._taps(step.hidden, torch.as_tensor(path)))
+        tokens = state.ids[root_pos + 1 : root_pos + 1 + r]
+        h = self.runner.commit(feat, tokens, torch.arange(root_pos, root_pos + r))
+        self.last_h = h[-1:]
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        run, k = self.runner, self.topk
+        root_pos = state.root_position
+        lp = run.log_probs(self.last_h)[0]  # [draft_vocab]
+        top = lp.topk(k)
+        cand_tok = [top.indices]  # per depth: draft ids [c_d]
+        cand_score = [top.values]  # cumulative log-probabilities
+        cand_parent = [torch.full((k,), -1, dtype=torch.long)]  # global candidate index of the parent (-1: root)
+        cand_depth = [torch.ones(k, dtype=torch.long)]
+        n_cand = k
+        src_h = self.last_h.expand(k, -1)  # the h each depth-1 node's row reads: the root's
+        rows_vis = torch.zeros(0, 0, dtype=torch.bool)  # [rows, rows] ancestor-or-self among draft rows
+        row_of: dict[int, int] = {}
+        h_of_row = []
+        offset = 0  # global index of the first candidate of the current depth
+        for d in range(2, self.depth + 1):
+            scores = cand_score[-1]
+            r = min(k, scores.numel())
+            best = scores.topk(r)
+            if float(best.values[0].exp()) < self.min_prob:
+                break
+            sel = best.indices  # local indices at depth d-1
+            glob = (sel + offset).tolist()
+            feat = src_h[sel]
+            tokens = run.to_target(cand_tok[-1][sel])
+            n_rows = rows_vis.shape[0]
+            vis = torch.zeros(r, n_rows + r, dtype=torch.bool)
+            parents = cand_parent[-1][sel].tolist()
+            for i, p in enumerate(parents):  # r <= topk rows: the parent's row visibility plus its own slot
+                if p >= 0:
+                    vis[i, :n_rows] = rows_vis[row_of[p]]
+                vis[i, n_rows + i] = True
+            grown = torch.zeros(n_rows + r, n_rows + r, dtype=torch.bool)
+            grown[:n_rows, :n_rows] = rows_vis
+            grown[n_rows:] = vis
+            rows_vis = grown
+            for i, g in enumerate(glob):
+                row_of[g] = n_rows + i
+            h = run.rows(feat, tokens, torch.full((r,), root_pos + d - 2, dtype=torch.long),
+                         run.length + n_rows, vis)
+            h_of_row.append(h)
+            self._n["draft_rows"] += r
+            self._n["draft_calls"] += 1
+            lp = run.log_probs(h)  # [r, draft_vocab]
+            top = lp.topk(k, dim=-1)
+            offset += cand_tok[-1].numel()
+            cand_tok.append(top.indices.reshape(-1))
+            cand_score.append((best.values.unsqueeze(1) + top.values).reshape(-1))
+            cand_parent.append(torch.tensor(glob, dtype=torch.long).repeat_interleave(k))
+            cand_depth.append(torch.full((r * k,), d, dtype=torch.long))
+            src_h = h.repeat_interleave(k, dim=0)
+            n_cand += r * k
+        tokens = run.to_target(torch.cat(cand_tok))
+        scores = torch.cat(cand_score)
+        parents = torch.cat(cand_parent)
+        depths = torch.cat(cand_depth)
+        # rank: path probability descending, shallower first on ties (so a parent precedes its children)
+        order = torch.sort(depths, stable=True).indices
+        order = order[torch.sort(scores[order], descending=True, stable=True).indices]
+        limit = min(self.nodes or self.max_nodes, order.numel() + 1, state.remaining + 1)
+        if self.nodes:
+            n = limit
+        else:
+            gain = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64),
+                                    scores[order[: limit - 1]].double().exp().cumsum(0)])  # E[tokens] for n = 1..
+            n = int((gain / self.curve_ms[:limit]).argmax()) + 1
+        chosen = order[: n - 1]
+        chosen = chosen[torch.sort(depths[chosen], stable=True).indices]  # parents before children
+        index = torch.full((n_cand,), -1, dtype=torch.long)
+        index[chosen] = torch.arange(1, n)
+        tree_parents = torch.cat([torch.tensor([-1]), torch.where(parents[chosen] < 0, 0, index[parents[chosen]])])
+        if bool((tree_parents[1:] < 0).any()):
+            raise RuntimeError("eagle: a chosen node's parent was not chosen")
+        tree_tokens = torch.cat([torch.tensor([state.root]), tokens[chosen]])
+        self._n["steps"] += 1
+        self._n["nodes"] += n
+        if n == 1:
+            return None
+        return Proposal(DraftTree(tree_tokens, TreeShape(tree_parents)))
+
+    def stats(self) -> dict:
+        steps = max(self._n["steps"], 1)
+        return {"draft_calls_per_step": self._n["draft_calls"] / steps, "draft_rows": self._n["draft_rows"],
+                "mean_tree_nodes": self._n["nodes"] / steps}
+
+
+@register("eagle", "EAGLE-3-style drafter over the target's features, dynamic tree (EAGLE-2)",
+          source="Li et al. 2024/2025, EAGLE-2 / EAGLE-3")
+def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
+          min_prob: float = 0.05, weights: str = "auto") -> Proposer:
+    check_int("eagle", "topk", topk, 1, 16)
+    check_int("eagle", "depth", depth, 1, 16)
+    check_int("eagle", "nodes", nodes, 0, 256)
+    check_int("eagle", "max_nodes", max_nodes, 2, 256)
+    check_choice("eagle", "weights", weights, ("auto", "q8_0", "fp32"))
+    if not isinstance(min_prob, (int, float)) or isinstance(min_prob, bool) or not 0 <= min_prob < 1:
+        raise UsageError(f"eagle: option min_prob must be a number in [0, 1), got {min_prob!r}")
+    runner = drafter_runner(target, drafter, weights)
+    return EagleProposer(runner, topk=topk, depth=depth, nodes=nodes, max_nodes=max_nodes, min_prob=float(min_prob))
