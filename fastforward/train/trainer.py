@@ -39,6 +39,7 @@ import fastforward as ff
 from ..errors import UsageError
 from ..paths import check_output_dir, mark_output_dir
 from .data import check_heldout, encode_examples, parse_paths, read_examples, split_examples, subsample
+from .launcher import check_launcher
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -367,6 +368,7 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out).expanduser()
     accelerator = Accelerator()
+    check_launcher(accelerator)  # a launcher whose processes did not join one group: refused, one line
     main = accelerator.is_main_process
     quiet = cfg.quiet or not main
 
