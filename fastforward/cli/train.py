@@ -158,6 +158,79 @@ def run_cllm(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# fastforward train draft-model
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def add_draft_model_arguments(p) -> None:
+    from ..drafters.draft_model import DEFAULT_LAYERS, INIT_CHOICES
+    from .options import nonnegative_int, positive_float, positive_int
+
+    add_model_argument(p, "target model (the draft model shares its tokenizer, embedding and head)")
+    p.add_argument("--data", required=True,
+                   help="a 'fastforward make-data' output folder (or its responses.jsonl): the target's own greedy "
+                        "responses; the train split is trained on, up to --eval-records held-out records score it")
+    p.add_argument("--out", required=True,
+                   help="output folder: the draft model (config.json + fp16 model.safetensors, without the shared "
+                        "embedding), checkpoints/, train_log.jsonl, loss.png; new, empty, or one an earlier run of "
+                        "this command wrote (the same command resumes it)")
+    g = p.add_argument_group("draft model")
+    g.add_argument("--layers", type=positive_int, default=None,
+                   help=f"decoder layers (default: {DEFAULT_LAYERS}, or as many as --init-layers lists)")
+    g.add_argument("--init-layers", default="spread", metavar="|".join(INIT_CHOICES) + "|I,J,...",
+                   help="target layers copied into the draft model: evenly spaced from the first to the last "
+                        "(spread), the first ones (first), or a list of indices (default: spread)")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=positive_int, default=1, help="passes over the data (default: %(default)s)")
+    t.add_argument("--max-steps", type=positive_int, default=None, help="optimizer steps; overrides --epochs")
+    t.add_argument("--max-minutes", type=positive_float, default=None,
+                   help="stop after this many minutes of training (checkpoint + draft model written); re-run the "
+                        "same command to continue")
+    t.add_argument("--lr", type=positive_float, default=3e-4, help="peak learning rate (default: %(default)s)")
+    t.add_argument("--batch-size", type=positive_int, default=4,
+                   help="sequences per micro-batch and process (default: %(default)s)")
+    t.add_argument("--grad-accum", type=positive_int, default=4,
+                   help="micro-batches per optimizer step (default: %(default)s)")
+    t.add_argument("--max-length", type=positive_int, default=512,
+                   help="tokens per sequence, prompt included (default: %(default)s)")
+    t.add_argument("--warmup", type=finite_float, default=0.03, help="warmup fraction of the steps (default: 0.03)")
+    t.add_argument("--schedule", default="cosine", choices=["linear", "cosine", "constant"],
+                   help="learning-rate schedule after warmup (default: %(default)s)")
+    t.add_argument("--weight-decay", type=finite_float, default=0.0, help="AdamW weight decay (default: 0)")
+    t.add_argument("--max-grad-norm", type=finite_float, default=1.0,
+                   help="gradient clipping, 0 = off (default: %(default)s)")
+    t.add_argument("--seed", type=seed, default=0, help="data order and subsampling (default: 0)")
+    t.add_argument("--limit", type=positive_int, default=None, help="train on a seeded random subset of N records")
+    t.add_argument("--save-every", type=positive_int, default=50, help="checkpoint every N steps (default: 50)")
+    t.add_argument("--keep-checkpoints", type=positive_int, default=1, help="checkpoints kept (default: 1)")
+    t.add_argument("--eval-records", type=nonnegative_int, default=32,
+                   help="held-out records scored before and after training (default: %(default)s)")
+    add_threads_argument(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_draft_model(args) -> int:
+    import fastforward as ff
+
+    from ..drafters.draft_model import DraftTrainConfig, train_draft_model
+
+    cfg = DraftTrainConfig(
+        data=args.data, out=args.out, layers=args.layers, init_layers=args.init_layers, epochs=args.epochs,
+        max_steps=args.max_steps, max_minutes=args.max_minutes, lr=args.lr, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, max_length=args.max_length, seed=args.seed, limit=args.limit,
+        save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, warmup=args.warmup,
+        schedule=args.schedule, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        eval_records=args.eval_records, threads=args.threads, quiet=args.quiet,
+    )
+    cfg.validate()  # before loading anything
+    target = ff.load(args.model, threads=args.threads)
+    result = train_draft_model(target, cfg)
+    if result.main_process:
+        print(result.report())
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # The command
 # ------------------------------------------------------------------------------------------------------------------
 
@@ -167,6 +240,9 @@ METHODS = {
             add_msn_arguments, run_msn),
     "cllm": ("CLLM consistency training on Jacobi trajectories (collect them with 'fastforward collect-trajectories')",
              add_cllm_arguments, run_cllm),
+    "draft-model": ("a small draft model for --method sps: a few of the target's layers, its embedding and head "
+                    "shared, distilled on 'fastforward make-data' output", add_draft_model_arguments,
+                    run_draft_model),
 }
 
 

@@ -32,8 +32,11 @@ of the step), gradient clipping, ``OUT/train_log.jsonl`` (loss, top-1 agreement 
 checkpoints every ``--save-every`` steps in ``OUT/checkpoints/step-NNNNNN`` (the trainable weights in fp32 plus the
 optimizer/scheduler/RNG states, written into a temporary folder that is then renamed), so re-running the same command
 resumes where the last checkpoint left off, and a ``--max-minutes`` budget after which the run checkpoints, writes
-the draft folder and stops (the same command continues it). The records a run trains on are fixed when it starts
-(the first N lines of ``responses.jsonl``), so a resumed run sees the same data even while ``make-data`` appends.
+the draft folder and stops (the same command continues it); at the end ``OUT/loss.png`` (loss and top-1 curves, when
+matplotlib is installed) and ``OUT/fastforward_train.json`` (with held-out loss and top-1 agreement before and after
+training). The records a run trains on are fixed when it starts (the first N lines of ``responses.jsonl``), so a
+resumed run sees the same data even while ``make-data`` appends. A launcher whose processes did not join one group
+is refused (:func:`fastforward.train.launcher.check_launcher`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ SHARED_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 MAX_SHIPPED_MB = 40.0  # the largest drafter the project ships (fp16 safetensors)
 SAME_TARGET_COSINE = 0.9  # probe rows this similar: the same embedding (quantised or not), so the same target
 INIT_CHOICES = ("spread", "first")
+DEFAULT_LAYERS = 4
 COMMAND = "train draft-model"
 TRAINABLE_FILE = "draft_fp32.safetensors"  # a checkpoint's trainable weights, full precision
 SUMMARY_FILE = "fastforward_train.json"
@@ -99,9 +103,10 @@ def target_probe(target) -> torch.Tensor:
     return target.hf_model.get_input_embeddings().weight[ids].detach().float().clone()
 
 
-def choose_layers(n_target: int, layers: int | None = 4, init: str = "spread") -> list[int]:
+def choose_layers(n_target: int, layers: int | None = DEFAULT_LAYERS, init: str = "spread") -> list[int]:
     """Which target layers initialise the draft's ``layers`` layers (see the module docstring); ``init`` may also be
-    an explicit comma-separated list of layer indices (then ``layers`` is its length)."""
+    an explicit comma-separated list of layer indices (then ``layers``, when given, must be its length; None means
+    :data:`DEFAULT_LAYERS` for ``spread``/``first``)."""
     init = str(init).strip()
     if init not in INIT_CHOICES:
         try:
@@ -114,6 +119,8 @@ def choose_layers(n_target: int, layers: int | None = 4, init: str = "spread") -
         if layers is not None and layers != len(ids):
             raise UsageError(f"--init-layers lists {len(ids)} layers but --layers is {layers}")
         return ids
+    if layers is None:
+        layers = min(DEFAULT_LAYERS, n_target)
     if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= n_target:
         raise UsageError(f"--layers must be an integer in [1, {n_target}] (the target has {n_target}), got {layers}")
     if init == "first" or layers == 1:
@@ -163,7 +170,7 @@ def _share(model, embed: torch.Tensor, head: torch.Tensor | None) -> None:
     model.lm_head.weight = emb if head is None else torch.nn.Parameter(head.detach().to(dtype), requires_grad=False)
 
 
-def init_draft_model(target, layers: int | None = 4, init: str = "spread"):
+def init_draft_model(target, layers: int | None = DEFAULT_LAYERS, init: str = "spread"):
     """A new draft model for ``target``: (HF causal LM in fp32, its metadata). Its decoder layers and final norm are
     copies of target layers (:func:`choose_layers`); its embedding and head are the target's (frozen, shared)."""
     hf = target.hf_model
@@ -179,8 +186,11 @@ def init_draft_model(target, layers: int | None = 4, init: str = "spread"):
     embed = hf.get_input_embeddings().weight
     _share(model, embed, None if tied else hf.get_output_embeddings().weight)
     model.float()
+    from .eagle import target_fingerprint
+
     meta = {
-        "format": FORMAT, "target": str(target.name), "shared_embedding": True, "tied_head": tied,
+        "format": FORMAT, "kind": "draft-model", "target": str(target.name),
+        "target_fingerprint": target_fingerprint(target), "shared_embedding": True, "tied_head": tied,
         "layers_from_target": ids, "init": str(init), "target_vocab_size": int(target.vocab_size),
         "target_hidden_size": int(hf.config.hidden_size), "target_layers": int(hf.config.num_hidden_layers),
     }
@@ -299,13 +309,12 @@ def draft_target(model, target, name: str, weights: str = "auto"):
     return draft
 
 
-def load_draft_model(path, target, weights: str = "auto"):
-    """A draft-model folder (see the module docstring) as a :class:`TargetModel` for ``target``: its embedding and
-    head filled from the target. A folder made for another target is refused with a one-line :class:`UsageError`."""
+def _read_hf_draft(folder: Path, target):
+    """(the HF draft model with the target's embedding and head, its metadata) from a draft-model folder, checked
+    against ``target``."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    folder = Path(path).expanduser()
     config = read_draft_config(folder)
     if config is None:
         raise UsageError(f"{folder} is not a fastforward draft model (no config.json with '{CONFIG_KEY}')")
@@ -328,8 +337,22 @@ def load_draft_model(path, target, weights: str = "auto"):
     if missing or unexpected:
         what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
         raise UsageError(f"{file} does not match its config.json ({what})")
-    model.eval()
-    return draft_target(model, target, f"{folder.name} (draft for {target.name})", weights)
+    return model.eval(), meta
+
+
+def load_draft_model(path, target, weights: str = "auto"):
+    """A draft-model folder (see the module docstring) as a :class:`TargetModel` for ``target``: its embedding and
+    head filled from the target. A folder made for another target is refused with a one-line :class:`UsageError`."""
+    folder = Path(path).expanduser()
+    model, _ = _read_hf_draft(folder, target)
+    name = f"{folder.name} ({model.config.num_hidden_layers} layers, draft for {target.name})"
+    draft = draft_target(model, target, name, weights)
+    if draft.backend_name == "lean":
+        # The lean forward holds what it needs (the target's embedding and head objects, its own layers); the HF
+        # model -- with a dense copy of a packed target's embedding -- is rebuilt only if something asks for it.
+        draft._hf_model = None
+        draft._hf_loader = lambda: _read_hf_draft(folder, target)[0]
+    return draft
 
 
 def folder_megabytes(path) -> float:
@@ -346,7 +369,7 @@ def folder_megabytes(path) -> float:
 class DraftTrainConfig:
     data: str  # a make-data folder (OUT/responses.jsonl) or the responses.jsonl file
     out: str
-    layers: int = 4
+    layers: int | None = None  # None: DEFAULT_LAYERS, or as many as init_layers lists
     init_layers: str = "spread"
     epochs: int = 1
     max_steps: int | None = None
@@ -372,7 +395,7 @@ class DraftTrainConfig:
 
         path = Path(self.data).expanduser()
         file = path / RESPONSES if path.is_dir() else path
-        if not file.is_file():
+        if not file.is_file() or file.name != RESPONSES:
             raise UsageError(f"--data {self.data}: no {RESPONSES} there (make it with 'fastforward make-data')")
         return file
 
@@ -504,6 +527,19 @@ def _evaluate(lm, encoded, batch_size: int) -> dict | None:
             "tokens": int(tokens), "records": len(encoded)}
 
 
+def _plot(log_path: Path, png: Path) -> bool:
+    """The loss (and top-1 agreement) curve of ``train_log.jsonl`` as a PNG, with the drafters' plotting helper;
+    False when it or matplotlib is unavailable."""
+    try:
+        from ..train.drafter_train import plot_losses
+    except ImportError:
+        return False
+    try:
+        return bool(plot_losses(log_path, png, "train draft-model"))
+    except (OSError, ValueError, ImportError):
+        return False
+
+
 def _log(msg: str, quiet: bool) -> None:
     if not quiet:
         print(msg, file=sys.stderr, flush=True)
@@ -523,7 +559,14 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
     from ..train.launcher import check_launcher
     from ..train.make_data import read_records
     from ..train.trainer import (
-        CHECKPOINTS, LOG_FILE, STATE_FILE, BatchSchedule, _trim_log, checkpoint_dirs, latest_checkpoint, pad_batch,
+        CHECKPOINTS,
+        LOG_FILE,
+        STATE_FILE,
+        BatchSchedule,
+        _trim_log,
+        checkpoint_dirs,
+        latest_checkpoint,
+        pad_batch,
         to_device,
     )
 
@@ -680,7 +723,7 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
             dt = time.perf_counter() - t_step
             if main:
                 with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": round(last_loss, 5), "top1": round(top1, 4), "lr": lr,
+                    f.write(json.dumps({"step": step, "loss": round(last_loss, 5), "acc": round(top1, 4), "lr": lr,
                                         "tokens": int(total_tokens), "seconds": round(dt, 3)}) + "\n")
             bar.set_postfix(loss=f"{last_loss:.4f}", top1=f"{top1:.3f}", lr=f"{lr:.2e}", s_step=f"{dt:.1f}",
                             refresh=False)
@@ -712,6 +755,7 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
                            "data": identity["data"]}
         save_draft_model(unwrapped, meta, out, probe)
         megabytes = folder_megabytes(out)
+        _plot(out / LOG_FILE, out / "loss.png")
         summary = state_at(step, last_loss)
         summary.update(trainable_parameters=n_trainable, seconds_this_run=round(seconds, 2),
                        steps_this_run=step - start_step, megabytes_fp16=round(megabytes, 2),
