@@ -112,6 +112,7 @@ def generate_batch(
     max_active: int | None = None,
     on_tokens=None,
     on_result=None,
+    observers=None,
 ) -> list[GenerationResult]:
     """Decode several prompts together and return one result per prompt, in order.
 
@@ -123,7 +124,8 @@ def generate_batch(
     prompt starts as soon as one finishes (continuous batching). Each result equals what :func:`generate` gives
     that prompt alone: token for token at temperature 0, the same samples with the same seed.
     ``on_tokens(index, token_ids)`` is called as tokens come, ``on_result(index, result)`` as soon as a sequence
-    finishes (to save finished work while the others still decode).
+    finishes (to save finished work while the others still decode). ``observers``: one tuple of step observers
+    ``(state, step)`` for every prompt, or a list with one tuple per prompt.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise InputTypeError("prompts must be a list of prompts (or GenerationRequests)")
@@ -153,11 +155,18 @@ def generate_batch(
         raise InputTypeError("on_tokens must be a callable (index, token_ids) or None")
     if on_result is not None and not callable(on_result):
         raise InputTypeError("on_result must be a callable (index, result) or None")
+    if observers is None:
+        observers = [()] * n
+    elif isinstance(observers, tuple):
+        observers = [observers] * n
+    elif not isinstance(observers, list) or len(observers) != n:
+        raise UsageError("observers must be a tuple of callables, or a list with one tuple per prompt")
     target = _target(model)
     prompt_ids = [r.prompt_ids(target) for r in requests]
     runs = [SequenceRun(target, ids, make_proposer(r.method, target, **r.method_options),
-                        max_new_tokens=r.max_new_tokens, sampling=r.sampling, seed=r.seed, stops=r.stops)
-            for r, ids in zip(requests, prompt_ids, strict=True)]
+                        max_new_tokens=r.max_new_tokens, sampling=r.sampling, seed=r.seed, stops=r.stops,
+                        observers=tuple(obs))
+            for r, ids, obs in zip(requests, prompt_ids, observers, strict=True)]
     budget = max_batch_tokens or batch_token_budget(target)
     results: list[GenerationResult | None] = [None] * n
 

@@ -27,8 +27,8 @@ def target():
 
 
 def _drafter(target, seed=0, draft_size=64, std=0.3):
-    vocab = DraftVocab.from_target_ids(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_size],
-                                       VOCAB)
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_size]
+    vocab = DraftVocab.from_target_ids(ids, VOCAB)
     drafter = Eagle3Drafter.for_target(target, vocab, seed=seed)
     with torch.no_grad():
         for p in drafter.parameters():
@@ -73,7 +73,6 @@ def test_eagle_sampling_matches_the_target_distribution(tmp_path):
     """chi-square of 3-token continuations at T = 1 against the exact joint distribution of the target."""
     from test_proposers_basic import chi2_critical, exact_joint
 
-    from fastforward.engine import decode_steps
     from fastforward.proposers import make_proposer
     from fastforward.verify import SamplingConfig
 
@@ -202,3 +201,19 @@ def test_training_time_test_step_zero_matches_the_runner(target):
     h0 = run2.commit(run2.fuse(feats["taps"][:1]), ids[0, 1:2], torch.arange(1))
     h1 = run2.rows(h0, ids[0, 2:3], torch.tensor([1]), run2.length, torch.ones(1, 1, dtype=torch.bool))
     assert torch.allclose(run2.log_probs(h1)[0], logits[1][0, 0].log_softmax(-1), atol=1e-4)
+
+
+def test_training_time_test_skips_prompt_rows_exactly(target):
+    """Steps >= 1 computed from first_row on give the same logits on the rows the loss reads."""
+    drafter = _drafter(target, seed=6).float()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    taps = torch.randn(2, 12, 3 * drafter.cfg.target_hidden_size)
+    embed = target_embedding_rows(target, torch.arange(VOCAB))
+    select = [torch.zeros(2, 12, dtype=torch.bool) for _ in range(3)]
+    for k in range(3):
+        select[k][:, 6:10 - k] = True
+    with torch.no_grad():
+        full = drafter.ttt_logits(taps, ids, embed, 3, select)
+        part = drafter.ttt_logits(taps, ids, embed, 3, select, first_row=5)
+    for a, b in zip(full, part, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)

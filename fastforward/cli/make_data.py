@@ -3,7 +3,15 @@
 
 from __future__ import annotations
 
-from ..train.make_data import DEFAULT_HELDOUT, DEFAULT_SOURCES, RESPONSES, default_out, make_data
+from ..train.make_data import (
+    DEFAULT_HELDOUT,
+    DEFAULT_SOURCES,
+    RESPONSES,
+    check_make_data,
+    default_out,
+    make_data,
+    write_heldout_prompts,
+)
 from .options import add_model_arguments, max_new_tokens, positive_int, seed
 
 
@@ -24,11 +32,21 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--features", action="store_true",
                    help="also store the target's features per token (bf16, OUT/features/) for drafter training")
     p.add_argument("--seed", type=seed, default=0, help="order of the mixed prompts (default: 0)")
+    p.add_argument("--write-heldout", metavar="FILE", default=None,
+                   help="only write the held-out prompts (never trained on) as a 'fastforward bench --questions' "
+                        "file, by category (chat = ShareGPT, alpaca, code, gsm8k_train), and stop")
 
 
 def run(args, name: str) -> int:
     import fastforward as ff
 
+    if args.write_heldout:
+        counts = write_heldout_prompts(args.write_heldout, args.data, heldout=args.heldout, seed=args.seed)
+        print(f"saved {args.write_heldout}: " + ", ".join(f"{n} {c}" for c, n in sorted(counts.items())))
+        return 0
+
+    # the inputs and --out are checked before the model loads
+    check_make_data(args.out, sources=args.data, limit=args.limit, heldout=args.heldout, seed=args.seed)
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     out = args.out or default_out(target.name)
     summary = make_data(target, out, sources=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens,

@@ -158,6 +158,77 @@ def run_cllm(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# Drafters: fastforward train eagle (and the drafters built on its loop)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def add_drafter_arguments(p) -> None:
+    """The options of every drafter training (:mod:`fastforward.train.drafter_train`)."""
+    add_model_argument(p, "target model")
+    p.add_argument("--data", required=True, help="a 'fastforward make-data' output folder (its train split)")
+    p.add_argument("--out", required=True,
+                   help="output folder: the drafter (serving layout), checkpoints/, train_log.jsonl, loss.png; new, "
+                        "empty, or one an earlier run of the same command wrote (it resumes)")
+    p.add_argument("--epochs", type=finite_float, default=1.0, help="passes over the data (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps; overrides --epochs")
+    p.add_argument("--max-minutes", type=finite_float, default=None,
+                   help="stop (with a checkpoint) after this many minutes of training; re-run to continue")
+    p.add_argument("--lr", type=finite_float, default=3e-4, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch and process (default: 4)")
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step (default: 2)")
+    p.add_argument("--max-length", type=int, default=768, help="tokens per sequence, prompt included (default: 768)")
+    p.add_argument("--warmup", type=finite_float, default=0.03, help="warmup fraction (default: %(default)s)")
+    p.add_argument("--weight-decay", type=finite_float, default=0.0, help="AdamW weight decay (default: 0)")
+    p.add_argument("--max-grad-norm", type=finite_float, default=0.5, help="gradient clipping (default: 0.5)")
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="the first N training records only")
+    p.add_argument("--seed", type=seed, default=0, help="initialisation and data order (default: 0)")
+    add_threads_argument(p)
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def drafter_config(args, method: str, extra: dict):
+    from ..train.drafter_train import DrafterTrainConfig
+
+    return DrafterTrainConfig(
+        model=args.model, data=args.data, out=args.out, method=method, epochs=args.epochs, max_steps=args.max_steps,
+        max_minutes=args.max_minutes, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        max_length=args.max_length, warmup=args.warmup, weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm, save_every=args.save_every, seed=args.seed, limit=args.limit,
+        threads=args.threads, quiet=args.quiet, extra=extra)
+
+
+def _train_drafter(cfg, method) -> int:
+    from ..train.drafter_train import train_drafter
+
+    summary = train_drafter(cfg, method)
+    stopped = f"; {summary['stopped']}, re-run to continue" if summary["stopped"] else ""
+    print(f"saved {cfg.out} (step {summary['step']}/{summary['total_steps']}, loss {summary['loss']:.4f}; "
+          f"{summary['seconds_this_run']:.0f} s this run{stopped})")
+    return 0
+
+
+def add_eagle_arguments(p) -> None:
+    from ..train.eagle import DEFAULT_DRAFT_VOCAB, DEFAULT_TTT_STEPS
+
+    add_drafter_arguments(p)
+    g = p.add_argument_group("eagle")
+    g.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
+                   help="draft vocabulary: the N most frequent tokens of the data (default: %(default)s)")
+    g.add_argument("--ttt-steps", type=int, default=DEFAULT_TTT_STEPS,
+                   help="training-time test: unrolled drafting steps (default: %(default)s)")
+
+
+def run_eagle(args) -> int:
+    from ..train.eagle import EagleTraining
+
+    if args.draft_vocab <= 0 or args.ttt_steps <= 0:
+        raise UsageError("--draft-vocab and --ttt-steps must be positive integers")
+    cfg = drafter_config(args, "eagle", {"draft_vocab": args.draft_vocab, "ttt_steps": args.ttt_steps})
+    return _train_drafter(cfg, EagleTraining(args.draft_vocab, args.ttt_steps))
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # fastforward train draft-model
 # ------------------------------------------------------------------------------------------------------------------
 
@@ -240,6 +311,8 @@ METHODS = {
             add_msn_arguments, run_msn),
     "cllm": ("CLLM consistency training on Jacobi trajectories (collect them with 'fastforward collect-trajectories')",
              add_cllm_arguments, run_cllm),
+    "eagle": ("an EAGLE-3-style drafter (training-time test) on 'fastforward make-data' output; loads in vLLM/SGLang",
+              add_eagle_arguments, run_eagle),
     "draft-model": ("a small draft model for --method sps: a few of the target's layers, its embedding and head "
                     "shared, distilled on 'fastforward make-data' output", add_draft_model_arguments,
                     run_draft_model),

@@ -284,13 +284,22 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(h))
 
     # -- training ---------------------------------------------------------------------------------------------------
-    def ttt_logits(self, taps: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def forward(self, taps, ids, embed, steps, select=None, first_row=0):
+        return self.ttt_logits(taps, ids, embed, steps, select, first_row)
+
+    def ttt_logits(self, taps: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor, steps: int,
+                   select: list[torch.Tensor] | None = None, first_row: int = 0) -> list[torch.Tensor]:
         """Training-time test over a batch: ``taps`` [B, T, n_taps * d_t], ``ids`` [B, T] (right-padded),
         ``embed`` [vocab, d] (frozen). Returns ``steps`` logits [B, T, draft_vocab]; at step k row j predicts
-        ``x_{j+2+k}`` (rows whose target falls outside the sequence are garbage, masked by the loss)."""
+        ``x_{j+2+k}`` (rows whose target falls outside the sequence are garbage, masked by the loss). With
+        ``select`` (one [B, T] bool mask per step), step k's logits are only those of the selected rows,
+        [n_k, draft_vocab] -- the head is most of the cost, and prompt rows need none. Steps k >= 1 compute only
+        rows ``first_row ..`` (rows before it may not be selected then): rows whose every later label lies in the
+        prompt feed nothing the loss reads, but step 0 runs every row since all are attention context."""
         cfg = self.cfg
         B, T = ids.shape
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        g = nh // nkv
         attn = self.midlayer.self_attn
         feat = self.fc(taps)  # [B, T, d]
         scale = 1.0 / math.sqrt(hd)
@@ -299,29 +308,38 @@ class Eagle3Drafter(nn.Module):
         diag_k, diag_v = [], []
         out = []
         for k in range(steps):
-            nxt = torch.zeros_like(ids)
-            if k + 1 < T:
-                nxt[:, : T - 1 - k] = ids[:, 1 + k :]  # row j reads x_{j+1+k}
-            x = self.layer_input(F.embedding(nxt, embed), feat)  # [B, T, 2d]
-            cos, sin = rope_cos_sin(hd, cfg.rope_theta, torch.arange(T) + k)  # positions j + k
-            q = rotate(attn.q_proj(x).view(B, T, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, T, hd]
-            kk = rotate(attn.k_proj(x).view(B, T, nkv, hd).transpose(1, 2), cos, sin)  # [B, nkv, T, hd]
-            vv = attn.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
-            g = nh // nkv
+            r0 = 0 if k == 0 else first_row  # rows first_row .. T-1 from step 1 on
+            rows = T - r0
+            if k == 1 and r0:
+                feat = feat[:, r0:]  # step 0's outputs of the rows that go on
+            nxt = torch.zeros(B, rows, dtype=torch.long)
+            avail = max(0, min(rows, T - 1 - k - r0))
+            nxt[:, :avail] = ids[:, r0 + 1 + k : r0 + 1 + k + avail]  # row j reads x_{j+1+k}
+            x = self.layer_input(F.embedding(nxt, embed), feat)  # [B, rows, 2d]
+            cos, sin = rope_cos_sin(hd, cfg.rope_theta, torch.arange(r0, T) + k)  # positions j + k
+            q = rotate(attn.q_proj(x).view(B, rows, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, rows, hd]
+            kk = rotate(attn.k_proj(x).view(B, rows, nkv, hd).transpose(1, 2), cos, sin)  # [B, nkv, rows, hd]
+            vv = attn.v_proj(x).view(B, rows, nkv, hd).transpose(1, 2)
             if k == 0:
-                k0, v0 = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1)
+                k0, v0 = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1)  # [B, nh, T, hd]
             else:
                 diag_k.append(kk.repeat_interleave(g, 1))
                 diag_v.append(vv.repeat_interleave(g, 1))
-            scores = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, T, T]
-            scores = scores.masked_fill(~causal, float("-inf"))
-            extra = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # each [B, nh, T, 1]
+            scores = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, rows, T]: the context of positions <= j
+            scores = scores.masked_fill(~causal[r0:], float("-inf"))
+            extra = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # each [B, nh, rows, 1]: its own path
             probs = torch.cat([scores, *extra], dim=-1).softmax(-1)
             o = probs[..., :T] @ v0
             for m, dv in enumerate(diag_v):
                 o = o + probs[..., T + m : T + m + 1] * dv
-            h = self.finish(feat, o.transpose(1, 2).reshape(B, T, nh * hd))
-            out.append(self.logits(h))
+            h = self.finish(feat, o.transpose(1, 2).reshape(B, rows, nh * hd))
+            if select is None:
+                out.append(self.logits(h))
+            else:
+                sel = select[k]
+                if r0 and bool(sel[:, :r0].any()):
+                    raise ValueError("rows before first_row cannot be selected after step 0")
+                out.append(self.logits(h[sel[:, r0:]]))
             feat = h  # the next step reads this step's output at the same row
         return out
 
@@ -332,8 +350,8 @@ class Eagle3Runner:
     cache of committed rows, and draft rows written after them and dropped after each proposal."""
 
     def __init__(self, drafter: Eagle3Drafter, target, capacity: int, weights: str = "auto"):
-        from ..linear import DenseLinear, PackedLinear, quantize
         from ..kernels import load_native
+        from ..linear import DenseLinear, PackedLinear, quantize
 
         cfg = drafter.cfg
         self.cfg, self.target = cfg, target

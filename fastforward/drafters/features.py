@@ -66,8 +66,18 @@ class FeatureStore:
     def has(self, key: str) -> bool:
         return self.path(key).is_file()
 
+    def put(self, key: str, feats: dict[str, torch.Tensor]) -> None:
+        """Store features (bf16), atomically."""
+        from safetensors.torch import save_file
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.path(key)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in feats.items()}, str(tmp))
+        os.replace(tmp, path)
+
     def get(self, record: dict) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file
 
         path = self.path(record["key"])
         ids = list(record["prompt_ids"]) + list(record["response_ids"])
@@ -79,22 +89,5 @@ class FeatureStore:
             raise FileNotFoundError(f"no stored features for record {record['key']} and no target to compute them")
         feats = compute_features(self.target, ids, self.aux_layers)
         if self.write:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            save_file({k: v.to(torch.bfloat16).contiguous() for k, v in feats.items()}, str(tmp))
-            os.replace(tmp, path)
+            self.put(record["key"], feats)
         return feats
-
-
-def write_features(target, folder, *, log=print) -> int:
-    """Store the features of every record of a ``make-data`` folder that has none yet; returns how many were
-    written."""
-    from ..train.make_data import read_records
-
-    store = FeatureStore(folder, target)
-    records = [r for r in read_records(folder) if not store.has(r["key"])]
-    for n, rec in enumerate(records, 1):
-        store.get(rec)
-        if n % 50 == 0 or n == len(records):
-            log(f"features: {n}/{len(records)} records")
-    return len(records)

@@ -30,6 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from ..engine import Proposer
 from ..errors import UsageError
 from ..paths import cache_root, check_output_dir, data_root, mark_output_dir
 from .data import _raw_records, parse_paths
@@ -114,6 +117,34 @@ def read_prompts(sources=None, *, seed: int = 0) -> list[Prompt]:
     return out
 
 
+SOURCE_CATEGORIES = {"ShareGPT": "chat", "alpaca": "alpaca", "code_alpaca": "code", "train.jsonl": "gsm8k_train"}
+
+
+def category_of(source: str) -> str:
+    """A benchmark category for a prompt source file: ShareGPT first turns are 'chat', and so on."""
+    for key, cat in SOURCE_CATEGORIES.items():
+        if source.startswith(key) or source == key:
+            return cat
+    return Path(source).stem
+
+
+def write_heldout_prompts(path, sources=None, *, heldout: float = DEFAULT_HELDOUT, seed: int = 0) -> dict:
+    """Write the held-out prompts of ``sources`` (the ones ``make_data`` marks held out and drafters never train on)
+    as a question file ``fastforward bench --questions`` reads (``id``, ``category``, ``prompt``); returns the counts
+    per category."""
+    from ..paths import check_output_file
+
+    out = check_output_file(path, "--write-heldout")
+    counts: dict[str, int] = {}
+    with open(out, "w", encoding="utf-8") as f:
+        for p in read_prompts(sources, seed=seed):
+            if p.heldout(heldout):
+                cat = category_of(p.source)
+                counts[cat] = counts.get(cat, 0) + 1
+                f.write(json.dumps({"id": p.key, "category": cat, "prompt": p.text}, ensure_ascii=False) + "\n")
+    return counts
+
+
 def default_out(model_name: str) -> Path:
     slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(str(model_name)).name)
     return cache_root() / "data" / slug
@@ -155,21 +186,77 @@ def _check_manifest(out: Path, manifest: dict) -> None:
         path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
+def check_make_data(out=None, *, sources=None, limit: int | None = None, heldout: float = DEFAULT_HELDOUT,
+                    seed: int = 0) -> list[Prompt]:
+    """The checks of :func:`make_data` that need no model, before any work (the command line runs them before
+    loading the model): the output folder, ``limit``, ``heldout`` and the prompt files. Creates nothing; returns the
+    prompts (the first ``limit``)."""
+    if out is not None:
+        check_output_dir(out, COMMAND)
+    if limit is not None and (not isinstance(limit, int) or limit <= 0):
+        raise UsageError(f"--limit must be a positive integer, got {limit}")
+    if not 0 <= heldout < 1:
+        raise UsageError(f"--heldout must be in [0, 1), got {heldout}")
+    prompts = read_prompts(sources, seed=seed)
+    return prompts if limit is None else prompts[:limit]
+
+
+class FeatureRecorder(Proposer):
+    """Wraps a proposer to record the target's features of every token as the generation computes them: the
+    prompt's from the prefill (``start``), each step's accepted path from the verification forward (as a step
+    observer, so the last step is recorded too). The last token, which no forward reads, gets zeros (no training
+    row uses it)."""
+
+    def __init__(self, inner, aux_layers):
+        from ..drafters.features import FINAL, engine_layers
+
+        self.inner = inner
+        self.taps = engine_layers(aux_layers)
+        self.layers = self.taps + (FINAL,)
+        self.name, self.lossless = inner.name, inner.lossless
+        self.hidden_layers = tuple(sorted(set(inner.hidden_layers) | set(self.layers)))
+        self.parts: list[dict] = []
+
+    def max_proposal_size(self):
+        return self.inner.max_proposal_size()
+
+    def start(self, state, prefill_logits, hidden):
+        self.parts = [{k: hidden[k].float() for k in self.layers}]
+        self.inner.start(state, prefill_logits, hidden)
+
+    def propose(self, state):
+        return self.inner.propose(state)
+
+    def observe(self, state, step):
+        self.inner.observe(state, step)
+
+    def stats(self):
+        return self.inner.stats()
+
+    def __call__(self, state, step):  # the step observer
+        path = torch.as_tensor(step.verdict.path)
+        self.parts.append({k: step.hidden[k][path].float() for k in self.layers})
+
+    def features(self, total: int) -> dict:
+        rows = {k: torch.cat([p[k] for p in self.parts]) for k in self.layers}
+        taps = torch.stack([rows[k] for k in self.taps], dim=1)
+        final = rows[self.layers[-1]]
+        out = {"taps": torch.zeros(total, *taps.shape[1:]), "final": torch.zeros(total, final.shape[1])}
+        n = min(total, taps.shape[0])
+        out["taps"][:n], out["final"][:n] = taps[:n], final[:n]
+        return out
+
+
 def make_data(target, out, *, sources=None, limit: int | None = None, max_new_tokens: int = 256,
               heldout: float = DEFAULT_HELDOUT, seed: int = 0, max_active: int = 8, features: bool = False,
               method: str = "pld", log: Callable[[str], None] = print) -> dict:
     """Generate (or resume generating) the target's greedy responses into ``out``; returns a summary."""
-    out = Path(out)
-    check_output_dir(out, COMMAND)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out).expanduser()
+    prompts = check_make_data(out, sources=sources, limit=limit, heldout=heldout, seed=seed)
     mark_output_dir(out, COMMAND)
-    if not 0 <= heldout < 1:
-        raise UsageError(f"--heldout must be in [0, 1), got {heldout}")
-    prompts = read_prompts(sources, seed=seed)
-    if limit is not None:
-        prompts = prompts[:limit]
     _check_manifest(out, {"model": target.name, "max_new_tokens": max_new_tokens, "heldout": heldout,
-                          "method": "greedy", "sources": [str(s) for s in (sources or DEFAULT_SOURCES)]})
+                          "method": "greedy",
+                          "sources": [str(s) for s in (DEFAULT_SOURCES if sources is None else parse_paths(sources))]})
     done = {r["key"] for r in read_records(out, repair=True)}
     todo = [p for p in prompts if p.key not in done]
     ids = {}
@@ -181,15 +268,27 @@ def make_data(target, out, *, sources=None, limit: int | None = None, max_new_to
     log(f"make-data: {len(done)} records already in {out / RESPONSES}, {len(todo)} prompts to go")
     t0 = time.perf_counter()
     new_tokens = 0
+    store = None
+    if features:
+        from ..drafters.features import FeatureStore, default_aux_layers
+
+        store = FeatureStore(out, target)
+        aux = default_aux_layers(target.config.num_hidden_layers)
     with open(out / RESPONSES, "a", encoding="utf-8") as f:
         chunk = max(1, max_active) * 8  # prompts per generate_batch call: bounded memory, steady progress lines
 
         for start in range(0, len(todo), chunk):
             part = todo[start : start + chunk]
+            from ..proposers import make_proposer
 
-            def save(i, result, part=part):
+            recorders = [FeatureRecorder(make_proposer(method, target), aux) for _ in part] if features else None
+
+            def save(i, result, part=part, recorders=recorders):
                 nonlocal new_tokens
                 p = part[i]
+                if recorders is not None:  # the features first: a record in the file always has its features
+                    store.put(p.key, recorders[i].features(len(ids[p.key]) + len(result.token_ids)))
+                    recorders[i].parts = []
                 rec = {"key": p.key, "source": p.source, "split": "heldout" if p.heldout(heldout) else "train",
                        "prompt": p.text, "prompt_ids": ids[p.key], "response_ids": result.token_ids,
                        "finish_reason": result.finish_reason}
@@ -200,15 +299,32 @@ def make_data(target, out, *, sources=None, limit: int | None = None, max_new_to
 
             from ..api import generate_batch
 
-            generate_batch(target, [ids[p.key] for p in part], method, max_new_tokens=max_new_tokens,
-                           max_active=max_active, on_result=save)
+            try:
+                generate_batch(target, [ids[p.key] for p in part], recorders or method,
+                               max_new_tokens=max_new_tokens, max_active=max_active, on_result=save,
+                               observers=[(r,) for r in recorders] if recorders else None)
+            except KeyboardInterrupt:  # every finished record is on disk; say so in one line
+                raise KeyboardInterrupt(f"{len(read_records(out))} records kept in {out / RESPONSES}; re-run the same "
+                                        "command to resume") from None
             dt = time.perf_counter() - t0
             log(f"make-data: {len(done) + start + len(part)}/{len(done) + len(todo)} prompts, {new_tokens} new "
                 f"tokens in {dt:.0f} s ({new_tokens / max(dt, 1e-9):.1f} tok/s)")
     summary = {"records": len(read_records(out)), "new_tokens": new_tokens,
                "seconds": round(time.perf_counter() - t0, 1)}
-    if features:
-        from ..drafters.features import write_features
-
-        summary["features"] = write_features(target, out, log=log)
+    if features:  # records made by an earlier run without --features
+        summary["features_computed"] = write_features(target, out, log=log)
     return summary
+
+
+def write_features(target, folder, *, log=print) -> int:
+    """Store the features of every record of a ``make-data`` folder that has none yet (records made by a run
+    without ``--features``); returns how many were computed."""
+    from ..drafters.features import FeatureStore
+
+    store = FeatureStore(folder, target)
+    records = [r for r in read_records(folder) if not store.has(r["key"])]
+    for n, rec in enumerate(records, 1):
+        store.get(rec)
+        if n % 50 == 0 or n == len(records):
+            log(f"features: {n}/{len(records)} records computed")
+    return len(records)
