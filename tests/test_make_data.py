@@ -444,3 +444,34 @@ def test_the_command_writes_resumes_and_says_so_when_interrupted(files, target, 
     records = by_key(read_records(out))
     assert set(records) == {p.key for p in read_prompts(files["{data}"])[:5]}  # --limit: the first 5 of the mix
     assert all(records[k] == by_key(reference[1])[k] for k in records)
+
+
+def test_a_second_writer_on_the_same_folder_is_refused(target, sources, tmp_path):
+    import fcntl
+
+    out = tmp_path / "data"
+    run(target, out, sources, limit=1)
+    with open(out / ".make_data.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another make-data at work
+        with pytest.raises(UsageError, match="another 'fastforward make-data' is writing"):
+            run(target, out, sources, limit=2)
+    assert len(read_records(out)) == 1
+
+
+def test_features_recorded_while_generating_match_a_separate_pass(target, sources, tmp_path):
+    """--features stores, per record, the taps and final states the generation's own forwards computed: the same
+    as computing them afterwards over prompt + response (up to bf16 storage)."""
+    from fastforward.drafters.features import FeatureStore, compute_features
+
+    out = tmp_path / "data"
+    run(target, out, sources, limit=3, features=True)
+    store = FeatureStore(out)
+    for rec in read_records(out):
+        ids = rec["prompt_ids"] + rec["response_ids"]
+        stored = store.get(rec)
+        fresh = compute_features(target, ids)
+        n = len(ids) - 1  # the last token is never read by a forward: zeros
+        assert stored["taps"].shape == (len(ids), 3, target.config.hidden_size)
+        scale = fresh["taps"][:n].abs().max()
+        assert (stored["taps"][:n] - fresh["taps"][:n]).abs().max() <= 0.01 * scale
+        assert (stored["final"][:n] - fresh["final"][:n]).abs().max() <= 0.01 * fresh["final"][:n].abs().max()

@@ -25,8 +25,9 @@ CHUNK = 256  # tokens per forward while computing features
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, ...]:
-    """The layers whose *inputs* an EAGLE-3 drafter reads, in HF ``hidden_states`` indexing: ``(2, L//2, L-3)``."""
-    return (2, n_layers // 2, n_layers - 3)
+    """The layers whose *inputs* an EAGLE-3 drafter reads, in HF ``hidden_states`` indexing: ``(2, L//2, L-3)``
+    (kept inside ``1 .. L-1`` for the tiny models of tests)."""
+    return tuple(min(max(k, 1), max(n_layers - 1, 1)) for k in (2, n_layers // 2, n_layers - 3))
 
 
 def engine_layers(aux_layers) -> tuple[int, ...]:

@@ -247,6 +247,19 @@ class FeatureRecorder(Proposer):
         return out
 
 
+def _lock(out: Path):
+    """An exclusive lock on ``out`` held while this process writes there (released when the process ends)."""
+    import fcntl
+
+    handle = open(out / ".make_data.lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise UsageError(f"another 'fastforward make-data' is writing {out}; wait for it or stop it first") from None
+    return handle
+
+
 def make_data(target, out, *, sources=None, limit: int | None = None, max_new_tokens: int = 256,
               heldout: float = DEFAULT_HELDOUT, seed: int = 0, max_active: int = 8, features: bool = False,
               method: str = "pld", log: Callable[[str], None] = print) -> dict:
@@ -254,66 +267,71 @@ def make_data(target, out, *, sources=None, limit: int | None = None, max_new_to
     out = Path(out).expanduser()
     prompts = check_make_data(out, sources=sources, limit=limit, heldout=heldout, seed=seed)
     mark_output_dir(out, COMMAND)
-    _check_manifest(out, {"model": target.name, "max_new_tokens": max_new_tokens, "heldout": heldout,
-                          "method": "greedy",
-                          "sources": [str(s) for s in (DEFAULT_SOURCES if sources is None else parse_paths(sources))]})
-    done = {r["key"] for r in read_records(out, repair=True)}
-    todo = [p for p in prompts if p.key not in done]
-    ids = {}
-    for p in todo:
-        pid = target.encode(p.text)
-        if len(pid) <= MAX_PROMPT_TOKENS:
-            ids[p.key] = pid
-    todo = [p for p in todo if p.key in ids]
-    log(f"make-data: {len(done)} records already in {out / RESPONSES}, {len(todo)} prompts to go")
-    t0 = time.perf_counter()
-    new_tokens = 0
-    store = None
-    if features:
-        from ..drafters.features import FeatureStore, default_aux_layers
+    lock = _lock(out)  # one writer per folder: two would both generate the prompts neither had finished
+    try:
+        names = DEFAULT_SOURCES if sources is None else parse_paths(sources)
+        _check_manifest(out, {"model": target.name, "max_new_tokens": max_new_tokens, "heldout": heldout,
+                              "method": "greedy", "sources": [str(s) for s in names]})
+        done = {r["key"] for r in read_records(out, repair=True)}
+        todo = [p for p in prompts if p.key not in done]
+        ids = {}
+        for p in todo:
+            pid = target.encode(p.text)
+            if len(pid) <= MAX_PROMPT_TOKENS:
+                ids[p.key] = pid
+        todo = [p for p in todo if p.key in ids]
+        log(f"make-data: {len(done)} records already in {out / RESPONSES}, {len(todo)} prompts to go")
+        t0 = time.perf_counter()
+        new_tokens = 0
+        store = None
+        if features:
+            from ..drafters.features import FeatureStore, default_aux_layers
 
-        store = FeatureStore(out, target)
-        aux = default_aux_layers(target.config.num_hidden_layers)
-    with open(out / RESPONSES, "a", encoding="utf-8") as f:
-        chunk = max(1, max_active) * 8  # prompts per generate_batch call: bounded memory, steady progress lines
+            store = FeatureStore(out, target)
+            aux = default_aux_layers(target.config.num_hidden_layers)
+        with open(out / RESPONSES, "a", encoding="utf-8") as f:
+            chunk = max(1, max_active) * 8  # prompts per generate_batch call: bounded memory, steady progress lines
 
-        for start in range(0, len(todo), chunk):
-            part = todo[start : start + chunk]
-            from ..proposers import make_proposer
+            for start in range(0, len(todo), chunk):
+                part = todo[start : start + chunk]
+                from ..proposers import make_proposer
 
-            recorders = [FeatureRecorder(make_proposer(method, target), aux) for _ in part] if features else None
+                recorders = [FeatureRecorder(make_proposer(method, target), aux) for _ in part] if features else None
 
-            def save(i, result, part=part, recorders=recorders):
-                nonlocal new_tokens
-                p = part[i]
-                if recorders is not None:  # the features first: a record in the file always has its features
-                    store.put(p.key, recorders[i].features(len(ids[p.key]) + len(result.token_ids)))
-                    recorders[i].parts = []
-                rec = {"key": p.key, "source": p.source, "split": "heldout" if p.heldout(heldout) else "train",
-                       "prompt": p.text, "prompt_ids": ids[p.key], "response_ids": result.token_ids,
-                       "finish_reason": result.finish_reason}
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-                new_tokens += len(result.token_ids)
+                def save(i, result, part=part, recorders=recorders):
+                    nonlocal new_tokens
+                    p = part[i]
+                    if recorders is not None:  # the features first: a record in the file always has its features
+                        store.put(p.key, recorders[i].features(len(ids[p.key]) + len(result.token_ids)))
+                        recorders[i].parts = []
+                    rec = {"key": p.key, "source": p.source, "split": "heldout" if p.heldout(heldout) else "train",
+                           "prompt": p.text, "prompt_ids": ids[p.key], "response_ids": result.token_ids,
+                           "finish_reason": result.finish_reason}
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                    new_tokens += len(result.token_ids)
 
-            from ..api import generate_batch
+                from ..api import generate_batch
 
-            try:
-                generate_batch(target, [ids[p.key] for p in part], recorders or method,
-                               max_new_tokens=max_new_tokens, max_active=max_active, on_result=save,
-                               observers=[(r,) for r in recorders] if recorders else None)
-            except KeyboardInterrupt:  # every finished record is on disk; say so in one line
-                raise KeyboardInterrupt(f"{len(read_records(out))} records kept in {out / RESPONSES}; re-run the same "
-                                        "command to resume") from None
-            dt = time.perf_counter() - t0
-            log(f"make-data: {len(done) + start + len(part)}/{len(done) + len(todo)} prompts, {new_tokens} new "
-                f"tokens in {dt:.0f} s ({new_tokens / max(dt, 1e-9):.1f} tok/s)")
-    summary = {"records": len(read_records(out)), "new_tokens": new_tokens,
-               "seconds": round(time.perf_counter() - t0, 1)}
-    if features:  # records made by an earlier run without --features
-        summary["features_computed"] = write_features(target, out, log=log)
-    return summary
+                try:
+                    generate_batch(target, [ids[p.key] for p in part], recorders or method,
+                                   max_new_tokens=max_new_tokens, max_active=max_active, on_result=save,
+                                   observers=[(r,) for r in recorders] if recorders else None)
+                except KeyboardInterrupt:  # every finished record is on disk; say so in one line
+                    kept = len(read_records(out))
+                    raise KeyboardInterrupt(f"{kept} records kept in {out / RESPONSES}; re-run the same command to "
+                                            "resume") from None
+                dt = time.perf_counter() - t0
+                log(f"make-data: {len(done) + start + len(part)}/{len(done) + len(todo)} prompts, {new_tokens} new "
+                    f"tokens in {dt:.0f} s ({new_tokens / max(dt, 1e-9):.1f} tok/s)")
+        summary = {"records": len(read_records(out)), "new_tokens": new_tokens,
+                   "seconds": round(time.perf_counter() - t0, 1)}
+        if features:  # records made by an earlier run without --features
+            summary["features_computed"] = write_features(target, out, log=log)
+        return summary
+    finally:
+        lock.close()
 
 
 def write_features(target, folder, *, log=print) -> int:
