@@ -145,10 +145,13 @@ def run(args, name: str) -> int:
     if args.compare_ar and not (Path(args.compare_ar) / "results.jsonl").is_file():
         raise UsageError(f"--compare-ar: no results.jsonl in {args.compare_ar}")
     methods = []
+    from_all = set()  # labels 'all' added: dropped later when they cannot run on this model (no trained drafter)
     for spec in parse_specs(args.methods or (["ar,pld"] if args.batch is not None else ["all"])):
         if spec.label == spec.method == "all" and not spec.options:  # every registered method, defaults
-            methods += [s for s in parse_specs([",".join(available_methods())])
-                        if s.label not in {m.label for m in methods}]
+            added = [s for s in parse_specs([",".join(available_methods())])
+                     if s.label not in {m.label for m in methods}]
+            from_all |= {s.label for s in added}
+            methods += added
         else:
             methods.append(spec)
     peers = parse_specs([args.peers] if args.peers else [], kind="peer")
@@ -168,6 +171,7 @@ def run(args, name: str) -> int:
     precheck(out_dir, known, args.force)
     mark_output_dir(out_dir, "bench")
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    specs = [s for s in specs if s.label not in from_all or _runs_on(s, target)]
     command = canonical_command(args, [s for s in specs if s.kind == "method"], [s for s in specs if s.kind == "peer"])
     print(f"fastforward bench: {len(questions)} questions x {len(specs)} methods x {args.repeats} repeat(s) "
           f"-> {out_dir / 'results.jsonl'}", file=sys.stderr)
@@ -223,3 +227,16 @@ def _run_batch_mode(args, specs, questions, out_dir: Path) -> int:
     print(format_batch_table(rows))
     print(f"report: {path}")
     return 0
+
+
+def _runs_on(spec, target) -> bool:
+    """Whether a method 'all' added can run on ``target`` with its defaults (a trained-drafter method cannot when no
+    drafter ships for the model); said on stderr when not."""
+    from ..proposers import make_proposer
+
+    try:
+        make_proposer(spec.method, target, **spec.options)
+    except UsageError as exc:
+        print(f"fastforward bench: leaving out '{spec.label}': {exc}", file=sys.stderr)
+        return False
+    return True

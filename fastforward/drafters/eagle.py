@@ -249,8 +249,12 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def for_target(cls, target, vocab: DraftVocab, seed: int = 0) -> Eagle3Drafter:
-        """A fresh drafter for ``target``: random layer weights (seeded), the head rows and final norm copied from
-        the target, the decoder layer's norms at 1."""
+        """A fresh drafter for ``target``: the head rows copied from the target; ``fc`` passing the last tap through
+        (g = the residual stream entering layer L-3, the tap nearest the output) and the layer's output projections
+        (``o_proj``, ``down_proj``) at zero, so the untrained drafter reads the target's own late state; its final
+        norm at a tenth of the target's, so its first distributions are flat rather than confidently wrong (a
+        random or logit-lens start costs more than uniform cross-entropy, which slows the first hundred steps);
+        the other layer weights random (seeded)."""
         torch.manual_seed(seed)
         drafter = cls(Eagle3Config.for_target(target, vocab.size), vocab)
         with torch.no_grad():
@@ -258,11 +262,18 @@ class Eagle3Drafter(nn.Module):
             norm = getattr(target.backend, "norm", None)
             if norm is not None:
                 drafter.norm.weight.copy_(norm.float())
-            for lin in (drafter.midlayer.self_attn.q_proj, drafter.midlayer.self_attn.k_proj,
-                        drafter.midlayer.self_attn.v_proj, drafter.midlayer.self_attn.o_proj,
-                        drafter.midlayer.mlp.gate_proj, drafter.midlayer.mlp.up_proj, drafter.midlayer.mlp.down_proj,
-                        drafter.fc):
+            m = drafter.midlayer
+            for lin in (m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj, m.mlp.gate_proj, m.mlp.up_proj):
                 nn.init.normal_(lin.weight, std=0.02)
+            m.self_attn.o_proj.weight.zero_()
+            m.mlp.down_proj.weight.zero_()
+            d, td = drafter.cfg.hidden_size, drafter.cfg.target_hidden_size
+            drafter.fc.weight.zero_()
+            if d == td:
+                drafter.fc.weight[:, -td:] = torch.eye(d)
+            else:
+                nn.init.normal_(drafter.fc.weight, std=0.02)
+            drafter.norm.weight.mul_(0.1)
         return drafter
 
     def trainable_parameters(self):
