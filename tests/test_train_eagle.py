@@ -1,0 +1,103 @@
+"""``fastforward train eagle``: a training smoke run through the CLI (the serving layout written, the drafter decodes
+for its target and output equals AR, the same command resumes, other settings refused, the time budget), and the
+same command data-parallel under ``ACCELERATE_USE_CPU=1 torchrun`` with 2 processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cli_helpers import assert_one_line_error, run_cli
+
+import fastforward as ff
+from fastforward.testing import tiny_hf_folder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _responses(path: Path, vocab: int, n: int = 12, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "responses.jsonl", "w") as f:
+        for i in range(n):
+            prompt = [rng.randrange(vocab - 4) for _ in range(rng.randrange(3, 10))]
+            response = [rng.randrange(vocab - 4) for _ in range(rng.randrange(6, 16))]
+            f.write(json.dumps({"key": f"k{i}", "source": "hand", "split": "heldout" if i % 5 == 0 else "train",
+                                "prompt": "", "prompt_ids": prompt, "response_ids": response,
+                                "finish_reason": "length"}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train-eagle")
+    model = tiny_hf_folder(root / "model", max_positions=128, layers=4)
+    return model, _responses(root / "data", 256)
+
+
+def test_train_eagle_smoke(setup, tmp_path, capsys):
+    model, data = setup
+    out = tmp_path / "out"
+    common = ["train", "eagle", "--model", model, "--data", data, "--out", out, "--draft-vocab", 40, "--ttt-steps", 2,
+              "--batch-size", 2, "--grad-accum", 1, "--save-every", 2, "--threads", 1, "--quiet"]
+    code, stdout, err = run_cli(capsys, *common, "--max-steps", 3)
+    assert code == 0, err
+    assert "step 3/3" in stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 40
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in log)
+    assert {"acc0", "acc1"} <= set(log[0])
+    assert (out / "checkpoints" / "step-000003" / "trainer_state.json").is_file()
+    # the features were computed on first use and stored with the data
+    assert len(list((data / "features").glob("*.safetensors"))) >= 6  # 3 steps x 2 sequences
+    # the result drafts for its target, losslessly
+    target = ff.load(str(model))
+    prompt = [5, 6, 7, 8]
+    got = ff.generate(target, prompt, "eagle", max_new_tokens=12, method_options={"drafter": str(out)})
+    assert got.token_ids == ff.generate(target, prompt, "ar", max_new_tokens=12).token_ids
+    # the same command with more steps resumes from the checkpoint
+    code, stdout, err = run_cli(capsys, *common, "--max-steps", 5)
+    assert code == 0, err
+    assert "step 5/5" in stdout
+    assert [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    line = assert_one_line_error(capsys, *common, "--max-steps", 5, "--lr", 1e-3)
+    assert "different settings" in line
+    code, stdout, err = run_cli(capsys, *common, "--max-steps", 9, "--max-minutes", 1e-6)
+    assert code == 0, err
+    assert "step 6/9" in stdout and "budget" in stdout
+
+
+def test_train_eagle_bad_input(setup, tmp_path, capsys):
+    model, data = setup
+    line = assert_one_line_error(capsys, "train", "eagle", "--model", model, "--data", tmp_path / "nope", "--out",
+                                 tmp_path / "o")
+    assert "make-data" in line
+    line = assert_one_line_error(capsys, "train", "eagle", "--model", model, "--data", data, "--out", tmp_path / "o",
+                                 "--draft-vocab", 0)
+    assert "--draft-vocab" in line
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None,
+                    reason="torchrun not installed")
+def test_train_eagle_data_parallel_under_torchrun(setup, tmp_path):
+    model, data = setup
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "fastforward.cli", "train",
+                           "eagle", "--model", str(model), "--data", str(data), "--out", str(out), "--draft-vocab", "40",
+                           "--ttt-steps", "2", "--batch-size", "1", "--grad-accum", "1", "--max-steps", "2",
+                           "--quiet"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads((out / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2
+    assert (out / "model.safetensors").is_file()
