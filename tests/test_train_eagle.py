@@ -95,8 +95,8 @@ def test_train_eagle_data_parallel_under_torchrun(setup, tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "fastforward.cli", "train",
                            "eagle", "--model", str(model), "--data", str(data), "--out", str(out),
-                           "--draft-vocab", "40", "--ttt-steps", "2", "--batch-size", "1", "--grad-accum", "1", "--max-steps", "2",
-                           "--quiet"], env=env, capture_output=True, text=True, timeout=240)
+                           "--draft-vocab", "40", "--ttt-steps", "2", "--batch-size", "1", "--grad-accum", "1",
+                           "--max-steps", "2", "--quiet"], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads((out / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
     assert state["world_size"] == 2
