@@ -205,3 +205,49 @@ def tiny_gguf_target(path, **kw):
     tok = TinyTokenizer(config.vocab_size)
     target = TargetModel.from_gguf("tiny-gguf", gguf_model, tok, load_native(), hf_loader=lambda: hf)
     return target, hf
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Sampling checks: is a method's output distributed as the target's? (chi-square against the exact joint)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def chi2_critical(df: int, z: float = 3.719) -> float:
+    """Wilson-Hilferty upper quantile of chi-square with ``df`` degrees of freedom (z = 3.719: alpha = 1e-4)."""
+    import math
+
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def exact_joint(target, prompt, cfg, steps: int = 3) -> dict[tuple, float]:
+    """The exact probability of every ``steps``-token continuation of ``prompt`` under autoregressive sampling with
+    ``cfg`` (a :class:`~fastforward.verify.SamplingConfig`); for tiny vocabularies."""
+    from .verify import target_probs
+
+    probs = {(): 1.0}
+    for _ in range(steps):
+        nxt = {}
+        for seq, p in probs.items():
+            ids = torch.tensor(list(prompt) + list(seq))
+            logits = target.forward(ids, torch.arange(ids.numel()), target.new_cache(ids.numel() + 1)).logits[-1]
+            for tok, q in enumerate(target_probs(logits, cfg).tolist()):
+                if q > 0:
+                    nxt[seq + (tok,)] = p * q
+        probs = nxt
+    return probs
+
+
+def pooled_chi2(exact: dict[tuple, float], counts: dict[tuple, int]) -> tuple[float, int]:
+    """Pearson chi-square of observed ``counts`` against ``exact`` probabilities, cells with an expected count under 5
+    pooled into one; returns (chi2, number of unpooled cells)."""
+    samples = sum(counts.values())
+    chi2, df, other_e, other_o = 0.0, 0, 0.0, 0
+    for seq, p in exact.items():
+        e, o = p * samples, counts.get(seq, 0)
+        if e < 5:
+            other_e, other_o = other_e + e, other_o + o
+        else:
+            chi2 += (o - e) ** 2 / e
+            df += 1
+    chi2 += (other_o - other_e) ** 2 / max(other_e, 1e-9)
+    return chi2, df

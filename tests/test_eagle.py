@@ -71,9 +71,8 @@ def test_eagle_accepts_a_perfect_draft_and_batch_equals_solo(target, drafter_dir
 
 def test_eagle_sampling_matches_the_target_distribution(tmp_path):
     """chi-square of 3-token continuations at T = 1 against the exact joint distribution of the target."""
-    from test_proposers_basic import chi2_critical, exact_joint
-
     from fastforward.proposers import make_proposer
+    from fastforward.testing import chi2_critical, exact_joint, pooled_chi2
     from fastforward.verify import SamplingConfig
 
     target = tiny_target(vocab_size=8, init_std=0.15, seed=1, layers=4)
@@ -91,15 +90,7 @@ def test_eagle_sampling_matches_the_target_distribution(tmp_path):
         counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
         accepted += sum(res.stats.depth_accepts)
     assert accepted > 0.1 * samples  # drafted tokens are really accepted
-    chi2, df, other_e, other_o = 0.0, 0, 0.0, 0
-    for seq, p in exact.items():
-        e, o = p * samples, counts.get(seq, 0)
-        if e < 5:
-            other_e, other_o = other_e + e, other_o + o
-        else:
-            chi2 += (o - e) ** 2 / e
-            df += 1
-    chi2 += (other_o - other_e) ** 2 / max(other_e, 1e-9)
+    chi2, df = pooled_chi2(exact, counts)
     assert df >= 20
     assert chi2 < chi2_critical(df), f"chi2 {chi2:.1f} over {df} cells (critical {chi2_critical(df):.1f})"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -17,8 +16,8 @@ from fastforward.proposers import make_proposer
 from fastforward.proposers.jacobi import JacobiProposer, init_tokens
 from fastforward.proposers.lookahead import LookaheadProposer, window_mask
 from fastforward.proposers.pld import prompt_lookup
-from fastforward.testing import TinyTokenizer, tiny_llama_hf, tiny_target
-from fastforward.verify import SamplingConfig, target_probs
+from fastforward.testing import TinyTokenizer, chi2_critical, exact_joint, pooled_chi2, tiny_llama_hf, tiny_target
+from fastforward.verify import SamplingConfig
 
 # FF_EXAMPLES=200 for the issue's acceptance run; the default keeps the suite quick.
 EXAMPLES = settings(
@@ -340,25 +339,6 @@ def test_lookahead_pool_seeded_from_prompt():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def chi2_critical(df: int, z: float = 3.719) -> float:
-    """Wilson-Hilferty upper quantile of chi-square (z = 3.719: alpha = 1e-4)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def exact_joint(target, prompt, cfg, steps=3) -> dict[tuple, float]:
-    probs = {(): 1.0}
-    for _ in range(steps):
-        nxt = {}
-        for seq, p in probs.items():
-            ids = torch.tensor(list(prompt) + list(seq))
-            logits = target.forward(ids, torch.arange(ids.numel()), target.new_cache(ids.numel() + 1)).logits[-1]
-            for tok, q in enumerate(target_probs(logits, cfg).tolist()):
-                if q > 0:
-                    nxt[seq + (tok,)] = p * q
-        probs = nxt
-    return probs
-
-
 @pytest.fixture(scope="module")
 def tiny_vocab():
     return tiny_target(vocab_size=8, init_std=0.15, seed=1)
@@ -385,15 +365,7 @@ def test_sampling_distribution_chi_square(tiny_vocab, method, options, cfg):
         drafted += bool(stats.depth_attempts and stats.depth_attempts[0])
         accepted += sum(stats.depth_accepts)
     assert drafted > 0.9 * samples and accepted > 0.03 * samples  # the drafted path is really exercised
-    chi2, df, other_e, other_o = 0.0, 0, 0.0, 0
-    for seq, p in exact.items():
-        e, o = p * samples, counts.get(seq, 0)
-        if e < 5:
-            other_e, other_o = other_e + e, other_o + o
-        else:
-            chi2 += (o - e) ** 2 / e
-            df += 1
-    chi2 += (other_o - other_e) ** 2 / max(other_e, 1e-9)
+    chi2, df = pooled_chi2(exact, counts)
     assert sum(counts.values()) == samples and set(counts) <= set(exact)
     assert df >= 20
     assert chi2 < chi2_critical(df), f"{method}: chi2 {chi2:.1f} over {df} cells (critical {chi2_critical(df):.1f})"

@@ -28,8 +28,17 @@ from fastforward.errors import UsageError
 from fastforward.model import TargetModel
 from fastforward.proposers import make_proposer
 from fastforward.proposers.sps import DraftModelProposer, load_draft
-from fastforward.testing import TinyTokenizer, tiny_gguf_target, tiny_hf_folder, tiny_llama_hf, tiny_target
-from fastforward.verify import SamplingConfig, target_probs
+from fastforward.testing import (
+    TinyTokenizer,
+    chi2_critical,
+    exact_joint,
+    pooled_chi2,
+    tiny_gguf_target,
+    tiny_hf_folder,
+    tiny_llama_hf,
+    tiny_target,
+)
+from fastforward.verify import SamplingConfig
 
 VOCAB = 96  # the conftest tiny model's
 
@@ -128,25 +137,6 @@ def test_batch_of_sps_runs_equals_ar(tiny, noisy_folder):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def chi2_critical(df: int, z: float = 3.719) -> float:
-    """Wilson-Hilferty upper quantile of chi-square (z = 3.719: alpha = 1e-4)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def exact_joint(target, prompt, cfg, steps=3) -> dict[tuple, float]:
-    probs = {(): 1.0}
-    for _ in range(steps):
-        nxt = {}
-        for seq, p in probs.items():
-            ids = torch.tensor(list(prompt) + list(seq))
-            logits = target.forward(ids, torch.arange(ids.numel()), target.new_cache(ids.numel() + 1)).logits[-1]
-            for tok, q in enumerate(target_probs(logits, cfg).tolist()):
-                if q > 0:
-                    nxt[seq + (tok,)] = p * q
-        probs = nxt
-    return probs
-
-
 @pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=5, top_p=0.9)])
 def test_sampling_distribution_chi_square(cfg):
     target = tiny_target(vocab_size=8, init_std=0.15, seed=1)
@@ -166,15 +156,7 @@ def test_sampling_distribution_chi_square(cfg):
         accepted += sum(stats.depth_accepts)
         rejected += bool(stats.depth_attempts) and stats.depth_accepts[-1] == 0
     assert drafted == samples and accepted > 0.2 * samples and rejected > 0.05 * samples, (accepted, rejected)
-    chi2, df, other_e, other_o = 0.0, 0, 0.0, 0
-    for seq, p in exact.items():
-        e, o = p * samples, counts.get(seq, 0)
-        if e < 5:
-            other_e, other_o = other_e + e, other_o + o
-        else:
-            chi2 += (o - e) ** 2 / e
-            df += 1
-    chi2 += (other_o - other_e) ** 2 / max(other_e, 1e-9)
+    chi2, df = pooled_chi2(exact, counts)
     assert sum(counts.values()) == samples and set(counts) <= set(exact)
     assert df >= 20
     assert chi2 < chi2_critical(df), f"chi2 {chi2:.1f} over {df} cells (critical {chi2_critical(df):.1f})"
