@@ -111,8 +111,7 @@ class EagleProposer(Proposer):
         n_cand = k
         src_h = self.last_h.expand(k, -1)  # the h each depth-1 node's row reads: the root's
         rows_vis = torch.zeros(0, 0, dtype=torch.bool)  # [rows, rows] ancestor-or-self among draft rows
-        row_of: dict[int, int] = {}
-        h_of_row = []
+        row_of = torch.full((k + (self.depth - 1) * k * k,), -1, dtype=torch.long)  # candidate -> its draft row
         offset = 0  # global index of the first candidate of the current depth
         for d in range(2, self.depth + 1):
             scores = cand_score[-1]
@@ -121,25 +120,25 @@ class EagleProposer(Proposer):
             if float(best.values[0].exp()) < self.min_prob:
                 break
             sel = best.indices  # local indices at depth d-1
-            glob = (sel + offset).tolist()
+            glob = sel + offset  # global candidate indices
             feat = src_h[sel]
             tokens = run.to_target(cand_tok[-1][sel])
             n_rows = rows_vis.shape[0]
+            # each new row sees its parent's row and that row's ancestors (depth-1 nodes: only the committed rows),
+            # and itself
             vis = torch.zeros(r, n_rows + r, dtype=torch.bool)
-            parents = cand_parent[-1][sel].tolist()
-            for i, p in enumerate(parents):  # r <= topk rows: the parent's row visibility plus its own slot
-                if p >= 0:
-                    vis[i, :n_rows] = rows_vis[row_of[p]]
-                vis[i, n_rows + i] = True
+            parents = cand_parent[-1][sel]
+            inner = parents >= 0
+            if n_rows and bool(inner.any()):
+                vis[inner, :n_rows] = rows_vis[row_of[parents[inner]]]
+            vis[:, n_rows:] = torch.eye(r, dtype=torch.bool)
             grown = torch.zeros(n_rows + r, n_rows + r, dtype=torch.bool)
             grown[:n_rows, :n_rows] = rows_vis
             grown[n_rows:] = vis
             rows_vis = grown
-            for i, g in enumerate(glob):
-                row_of[g] = n_rows + i
+            row_of[glob] = torch.arange(n_rows, n_rows + r)
             h = run.rows(feat, tokens, torch.full((r,), root_pos + d - 2, dtype=torch.long),
                          run.length + n_rows, vis)
-            h_of_row.append(h)
             self._n["draft_rows"] += r
             self._n["draft_calls"] += 1
             lp = run.log_probs(h)  # [r, draft_vocab]
@@ -147,7 +146,7 @@ class EagleProposer(Proposer):
             offset += cand_tok[-1].numel()
             cand_tok.append(top.indices.reshape(-1))
             cand_score.append((best.values.unsqueeze(1) + top.values).reshape(-1))
-            cand_parent.append(torch.tensor(glob, dtype=torch.long).repeat_interleave(k))
+            cand_parent.append(glob.repeat_interleave(k))
             cand_depth.append(torch.full((r * k,), d, dtype=torch.long))
             src_h = h.repeat_interleave(k, dim=0)
             n_cand += r * k
