@@ -567,6 +567,7 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
         checkpoint_dirs,
         latest_checkpoint,
         pad_batch,
+        prepare_training,
         to_device,
     )
 
@@ -634,18 +635,8 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler("constant_with_warmup" if cfg.schedule == "constant" else cfg.schedule, optimizer,
                               num_warmup_steps=round(cfg.warmup * total_steps), num_training_steps=total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     # The draft's weights are saved by save_checkpoint (without the shared embedding), not by accelerate.
-    accelerator.register_save_state_pre_hook(lambda models, weights, d: weights.clear())
-    accelerator.register_load_state_pre_hook(lambda models, d: models.clear())
-    if resume is not None:
-        accelerator.load_state(str(resume / "accelerate"))
-        pairs = zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
-        lrs = [base * lam(scheduler.last_epoch) for base, lam in pairs]  # --max-steps may have changed
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        scheduler._last_lr = lrs
+    model, optimizer = prepare_training(accelerator, model, optimizer, scheduler, resume)
 
     _log(f"draft-model: {len(encoded)} training records ({len(held_recs)} held out, {dropped} without response "
          f"tokens within --max-length dropped), {total_steps} steps of {cfg.batch_size * cfg.grad_accum * world} "

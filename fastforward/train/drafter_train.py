@@ -204,6 +204,7 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
     import fastforward as ff
 
     from ..drafters.features import FeatureStore
+    from .trainer import prepare_training
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -254,12 +255,7 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm)))) * 0.9 + 0.1
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-    drafter, optimizer = accelerator.prepare(drafter, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    accelerator.register_save_state_pre_hook(lambda models, weights, d: weights.clear())
-    accelerator.register_load_state_pre_hook(lambda models, d: models.clear())
-    if resume is not None:
-        accelerator.load_state(str(resume / "accelerate"))
+    drafter, optimizer = prepare_training(accelerator, drafter, optimizer, scheduler, resume)
     start = int(state["step"]) if state else 0
     n_train = sum(p.numel() for p in params)
     say(f"{method.name}: {len(seqs)} training sequences ({len(held_recs)} records held out), {total} steps of "

@@ -446,19 +446,8 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
         "constant_with_warmup" if cfg.schedule == "constant" else cfg.schedule, optimizer,
         num_warmup_steps=round(cfg.warmup * total_steps), num_training_steps=total_steps,
     )
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     # The model's weights are saved as an HF folder (and adapter) by save_checkpoint, not by accelerate.
-    accelerator.register_save_state_pre_hook(lambda models, weights, d: weights.clear())
-    accelerator.register_load_state_pre_hook(lambda models, d: models.clear())
-    if resume is not None:
-        accelerator.load_state(str(resume / "accelerate"))
-        # The saved learning rate came from the saved run's schedule; re-derive it in case --max-steps changed.
-        pairs = zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
-        lrs = [base * lam(scheduler.last_epoch) for base, lam in pairs]
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        scheduler._last_lr = lrs
+    model, optimizer = prepare_training(accelerator, model, optimizer, scheduler, resume)
 
     kind = f"LoRA r={cfg.lora}" if cfg.lora else "full fine-tuning"
     _log(
@@ -551,6 +540,25 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
     accelerator.wait_for_everyone()
     return TrainResult(str(out), start_step, step, total_steps, last_loss, seconds, len(encoded), main)
 
+
+
+def prepare_training(accelerator, model, optimizer, scheduler, resume: Path | None):
+    """``accelerator.prepare`` the model and optimizer, checkpoint the scheduler with accelerate's state (the loop saves
+    the weights itself, so accelerate saves none), and restore a resumed run's state from ``resume/accelerate``,
+    re-deriving the learning rate from the schedule (the number of steps may have changed). Returns (model,
+    optimizer)."""
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    accelerator.register_save_state_pre_hook(lambda models, weights, d: weights.clear())
+    accelerator.register_load_state_pre_hook(lambda models, d: models.clear())
+    if resume is not None:
+        accelerator.load_state(str(Path(resume) / "accelerate"))
+        pairs = zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+        lrs = [base * lam(scheduler.last_epoch) for base, lam in pairs]
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
+    return model, optimizer
 
 def _trim_log(path: Path, step: int) -> None:
     """Drop log lines past ``step`` (steps an interrupted run did after its last checkpoint)."""
