@@ -228,6 +228,39 @@ def run_eagle(args) -> int:
     return _train_drafter(cfg, EagleTraining(args.draft_vocab, args.ttt_steps))
 
 
+def add_fasteagle_arguments(p) -> None:
+    from ..train.fasteagle import CE_WEIGHT, DEFAULT_DRAFT_VOCAB, DEFAULT_LAYERS, FEATURE_WEIGHT
+
+    add_drafter_arguments(p)
+    g = p.add_argument_group("fasteagle")
+    g.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
+                   help="N: cascaded decoder layers = drafted depths (default: %(default)s)")
+    g.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
+                   help="draft vocabulary: the N most frequent tokens of the data (default: %(default)s)")
+    g.add_argument("--ce-weight", type=finite_float, default=CE_WEIGHT,
+                   help="alpha: weight of the soft cross-entropy (default: %(default)s)")
+    g.add_argument("--feature-weight", type=finite_float, default=FEATURE_WEIGHT,
+                   help="beta: weight of the SmoothL1 feature loss; 0 = the 'w/o feature loss' ablation "
+                        "(default: %(default)s)")
+    g.add_argument("--parallel", action="store_true",
+                   help="the 'w/o cascade' ablation: layers 2..N each read layer 1's output instead of the previous "
+                        "layer's")
+
+
+def run_fasteagle(args) -> int:
+    from ..train.fasteagle import FastEagleTraining
+
+    if args.layers <= 0 or args.draft_vocab <= 0:
+        raise UsageError("--layers and --draft-vocab must be positive integers")
+    if args.ce_weight < 0 or args.feature_weight < 0 or args.ce_weight + args.feature_weight == 0:
+        raise UsageError("--ce-weight and --feature-weight must be >= 0 and not both 0")
+    extra = {"layers": args.layers, "draft_vocab": args.draft_vocab, "ce_weight": args.ce_weight,
+             "feature_weight": args.feature_weight, "cascade": not args.parallel}
+    cfg = drafter_config(args, "fasteagle", extra)
+    return _train_drafter(cfg, FastEagleTraining(args.layers, args.draft_vocab, cascade=not args.parallel,
+                                                 ce_weight=args.ce_weight, feature_weight=args.feature_weight))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # fastforward train draft-model
 # ------------------------------------------------------------------------------------------------------------------
@@ -313,6 +346,8 @@ METHODS = {
              add_cllm_arguments, run_cllm),
     "eagle": ("an EAGLE-3-style drafter (training-time test) on 'fastforward make-data' output; loads in vLLM/SGLang",
               add_eagle_arguments, run_eagle),
+    "fasteagle": ("a FastEagle cascaded drafter (N layers draft N depths in one pass) on 'fastforward make-data' "
+                  "output", add_fasteagle_arguments, run_fasteagle),
     "draft-model": ("a small draft model for --method sps: a few of the target's layers, its embedding and head "
                     "shared, distilled on 'fastforward make-data' output", add_draft_model_arguments,
                     run_draft_model),

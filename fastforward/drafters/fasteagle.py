@@ -1,0 +1,434 @@
+"""FastEagle: a cascade of N decoder layers over the target's fused features that drafts N depths in one pass.
+Training (:mod:`fastforward.train.fasteagle`) and inference (:mod:`fastforward.proposers.fasteagle`) both import
+this module.
+
+Source: *FastEagle: Cascaded Drafting for Accelerating Speculative Decoding* (arXiv 2509.20416; no public code).
+
+Shapes (the default model: d = 576, 9 query / 3 KV heads of 64, MLP 1536, 30 layers; N = ``num_layers``):
+
+* ``fc``: the three taps (inputs of target layers 2, L//2, L-3) ``[3 d_t] -> [d]``: the fused feature ``g_j``;
+* ``fc_in``: ``[e_norm(e(x_{j+1})) ; g_norm(g_j)]`` ``[2d] -> [d]`` (with a bias, as EAGLE-1's input FC);
+* ``layers[i]``: target-shaped pre-norm Llama decoder layers, each with its own weights, causal over positions, RoPE
+  at absolute positions. **Cascade** (the method): ``h_1 = L_1(fc_in(.))``, ``h_i = L_i(h_{i-1})``. **Parallel** (the
+  paper's "w/o cascade" ablation): ``h_i = L_i(h_1)`` for i >= 2 -- every deeper layer is fed the input layer's
+  output, so each depth is two layers deep;
+* readout: ``h_i`` through the frozen (sliced) LM head, with no norm: ``h_i`` is trained towards the target's
+  *post-norm* final state ``f_{j+i}`` (the feature loss), which is what the head reads.
+
+Alignment: row j reads ``(g_j, e(x_{j+1}))``; layer i at row j gives the distribution of ``x_{j+1+i}``. At decode
+time the last committed row is the last position whose target features are known, and its token is the bonus token
+(the tree's root): one pass gives the distributions of depths 1..N. Drafted tokens are never fed back, so each
+layer's KV cache holds accepted positions only and never rolls back.
+
+Folder layout (``fastforward``'s own; serving engines have no FastEagle architecture): ``config.json``
+(``architectures: ["FastEagleDrafter"]``, a ``fastforward`` section naming the target by fingerprint) and
+``model.safetensors`` without the head -- its rows are the target's, rebuilt from ``d2t`` at load.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UsageError
+from .eagle import (RMSNorm, _MLP, rms_norm, rope_cos_sin, rotate, target_embedding_rows, target_fingerprint,
+                    target_head_rows)
+from .features import default_aux_layers
+from .vocab import DraftVocab
+
+ARCHITECTURE = "FastEagleDrafter"
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class FastEagleConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    num_layers: int  # N: layers = drafted depths
+    cascade: bool = True  # False: the "w/o cascade" ablation (h_i = L_i(h_1))
+    aux_layers: tuple = ()
+    fastforward: dict = field(default_factory=dict)  # {"kind", "target", "target_fingerprint", "target_layers"}
+
+    @classmethod
+    def for_target(cls, target, draft_vocab_size: int, num_layers: int, cascade: bool = True) -> FastEagleConfig:
+        c = target.config
+        heads = c.num_attention_heads
+        return cls(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=float(c.rms_norm_eps),
+            rope_theta=float(getattr(c, "rope_theta", 10000.0)), vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size, num_layers=num_layers,
+            cascade=cascade, aux_layers=default_aux_layers(c.num_hidden_layers),
+            fastforward={"kind": "fasteagle", "target": target.name, "target_fingerprint": target_fingerprint(target),
+                         "target_layers": c.num_hidden_layers},
+        )
+
+    def to_json(self) -> dict:
+        out = {"architectures": [ARCHITECTURE]}
+        out.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()})
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict) -> FastEagleConfig:
+        if (raw.get("architectures") or [""])[0] != ARCHITECTURE:
+            raise UsageError(f"not a FastEagle drafter: architectures is {raw.get('architectures')!r}, expected "
+                             f"[{ARCHITECTURE!r}]")
+        try:
+            return cls(
+                hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                num_key_value_heads=int(raw["num_key_value_heads"]), head_dim=int(raw["head_dim"]),
+                rms_norm_eps=float(raw["rms_norm_eps"]), rope_theta=float(raw["rope_theta"]),
+                vocab_size=int(raw["vocab_size"]), draft_vocab_size=int(raw["draft_vocab_size"]),
+                target_hidden_size=int(raw["target_hidden_size"]), num_layers=int(raw["num_layers"]),
+                cascade=bool(raw.get("cascade", True)), aux_layers=tuple(int(a) for a in raw["aux_layers"]),
+                fastforward=dict(raw.get("fastforward") or {}))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"malformed FastEagle config.json: {exc!r}") from None
+
+    def check_target(self, target) -> None:
+        fp = self.fastforward.get("target_fingerprint")
+        if fp and fp != target_fingerprint(target):
+            raise UsageError(f"this drafter was trained for '{self.fastforward.get('target')}', not for "
+                             f"'{target.name}' (target fingerprints differ)")
+        c = target.config
+        if self.vocab_size != target.vocab_size or self.target_hidden_size != c.hidden_size:
+            raise UsageError(f"this drafter expects a target with vocab {self.vocab_size} and hidden size "
+                             f"{self.target_hidden_size}; '{target.name}' has {target.vocab_size} and {c.hidden_size}")
+        if max(self.aux_layers) > c.num_hidden_layers:
+            raise UsageError(f"the drafter taps layer {max(self.aux_layers)}; '{target.name}' has "
+                             f"{c.num_hidden_layers} layers")
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, cfg: FastEagleConfig):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, d, bias=False)
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm Llama decoder layer (the target's shape), causal over the positions of a batch of sequences."""
+
+    def __init__(self, cfg: FastEagleConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _SelfAttention(cfg)
+        self.mlp = _MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] at positions 0..T-1 (``cos``/``sin`` [T, hd]) -> [B, T, d]."""
+        cfg, a = self.cfg, self.self_attn
+        B, T, _ = x.shape
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        y = self.input_layernorm(x)
+        q = rotate(a.q_proj(y).view(B, T, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, T, hd]
+        k = rotate(a.k_proj(y).view(B, T, nkv, hd).transpose(1, 2), cos, sin)  # [B, nkv, T, hd]
+        v = a.v_proj(y).view(B, T, nkv, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)  # [B, nh, T, hd]
+        h = x + a.o_proj(o.transpose(1, 2).reshape(B, T, nh * hd))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class FastEagleDrafter(nn.Module):
+    """The trainable drafter (``lm_head`` is a frozen slice of the target's head, not saved)."""
+
+    def __init__(self, cfg: FastEagleConfig, vocab: DraftVocab):
+        super().__init__()
+        if vocab.size != cfg.draft_vocab_size or vocab.vocab_size != cfg.vocab_size:
+            raise UsageError("the draft vocabulary does not match the drafter's config")
+        if cfg.num_layers < 1:
+            raise UsageError(f"a FastEagle drafter needs at least one layer, got {cfg.num_layers}")
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, d, bias=False)
+        self.e_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.g_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.fc_in = nn.Linear(2 * d, d, bias=True)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)
+        self.register_buffer("d2t", vocab.d2t.clone())
+        self.register_buffer("t2d", vocab.t2d.clone())
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.d2t, self.t2d)
+
+    @classmethod
+    def for_target(cls, target, vocab: DraftVocab, num_layers: int, cascade: bool = True,
+                   seed: int = 0) -> FastEagleDrafter:
+        """A fresh drafter: head rows copied from the target; ``fc`` passing the last tap through, ``g_norm`` at the
+        target's final norm and ``fc_in`` passing that through (so every h_i starts as the target's final norm of
+        its layer L-3 input: a start near the feature loss's target), the e-block of ``fc_in`` and the layers'
+        input projections random (seeded), their output projections (``o_proj``, ``down_proj``) at zero."""
+        torch.manual_seed(seed)
+        drafter = cls(FastEagleConfig.for_target(target, vocab.size, num_layers, cascade), vocab)
+        drafter.load_head(target)
+        with torch.no_grad():
+            d, td = drafter.cfg.hidden_size, drafter.cfg.target_hidden_size
+            drafter.fc.weight.zero_()
+            if d == td:
+                drafter.fc.weight[:, -td:] = torch.eye(d)
+            else:
+                nn.init.normal_(drafter.fc.weight, std=0.02)
+            norm = getattr(target.backend, "norm", None)
+            if norm is not None:
+                drafter.g_norm.weight.copy_(norm.float())
+            nn.init.normal_(drafter.fc_in.weight, std=0.02)
+            drafter.fc_in.weight[:, d:] = torch.eye(d)
+            drafter.fc_in.bias.zero_()
+            for layer in drafter.layers:
+                a = layer.self_attn
+                for lin in (a.q_proj, a.k_proj, a.v_proj, layer.mlp.gate_proj, layer.mlp.up_proj):
+                    nn.init.normal_(lin.weight, std=0.02)
+                a.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        return drafter
+
+    def load_head(self, target) -> None:
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_head_rows(target, self.vocab.target_ids))
+
+    def input_rows(self, taps: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """taps [..., n_taps * d_t], next-token embeddings [..., d] -> the first layer's input [..., d]."""
+        return self.fc_in(torch.cat([self.e_norm(emb), self.g_norm(self.fc(taps))], dim=-1))
+
+    def forward(self, taps: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor) -> list[torch.Tensor]:
+        """``taps`` [B, T, n_taps * d_t], ``ids`` [B, T] (right-padded), ``embed`` [vocab, d] (frozen) -> N outputs
+        h_i [B, T, d]; h_i at row j is trained towards the target's final state at j + i."""
+        B, T = ids.shape
+        nxt = torch.zeros_like(ids)
+        nxt[:, :-1] = ids[:, 1:]  # row j reads x_{j+1}
+        x = self.input_rows(taps, F.embedding(nxt, embed))
+        cos, sin = rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, torch.arange(T))
+        outs = []
+        h = x
+        for i, layer in enumerate(self.layers):
+            src = h if (self.cfg.cascade or i <= 1) else outs[0]
+            h = layer(src, cos, sin)
+            outs.append(h)
+        return outs
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+
+# -- the folder ------------------------------------------------------------------------------------------------------
+
+
+def save_fasteagle(drafter: FastEagleDrafter, folder, dtype: str = "float16") -> Path:
+    """Write ``drafter`` into ``folder`` (created), without the frozen head; files replaced atomically."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in drafter.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        t = t.detach().cpu()
+        tensors[name] = (t.to(DTYPES[dtype]) if t.is_floating_point() else t).contiguous()
+    cfg = drafter.cfg.to_json()
+    cfg["torch_dtype"] = dtype
+    tmp = folder / f"{WEIGHTS}.tmp{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / WEIGHTS)
+    (folder / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+    return folder
+
+
+def load_fasteagle(folder, target) -> FastEagleDrafter:
+    """A FastEagle drafter from ``folder`` (fp32), checked to belong to ``target`` (one-line refusals)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder).expanduser()
+    if not (folder / CONFIG).is_file():
+        raise UsageError(f"drafter {folder}: no {CONFIG} (expected a FastEagle drafter folder)")
+    try:
+        raw = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"drafter {folder}: unreadable {CONFIG} ({exc})") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"drafter {folder}: {CONFIG} is not a JSON object")
+    cfg = FastEagleConfig.from_json(raw)
+    cfg.check_target(target)
+    try:
+        tensors = load_file(str(folder / WEIGHTS))
+    except (SafetensorError, OSError) as exc:
+        raise UsageError(f"drafter {folder}: unreadable weights ({exc})") from None
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise UsageError(f"drafter {folder}: missing tensors d2t/t2d")
+    vocab = DraftVocab(tensors["d2t"], tensors["t2d"])
+    if vocab.size != cfg.draft_vocab_size:
+        raise UsageError(f"drafter {folder}: d2t has {vocab.size} entries, config says draft_vocab_size "
+                         f"{cfg.draft_vocab_size}")
+    drafter = FastEagleDrafter(cfg, vocab)
+    state = drafter.state_dict()
+    for name in state:
+        if name == "lm_head.weight":
+            continue
+        if name not in tensors:
+            raise UsageError(f"drafter {folder}: missing tensor {name}")
+        if tuple(tensors[name].shape) != tuple(state[name].shape):
+            raise UsageError(f"drafter {folder}: {name} has shape {tuple(tensors[name].shape)}, expected "
+                             f"{tuple(state[name].shape)}")
+    drafter.load_state_dict({k: tensors[k].to(v.dtype) for k, v in state.items() if k != "lm_head.weight"},
+                            strict=False)
+    drafter.load_head(target)
+    return drafter.eval()
+
+
+# -- decode time -----------------------------------------------------------------------------------------------------
+
+
+class FastEagleRunner:
+    """The drafter at decode time: its weights as the lean forward's linears (packed ``Q8_0`` through the native
+    kernel when it builds -- the drafter only proposes, so rounding never changes the output), and one KV cache per
+    layer holding committed (accepted) rows only."""
+
+    def __init__(self, drafter: FastEagleDrafter, target, capacity: int, weights: str = "auto"):
+        from ..kernels import load_native
+        from ..linear import DenseLinear, PackedLinear, quantize
+
+        cfg = drafter.cfg
+        self.cfg, self.target = cfg, target
+        native = None
+        try:
+            native = load_native() if weights in ("auto", "q8_0") else None
+        except Exception:  # noqa: BLE001 - no compiler: the plain path
+            native = None
+        if weights == "q8_0" and native is None:
+            raise UsageError("drafter weights q8_0 need the native kernels, which did not build on this machine")
+
+        def linear(w: torch.Tensor):
+            w = w.detach().float().contiguous()
+            if native is not None and w.shape[1] % 32 == 0:
+                return PackedLinear(quantize(w, "Q8_0"), 8, w.shape[1], native=native)
+            return DenseLinear(w)
+
+        self.fc = linear(drafter.fc.weight)
+        self.fc_in = linear(drafter.fc_in.weight)
+        self.fc_in_bias = drafter.fc_in.bias.detach().float()
+        self.e_norm = drafter.e_norm.weight.detach().float()
+        self.g_norm = drafter.g_norm.weight.detach().float()
+        self.layers = []
+        for layer in drafter.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append({
+                "qkv": linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                "o": linear(a.o_proj.weight),
+                "gate_up": linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                "down": linear(m.down_proj.weight),
+                "in_norm": layer.input_layernorm.weight.detach().float(),
+                "post_norm": layer.post_attention_layernorm.weight.detach().float(),
+            })
+        self.head = linear(drafter.lm_head.weight)
+        self.d2t = drafter.d2t.clone()
+        self.eps = cfg.rms_norm_eps
+        self._alloc(capacity)
+        self.length = 0
+
+    def _alloc(self, capacity: int, keep: int = 0) -> None:
+        cfg = self.cfg
+        k = torch.zeros(cfg.num_layers, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        v = torch.zeros_like(k)
+        if keep:
+            k[:, :, :keep] = self.k[:, :, :keep]
+            v[:, :, :keep] = self.v[:, :, :keep]
+        self.k, self.v = k, v  # [N, nkv, capacity, hd]
+        self.cos, self.sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, torch.arange(capacity))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def fresh(self, capacity: int) -> FastEagleRunner:
+        """A runner sharing these weights with empty KV caches of its own (one per sequence)."""
+        other = copy.copy(self)
+        other._alloc(capacity)
+        other.length = 0
+        return other
+
+    def commit(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append committed rows -- target taps [r, n_taps, d_t], next tokens [r], positions [r] -- through every
+        layer (causal, in chunks); returns the last row's outputs h_1..h_N [N, d]."""
+        out = None
+        for a in range(0, tokens.numel(), 256):
+            b = min(tokens.numel(), a + 256)
+            out = self._rows(taps[a:b], tokens[a:b], positions[a:b])
+        return out
+
+    def _rows(self, taps, tokens, positions) -> torch.Tensor:
+        cfg = self.cfg
+        r = tokens.numel()
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        start, end = self.length, self.length + r
+        if end > self.capacity or int(positions.max()) >= self.cos.shape[0]:
+            self._alloc(max(2 * self.capacity, end, int(positions.max()) + 1), keep=self.length)
+        g = self.fc(taps.reshape(r, -1).float().contiguous())
+        e = target_embedding_rows(self.target, tokens)
+        x = torch.cat([rms_norm(e, self.e_norm, self.eps), rms_norm(g, self.g_norm, self.eps)], dim=-1)
+        x = self.fc_in(x.contiguous()) + self.fc_in_bias
+        cos, sin = self.cos[positions], self.sin[positions]
+        causal = torch.ones(r, end, dtype=torch.bool).tril(start)  # [r, end]: committed rows + causal new rows
+        last = []
+        h = x
+        first = None
+        for i, w in enumerate(self.layers):
+            src = h if (cfg.cascade or i <= 1) else first
+            y = rms_norm(src, w["in_norm"], self.eps)
+            qkv = w["qkv"](y.contiguous())
+            q = rotate(qkv[:, : nh * hd].view(r, nh, hd).transpose(0, 1), cos, sin)  # [nh, r, hd]
+            self.k[i, :, start:end] = rotate(qkv[:, nh * hd : (nh + nkv) * hd].view(r, nkv, hd).transpose(0, 1),
+                                             cos, sin)
+            self.v[i, :, start:end] = qkv[:, (nh + nkv) * hd :].view(r, nkv, hd).transpose(0, 1)
+            o = F.scaled_dot_product_attention(q.unsqueeze(0), self.k[i : i + 1, :, :end], self.v[i : i + 1, :, :end],
+                                               attn_mask=causal, enable_gqa=nh != nkv)[0]
+            hh = src + w["o"](o.transpose(0, 1).reshape(r, nh * hd).contiguous())
+            gate, up = w["gate_up"](rms_norm(hh, w["post_norm"], self.eps)).chunk(2, dim=-1)
+            h = hh + w["down"]((F.silu(gate) * up).contiguous())
+            if i == 0:
+                first = h
+            last.append(h[-1])
+        self.length = end
+        return torch.stack(last)
+
+    def probs(self, h: torch.Tensor) -> torch.Tensor:
+        """[N, d] -> [N, draft_vocab] next-token probabilities of depths 1..N (one head matmul)."""
+        return self.head(h.contiguous()).softmax(-1)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def parameter_count(cfg: FastEagleConfig) -> int:
+    """Trained parameters (the frozen head excluded)."""
+    d, kv, mlp = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    layer = d * q * 2 + 2 * d * kv + 3 * d * mlp + 2 * d
+    return len(cfg.aux_layers) * cfg.target_hidden_size * d + 2 * d * d + d + 2 * d + cfg.num_layers * layer

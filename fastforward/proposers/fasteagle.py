@@ -1,0 +1,159 @@
+"""FastEagle: a cascaded drafter drafts every depth of its tree in one pass; the target verifies a constrained
+"backbone expansion" tree.
+
+Source: *FastEagle: Cascaded Drafting for Accelerating Speculative Decoding* (arXiv 2509.20416). The drafter
+(:mod:`fastforward.drafters.fasteagle`) is trained by ``fastforward train fasteagle``; one for the default model ships
+with the package.
+
+Each step:
+
+1. **Draft (one pass).** The rows accepted in the last step (their target features come from the verification
+   forward itself) run through the drafter's N layers, appended to each layer's KV cache; the last row's N outputs
+   go through the head in one matmul: the distributions of depths 1..N. Drafted tokens never enter the drafter.
+2. **Backbone expansion tree.** Depth i holds the top-k tokens of distribution i, all children of the backbone node
+   (the top-1) of depth i - 1 (the root for depth 1): ``levels * k`` nodes + the root. ``k = 1`` is a chain. Unless
+   ``fixed=True``, each step picks ``levels <= depth`` and ``k <= topk`` maximising expected tokens per millisecond,
+   ``(1 + sum_i P(backbone reaches depth i - 1) * q_i(top-k)) / t(levels * k + 1)``, from the drafter's own
+   probabilities and this machine's cost curve t -- an unsure drafter costs a small forward (or none).
+3. **Verify** (the engine): greedy, or at T > 0 the lossless scheme for candidates without probabilities (sample the
+   target at each node and walk to the child holding the sample).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..costs import machine_cost_curve
+from ..drafters import shipped_drafter
+from ..drafters.fasteagle import FastEagleRunner, load_fasteagle
+from ..drafters.features import engine_layers
+from ..engine import DecodeState, Proposal, Proposer, StepResult
+from ..errors import UsageError
+from ..tree import DraftTree, TreeShape
+from . import register
+from ._options import check_bool, check_choice, check_int
+
+_RUNNERS: dict = {}  # (drafter folder, weights, id(target)) -> FastEagleRunner (weights shared by every sequence)
+
+
+def fasteagle_runner(target, drafter: str | None, weights: str) -> FastEagleRunner:
+    if drafter is None:
+        folder = shipped_drafter(target, "fasteagle")
+        if folder is None:
+            raise UsageError(f"fasteagle: no drafter ships for '{target.name}'; train one (fastforward train "
+                             "fasteagle) and pass -o drafter=FOLDER")
+    else:
+        folder = Path(str(drafter)).expanduser()
+        if not folder.is_dir():
+            raise UsageError(f"fasteagle: drafter folder not found: {folder}")
+    key = (str(folder.resolve()), weights, id(target))
+    if key not in _RUNNERS:
+        _RUNNERS[key] = FastEagleRunner(load_fasteagle(folder, target), target, capacity=64, weights=weights)
+    return _RUNNERS[key]
+
+
+def backbone_tree(tokens: torch.Tensor, root: int, levels: int, k: int) -> DraftTree:
+    """The constrained tree: ``tokens`` [levels, >= k] draft candidates per depth (best first) -> root + levels * k
+    nodes, depth-major, each depth's nodes children of the previous depth's first (backbone) node."""
+    depth = torch.arange(levels).repeat_interleave(k)  # 0-based depth of each node
+    parents = torch.where(depth == 0, 0, 1 + (depth - 1) * k)
+    return DraftTree(torch.cat([torch.tensor([root]), tokens[:levels, :k].reshape(-1)]),
+                     TreeShape(torch.cat([torch.tensor([-1]), parents])))
+
+
+def expected_tokens(top_probs: torch.Tensor) -> torch.Tensor:
+    """``top_probs`` [N, K] (each depth's top-K probabilities, best first) -> [N, K]: expected tokens per step (the
+    bonus included) of the tree with ``levels = n + 1`` and ``k = c + 1``: the backbone reaches depth i - 1 with
+    probability prod_{l < i} q_l(top-1), and then one of depth i's k candidates is right with probability
+    sum_{c < k} q_i(c)."""
+    reach = torch.cat([torch.ones(1, dtype=top_probs.dtype), top_probs[:-1, 0].cumprod(0)])  # [N]
+    per_depth = reach.unsqueeze(1) * top_probs.cumsum(1)  # [N, K]
+    return 1.0 + per_depth.cumsum(0)
+
+
+class FastEagleProposer(Proposer):
+    name = "fasteagle"
+
+    def __init__(self, runner: FastEagleRunner, *, topk: int, depth: int, fixed: bool, max_nodes: int):
+        self.shared = runner
+        self.hidden_layers = engine_layers(runner.cfg.aux_layers)
+        self.topk, self.depth, self.fixed, self.max_nodes = topk, min(depth, runner.cfg.num_layers), fixed, max_nodes
+        self.runner: FastEagleRunner | None = None
+        self.last_h: torch.Tensor | None = None
+        self.curve_ms: torch.Tensor | None = None
+        self._n = {"steps": 0, "draft_rows": 0, "nodes": 0, "levels": 0, "k": 0}
+
+    def max_proposal_size(self) -> int:
+        return min(self.max_nodes, self.depth * self.topk + 1)
+
+    def _taps(self, hidden: dict, rows) -> torch.Tensor:
+        return torch.stack([hidden[layer][rows] for layer in self.hidden_layers], dim=1)  # [r, n_taps, d_t]
+
+    def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
+        n = state.prompt_length
+        self.runner = self.shared.fresh(n + state.max_new_tokens + 8)
+        if not self.fixed:
+            curve = machine_cost_curve(state.target)
+            self.curve_ms = torch.tensor([curve.t(q) for q in range(1, self.max_proposal_size() + 1)],
+                                         dtype=torch.float64)
+        self.last_h = self.runner.commit(self._taps(hidden, slice(0, n)), state.ids[1 : n + 1], torch.arange(n))
+
+    def observe(self, state: DecodeState, step: StepResult) -> None:
+        path = step.verdict.path
+        r = len(path)
+        root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
+        tokens = state.ids[root_pos + 1 : root_pos + 1 + r]
+        self.last_h = self.runner.commit(self._taps(step.hidden, torch.as_tensor(path)), tokens,
+                                         torch.arange(root_pos, root_pos + r))
+        self._n["draft_rows"] += r
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        run = self.runner
+        room = min(self.depth, state.remaining)
+        if room < 1:
+            return None
+        probs = run.probs(self.last_h[:room])  # [levels, draft_vocab]: one head matmul for every depth
+        top = probs.topk(self.topk, dim=-1)
+        limit = self.max_proposal_size()
+        if self.fixed:
+            levels, k = room, self.topk
+            while levels * k + 1 > limit and levels > 1:
+                levels -= 1
+        else:
+            gain = expected_tokens(top.values.double())  # [levels, K]
+            nodes = (torch.arange(1, room + 1).unsqueeze(1) * torch.arange(1, self.topk + 1)) + 1  # [levels, K]
+            rate = torch.where(nodes <= limit, gain / self.curve_ms[(nodes - 1).clamp(max=limit - 1)], -1.0)
+            best = int(rate.argmax())
+            if float(rate.reshape(-1)[best]) <= 1.0 / float(self.curve_ms[0]):
+                levels = k = 0  # drafting nothing is the best rate
+            else:
+                levels, k = best // self.topk + 1, best % self.topk + 1
+        self._n["steps"] += 1
+        self._n["levels"] += levels
+        self._n["k"] += k
+        if levels == 0:
+            self._n["nodes"] += 1
+            return None
+        tree = backbone_tree(run.to_target(top.indices), state.root, levels, k)
+        self._n["nodes"] += len(tree)
+        return Proposal(tree)
+
+    def stats(self) -> dict:
+        steps = max(self._n["steps"], 1)
+        return {"mean_tree_nodes": self._n["nodes"] / steps, "mean_levels": self._n["levels"] / steps,
+                "mean_k": self._n["k"] / steps, "draft_rows": self._n["draft_rows"]}
+
+
+@register("fasteagle", "FastEagle: a cascaded drafter drafts the whole tree in one pass (backbone expansion tree)",
+          source="FastEagle, arXiv 2509.20416")
+def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int = 16, fixed: bool = False,
+              max_nodes: int = 32, weights: str = "auto") -> Proposer:
+    check_int("fasteagle", "topk", topk, 1, 16)
+    check_int("fasteagle", "depth", depth, 1, 64)
+    check_bool("fasteagle", "fixed", fixed)
+    check_int("fasteagle", "max_nodes", max_nodes, 2, 256)
+    check_choice("fasteagle", "weights", weights, ("auto", "q8_0", "fp32"))
+    runner = fasteagle_runner(target, drafter, weights)
+    return FastEagleProposer(runner, topk=topk, depth=depth, fixed=fixed, max_nodes=max_nodes)

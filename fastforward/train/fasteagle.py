@@ -1,0 +1,87 @@
+"""``fastforward train fasteagle``: the FastEagle cascade (:mod:`fastforward.drafters.fasteagle`) trained end to end
+on the target's own responses (``fastforward make-data``), over the drafter loop (:mod:`.drafter_train`).
+
+Loss (the paper's eqs. 3-6): ``L = sum_i w_i (alpha CE_i + beta SmoothL1_i)`` over the N layers, ``w_i = 0.9^(N-i)``
+(deeper layers weigh more), ``alpha = 0.1``: soft cross-entropy between the target's next-token distribution over the
+draft vocabulary (its final state through the same frozen head rows) and layer i's, ``beta = 1.0``: SmoothL1 between
+h_i and the target's final state at j + i, **averaged** over the hidden dimension as EAGLE-1's code does (the paper
+writes a sum, which would weigh it 576x more on the default model). Positions: those whose predicted token is a
+response token (and, for the cross-entropy, in the draft vocabulary). One forward per batch: no teacher forcing,
+each layer reads the previous one's output from the same pass. Logged: ``acc{i}``, layer i's top-1 agreement with
+the target (i = 1..N).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters.eagle import target_embedding_rows
+from ..drafters.fasteagle import FastEagleDrafter, save_fasteagle
+from ..drafters.vocab import DraftVocab
+from .drafter_train import DrafterMethod
+
+DEFAULT_LAYERS = 4
+DEFAULT_DRAFT_VOCAB = 8192
+CE_WEIGHT = 0.1  # alpha
+FEATURE_WEIGHT = 1.0  # beta
+DEPTH_DECAY = 0.9  # w_i = 0.9^(N - i)
+
+
+class FastEagleTraining(DrafterMethod):
+    name = "fasteagle"
+
+    def __init__(self, layers: int = DEFAULT_LAYERS, draft_vocab: int = DEFAULT_DRAFT_VOCAB, cascade: bool = True,
+                 ce_weight: float = CE_WEIGHT, feature_weight: float = FEATURE_WEIGHT):
+        self.layers, self.draft_vocab, self.cascade = layers, draft_vocab, cascade
+        self.ce_weight, self.feature_weight = ce_weight, feature_weight
+        self.embed = None
+        self.vocab: DraftVocab | None = None
+
+    def build(self, target, records, cfg):
+        size = min(self.draft_vocab, target.vocab_size)
+        self.vocab = DraftVocab.most_frequent([r["response_ids"] for r in records], target.vocab_size, size,
+                                              always=sorted(target.eos_token_ids))
+        self.embed = target_embedding_rows(target, torch.arange(target.vocab_size))
+        self.target = target
+        return FastEagleDrafter.for_target(target, self.vocab, self.layers, cascade=self.cascade, seed=cfg.seed)
+
+    def loss(self, drafter, batch):
+        ids, response, final = batch["ids"], batch["response"], batch["final"]
+        B, T = ids.shape
+        inner = getattr(drafter, "module", drafter)
+        head = inner.lm_head.weight  # frozen rows of the target's head
+        hs = drafter(batch["taps"], ids, self.embed)
+        n = len(hs)
+        total = torch.zeros(())
+        metrics = {}
+        for i, h in enumerate(hs, start=1):
+            rows = T - 1 - i  # row j predicts x_{j+1+i}, which must exist
+            if rows <= 0:
+                continue
+            keep = response[:, 1 + i :]  # [B, rows]: the predicted token is a response token
+            lab = self.vocab.to_draft(ids[:, 1 + i :])
+            f_next = final[:, i : T - 1]  # the target's final state at j + i
+            h = h[:, :rows]
+            weight = DEPTH_DECAY ** (n - i)
+            term = torch.zeros(())
+            if self.feature_weight and bool(keep.any()):
+                term = term + self.feature_weight * F.smooth_l1_loss(h[keep], f_next[keep], reduction="none").mean()
+            sel = keep & (lab >= 0)
+            if bool(sel.any()):
+                p = (f_next[sel] @ head.t()).softmax(-1)
+                lg = inner.logits(h[sel])
+                term = term + self.ce_weight * -(p * lg.log_softmax(-1)).sum(-1).mean()
+                metrics[f"acc{i}"] = float((lg.argmax(-1) == lab[sel]).float().mean())
+            total = total + weight * term
+        return total, metrics
+
+    def save(self, drafter, folder: Path) -> None:
+        save_fasteagle(drafter, folder, dtype="float16")
+
+    def load_weights(self, drafter, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        drafter.load_state_dict(load_file(str(folder / "drafter.safetensors")))
