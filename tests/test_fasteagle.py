@@ -35,7 +35,7 @@ def _drafter(target, seed=0, draft_size=64, layers=3, cascade=True, std=0.3):
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_size]
     drafter = FastEagleDrafter.for_target(target, DraftVocab.from_target_ids(ids, VOCAB), layers, cascade, seed=seed)
     with torch.no_grad():
-        for name, p in drafter.named_parameters():
+        for p in drafter.parameters():
             if p.requires_grad and p.dim() == 2:
                 p.normal_(0, std)
     return drafter

@@ -38,8 +38,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from .eagle import (RMSNorm, _MLP, rms_norm, rope_cos_sin, rotate, target_embedding_rows, target_fingerprint,
-                    target_head_rows)
+from .eagle import (
+    _MLP,
+    RMSNorm,
+    rms_norm,
+    rope_cos_sin,
+    rotate,
+    target_embedding_rows,
+    target_fingerprint,
+    target_head_rows,
+)
 from .features import default_aux_layers
 from .vocab import DraftVocab
 
