@@ -7,7 +7,8 @@ path, the KV cache keeps that path, and the proposer observes the outcome.
 
 :class:`SequenceRun` is one sequence in flight (its ids, cache, proposer, sampling RNG, stop matcher, statistics)
 with the three calls of a step; :func:`decode_steps` drives one run, :func:`decode_batch` several at once through
-shared forwards; :class:`Generation` streams one run's text.
+shared forwards, :class:`BatchDecoder` the same while admitting and dropping runs between steps (a server);
+:class:`Generation` streams one run's text.
 """
 
 from __future__ import annotations
@@ -254,6 +255,12 @@ class SequenceRun:
         self.stats.new_tokens = len(self.emitted)
         return taken
 
+    def cancel(self) -> None:
+        """Stop here (a cancelled request): finish reason "cancelled" unless already finished; frees the cache."""
+        if not self.finished:
+            self.reason = "cancelled"
+            self._finish()
+
     def _finish(self) -> None:
         self.stats.finish_reason = self.reason
         self.stats.wall_time = time.perf_counter() - self._t_start
@@ -391,25 +398,74 @@ def decode_batch(runs: list[SequenceRun], max_batch_tokens: int,
                 active.append(i)
         if not active:
             continue
-        sizes = {i: runs[i].propose().size for i in active}
-        groups: list[list[int]] = []
-        used = 0
-        for i in active:
-            if groups and used + sizes[i] <= max_batch_tokens:
-                groups[-1].append(i)
-                used += sizes[i]
-            else:
-                groups.append([i])
-                used = sizes[i]
-        for group in groups:
-            hidden_layers = sorted(set().union(*(runs[i].proposer.hidden_layers for i in group)))
-            target = runs[group[0]].target
-            t0 = time.perf_counter()
-            outs = target.forward_many([runs[i].forward_request() for i in group], hidden_layers)
-            seconds = time.perf_counter() - t0
-            for i, out in zip(group, outs, strict=True):
-                yield i, runs[i].complete(out, seconds)
+        for j, tokens in shared_step([runs[i] for i in active], max_batch_tokens):
+            yield active[j], tokens
         active = [i for i in active if not runs[i].finished]
+
+
+def shared_step(runs: list[SequenceRun], max_batch_tokens: int,
+                on_forward=None) -> Iterator[tuple[int, list[int]]]:
+    """One verification step of every run in ``runs`` (none finished), through shared forwards: yields
+    ``(index in runs, newly emitted tokens)``. Proposals are packed in order into forwards of at most
+    ``max_batch_tokens`` rows (a larger one gets a forward of its own). ``on_forward(sequences, rows, seconds)`` is
+    called after every forward."""
+    sizes = [run.propose().size for run in runs]
+    groups: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if groups and used + size <= max_batch_tokens:
+            groups[-1].append(i)
+            used += size
+        else:
+            groups.append([i])
+            used = size
+    for group in groups:
+        hidden_layers = sorted(set().union(*(runs[i].proposer.hidden_layers for i in group)))
+        target = runs[group[0]].target
+        t0 = time.perf_counter()
+        outs = target.forward_many([runs[i].forward_request() for i in group], hidden_layers)
+        seconds = time.perf_counter() - t0
+        if on_forward is not None:
+            on_forward(len(group), sum(sizes[i] for i in group), seconds)
+        for i, out in zip(group, outs, strict=True):
+            yield i, runs[i].complete(out, seconds)
+
+
+class BatchDecoder:
+    """Sequences decoded together and admitted continuously: :meth:`add` prefills a run, which then joins the next
+    :meth:`step`; :meth:`step` advances every active run by one verification step through shared forwards of at
+    most ``max_batch_tokens`` rows and drops the runs that finished; :meth:`remove` drops a run at any time between
+    steps (a cancelled request). Each run decodes exactly as alone, whatever joins or leaves around it."""
+
+    def __init__(self, max_batch_tokens: int, on_forward=None):
+        if not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool) or max_batch_tokens <= 0:
+            raise UsageError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
+        self.max_batch_tokens = max_batch_tokens
+        self.on_forward = on_forward
+        self.runs: list[SequenceRun] = []
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def add(self, run: SequenceRun) -> list[int]:
+        """Prefill ``run`` (its first token is returned) and let it join the next step unless it already ended."""
+        taken = run.prefill()
+        if not run.finished:
+            self.runs.append(run)
+        return taken
+
+    def remove(self, run: SequenceRun) -> None:
+        """Drop ``run`` (finished or not); an unfinished run is marked cancelled and its KV memory freed."""
+        if run in self.runs:
+            self.runs.remove(run)
+        run.cancel()
+
+    def step(self) -> list[tuple[SequenceRun, list[int]]]:
+        """One step of every active run: ``[(run, newly emitted tokens), ...]``; finished runs leave."""
+        runs = list(self.runs)
+        out = [(runs[i], tokens) for i, tokens in shared_step(runs, self.max_batch_tokens, self.on_forward)]
+        self.runs = [run for run in self.runs if not run.finished]
+        return out
 
 
 class Generation:

@@ -45,7 +45,7 @@ CORE = (
 )
 ABOVE_CORE = (
     "fastforward.bench", "fastforward.train", "fastforward.evaluate", "fastforward.cli", "fastforward.tree_builder",
-    "fastforward.testing",
+    "fastforward.testing", "fastforward.server",
 )
 
 

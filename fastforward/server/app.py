@@ -1,0 +1,311 @@
+"""The HTTP face of ``fastforward serve``: OpenAI-compatible endpoints over the :class:`Scheduler`.
+
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as server-sent events ending
+in ``data: [DONE]``), ``GET /health``, ``GET /metrics`` (Prometheus text) and the page at ``/``. Every error is
+OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 bad input, 404 unknown model, method
+or route, 413 body too large, 429 queue full, 500 a bug (never a traceback in the body; the log has it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..api import batch_token_budget
+from ..proposers import available_methods
+from ..version import __version__
+from .metrics import Metrics
+from .page import PAGE
+from .scheduler import Scheduler
+from .schemas import APIError, Limits, ParsedRequest, parse
+
+log = logging.getLogger("fastforward.server")
+
+
+def _json_safe(value):
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def create_app(target, *, model_name: str, default_method: str = "ar", limits: Limits | None = None,
+               max_batch_tokens: int | None = None, max_running: int = 16, max_waiting: int = 64,
+               aliases: tuple[str, ...] = ()) -> FastAPI:
+    """The server's app for a loaded ``target``; the decode thread starts and stops with the app."""
+    limits = limits or Limits()
+    methods = available_methods()
+    if default_method not in methods:
+        raise ValueError(f"unknown default method '{default_method}'")
+    served = (model_name, *[a for a in aliases if a != model_name])
+    metrics = Metrics()
+    budget = max_batch_tokens or batch_token_budget(target)
+    scheduler = Scheduler(target, max_batch_tokens=budget, max_running=max_running, max_waiting=max_waiting,
+                          metrics=metrics)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="fastforward", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.scheduler, app.state.metrics, app.state.max_batch_tokens = scheduler, metrics, budget
+
+    def error_response(exc: APIError, endpoint: str | None = None) -> JSONResponse:
+        if endpoint:
+            metrics.request(endpoint, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc, request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                         str(exc.detail))
+        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        log.error("unhandled error on %s", request.url.path, exc_info=exc)
+        metrics.request(request.url.path, 500)
+        return JSONResponse(APIError(500, "internal server error (see the server log)").body(), status_code=500)
+
+    # -- informational endpoints -----------------------------------------------------------------------------------
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return HTMLResponse(PAGE)
+
+    @app.get("/health")
+    async def health():
+        if not scheduler.alive:
+            return JSONResponse({"status": "error", "message": "the decode loop is not running"}, status_code=503)
+        return {"status": "ok", "model": model_name}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "fastforward",
+                "max_model_len": target.max_context,
+                "fastforward": {"default_method": default_method, "max_batch_tokens": budget,
+                                "methods": {m.name: {"summary": m.summary, "lossless": m.lossless,
+                                                     "options": {k: _json_safe(v) for k, v in m.options().items()}}
+                                            for m in methods.values()}}}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(name) for name in served]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name not in served:
+            raise APIError(404, f"the model '{name}' does not exist here; this server serves: {', '.join(served)}",
+                           param="model", code="model_not_found")
+        return model_card(name)
+
+    # -- generation --------------------------------------------------------------------------------------------------
+    async def read_json(request: Request):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
+            raise APIError(413, f"the request body is {length} bytes; this server takes at most "
+                                f"{limits.max_body_bytes}", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise APIError(413, f"the request body is larger than {limits.max_body_bytes} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise APIError(400, "the request body is empty; send a JSON object")
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"the request body is not UTF-8 (byte {exc.start})") from None
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
+                                f"{exc.colno}") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply") from None
+
+    async def generate(request: Request, kind: str, endpoint: str):
+        body = await read_json(request)
+        parsed = parse(kind, body, served=served, default_method=default_method, limits=limits)
+        ticket = scheduler.submit(parsed, asyncio.get_running_loop())
+        try:
+            kind_, payload = await ticket.queue.get()
+        except asyncio.CancelledError:
+            ticket.cancel()
+            raise
+        if kind_ == "error":
+            return error_response(payload, endpoint)
+        metrics.request(endpoint, 200)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        if parsed.stream:
+            return StreamingResponse(_sse(ticket, parsed, rid), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _collect(request, ticket, parsed, rid)
+
+    def extension(parsed: ParsedRequest, stats: dict) -> dict:
+        return {"method": parsed.method, "options": {k: _json_safe(v) for k, v in parsed.options.items()},
+                "stats": stats}
+
+    async def _collect(request: Request, ticket, parsed: ParsedRequest, rid: str):
+        parts = []
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(ticket.queue.get(), 0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    ticket.cancel()
+                    return Response(status_code=499)
+                continue
+            except asyncio.CancelledError:
+                ticket.cancel()
+                raise
+            if kind == "delta":
+                parts.append(payload["text"])
+            elif kind == "error":
+                return error_response(payload)
+            elif kind == "done":
+                parts.append(payload["text"])
+                text = "".join(parts)
+                if parsed.kind == "chat":
+                    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                              "finish_reason": payload["finish_reason"]}
+                    obj = "chat.completion"
+                else:
+                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": payload["finish_reason"]}
+                    obj = "text_completion"
+                return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
+                        "choices": [choice], "usage": payload["usage"],
+                        "fastforward": extension(parsed, payload["stats"])}
+
+    async def _sse(ticket, parsed: ParsedRequest, rid: str):
+        created_at = int(time.time())
+        chat = parsed.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None = None, finish: str | None = None, first: bool = False, extra=None,
+                  choices: bool = True) -> str:
+            record = {"id": rid, "object": obj, "created": created_at, "model": parsed.model}
+            if choices:
+                if chat:
+                    delta = {"role": "assistant", "content": ""} if first else \
+                        ({} if text is None else {"content": text})
+                    record["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+                else:
+                    record["choices"] = [{"index": 0, "text": text or "", "logprobs": None,
+                                          "finish_reason": finish}]
+            else:
+                record["choices"] = []
+            if extra:
+                record.update(extra)
+            return f"data: {json.dumps(record)}\n\n"
+
+        ended = False
+        try:
+            if chat:
+                yield chunk(first=True)
+            while True:
+                kind, payload = await ticket.queue.get()
+                if kind == "delta":
+                    extra = None
+                    if parsed.trace:
+                        extra = {"fastforward": {"pieces": payload["pieces"], "tau": payload["tau"],
+                                                 "tokens": payload["tokens"]}}
+                    if payload["text"] or extra:
+                        yield chunk(payload["text"], extra=extra)
+                elif kind == "error":
+                    ended = True
+                    yield f"data: {json.dumps(payload.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                elif kind == "done":
+                    ended = True
+                    if payload["text"] or (parsed.trace and payload.get("pieces")):
+                        extra = {"fastforward": {"pieces": payload["pieces"]}} if parsed.trace else None
+                        yield chunk(payload["text"], extra=extra)
+                    ext = {"fastforward": extension(parsed, payload["stats"])}
+                    yield chunk(None if chat else "", finish=payload["finish_reason"], extra=ext)
+                    if parsed.include_usage:
+                        yield chunk(choices=False, extra={"usage": payload["usage"], **ext})
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            if not ended:  # the client went away (or the server stops): drop the sequence
+                ticket.cancel()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "completion", "/v1/completions")
+
+    return app
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running it
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+class BackgroundServer:
+    """``app`` served by uvicorn in a thread on a free loopback port (tests, the page's browser test):
+    ``with BackgroundServer(app) as url: ...``."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()

@@ -1,0 +1,285 @@
+"""The decode loop of the server: one thread owns the model and drives every live request together.
+
+Requests arrive from the HTTP handlers (:meth:`Scheduler.submit`, which answers 429 when the waiting queue is
+full) and wait in order. Between two steps the loop admits waiting requests while fewer than ``max_running``
+decode (prompt ids, proposer and prefill happen here, in the thread that owns the model and the tokenizer), drops
+the cancelled ones (their client went away), and runs one verification step of every running sequence through
+:class:`~fastforward.engine.BatchDecoder`: the drafts of all of them packed into shared target forwards of at most
+``max_batch_tokens`` rows. Each sequence decodes exactly as it would alone, so a greedy answer never depends on
+who else is being served.
+
+Every request has a :class:`Ticket`; the loop puts its events -- ``start``, ``delta`` (text as it becomes stable,
+optionally each token's text and how it came), ``done`` (finish reason, usage, statistics) or ``error`` (an
+:class:`~fastforward.server.schemas.APIError`) -- on the ticket's asyncio queue, thread-safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import traceback
+
+from ..engine import BatchDecoder, SequenceRun
+from ..errors import UsageError
+from ..proposers import make_proposer
+from ..stopping import IncrementalDetokenizer, StopMatcher
+from .metrics import Metrics
+from .schemas import APIError, ParsedRequest
+
+log = logging.getLogger("fastforward.server")
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "cancelled"}
+
+
+class Ticket:
+    """One request in the server: its parsed form, its event queue, its timing and draft counts."""
+
+    def __init__(self, parsed: ParsedRequest, loop: asyncio.AbstractEventLoop):
+        self.parsed = parsed
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.t_arrival = time.perf_counter()
+        self.t_admit: float | None = None
+        self.t_first: float | None = None
+        self.run: SequenceRun | None = None
+        self.matcher: StopMatcher | None = None
+        self.own_matcher = False
+        self.tracer: IncrementalDetokenizer | None = None
+        self.last_accepted = 0
+        self.drafts = self.draft_tokens = self.accepted = 0
+        self.done = False
+
+    def cancel(self) -> None:
+        """The client went away: the loop drops the sequence before its next step."""
+        self.cancelled.set()
+
+    def put(self, kind: str, payload) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is closed (shutting down)
+            pass
+
+    def observe(self, state, step) -> None:
+        """Step observer: what this step accepted, for the token colours and the draft counts."""
+        self.last_accepted = step.verdict.accepted
+        drafted = len(step.proposal.tree) - 1
+        if drafted > 0:
+            self.drafts += 1
+            self.draft_tokens += drafted
+            self.accepted += step.verdict.accepted
+
+    def stats(self, now: float) -> dict:
+        """The per-request statistics the response carries under ``fastforward.stats``."""
+        s = self.run.stats
+        admit = self.t_admit or now
+        return {
+            "prompt_tokens": s.prompt_tokens,
+            "completion_tokens": s.new_tokens,
+            "target_forwards": s.target_forwards,
+            "tau": round(s.tau, 4),
+            "acceptance_by_depth": [round(a, 4) for a in s.acceptance_by_depth],
+            "num_drafts": self.drafts,
+            "num_draft_tokens": self.draft_tokens,
+            "num_accepted_draft_tokens": self.accepted,
+            "draft_acceptance_rate": round(self.accepted / self.draft_tokens, 4) if self.draft_tokens else 0.0,
+            "tokens_per_s": round(s.tokens_per_s, 2),
+            "time": {
+                "queue_s": round(admit - self.t_arrival, 4),
+                "prefill_s": round(s.prefill_time, 4),
+                "draft_s": round(s.draft_time, 4),
+                "verify_s": round(s.verify_time, 4),
+                "decode_s": round(s.wall_time, 4),
+                "ttft_s": None if self.t_first is None else round(self.t_first - self.t_arrival, 4),
+                "total_s": round(now - self.t_arrival, 4),
+            },
+        }
+
+
+class Scheduler:
+    """The decode thread and its queue (see the module docstring)."""
+
+    def __init__(self, target, *, max_batch_tokens: int, max_running: int = 16, max_waiting: int = 64,
+                 metrics: Metrics | None = None):
+        self.target = target
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.metrics = metrics or Metrics()
+        self.batch = BatchDecoder(max_batch_tokens, on_forward=self.metrics.forward)
+        self._pending: collections.deque[Ticket] = collections.deque()
+        self._active: dict[int, Ticket] = {}  # id(run) -> ticket
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="fastforward-decode", daemon=True)
+        self.steps = 0
+
+    # -- the HTTP side ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def submit(self, parsed: ParsedRequest, loop: asyncio.AbstractEventLoop) -> Ticket:
+        ticket = Ticket(parsed, loop)
+        with self._cond:
+            if self._stopping:
+                raise APIError(503, "the server is shutting down")
+            if len(self._pending) >= self.max_waiting:
+                raise APIError(429, f"the server is busy: {len(self._pending)} requests are already waiting "
+                                    f"(and {len(self._active)} decoding); retry later", code="queue_full")
+            self._pending.append(ticket)
+            self._cond.notify()
+        self.metrics.queue(len(self._pending), len(self._active))
+        return ticket
+
+    # -- the decode thread -----------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pending and not self._active:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                room = self.max_running - len(self._active)
+                admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            for ticket in admit:
+                if ticket.cancelled.is_set():
+                    ticket.done = True
+                    continue
+                self._admit(ticket)
+            self._drop_cancelled()
+            if len(self.batch):
+                try:
+                    steps = self.batch.step()
+                except Exception:  # a bug: fail the requests in flight, keep serving
+                    log.error("decode step failed:\n%s", traceback.format_exc())
+                    for ticket in list(self._active.values()):
+                        self._fail(ticket, APIError(500, "internal error while decoding (see the server log)"))
+                    self.batch.runs.clear()
+                    continue
+                self.steps += 1
+                for run, tokens in steps:
+                    ticket = self._active.get(id(run))
+                    if ticket is None:
+                        continue
+                    self._emit(ticket, tokens)
+                    if run.finished:
+                        self._finish(ticket)
+            self.metrics.queue(len(self._pending), len(self._active))
+        with self._cond:
+            pending = list(self._pending) + list(self._active.values())
+            self._pending.clear()
+        for ticket in pending:
+            self._fail(ticket, APIError(503, "the server is shutting down"))
+
+    def _admit(self, ticket: Ticket) -> None:
+        ticket.t_admit = time.perf_counter()
+        g = ticket.parsed.generation
+        target = self.target
+        try:
+            ids = g.prompt_ids(target)
+            proposer = make_proposer(g.method, target, **g.method_options)
+            run = SequenceRun(target, ids, proposer, max_new_tokens=g.max_new_tokens, sampling=g.sampling,
+                              seed=g.seed, stops=g.stops, observers=(ticket.observe,))
+        except UsageError as exc:
+            message = str(exc)
+            code = "context_length_exceeded" if "context" in message else None
+            self._fail(ticket, APIError(400, message, code=code))
+            return
+        except Exception as exc:
+            if type(exc).__module__.startswith("jinja2"):  # the chat template refused the messages
+                self._fail(ticket, APIError(400, f"the model's chat template cannot format these messages: {exc}",
+                                            param="messages"))
+                return
+            log.error("starting a request failed:\n%s", traceback.format_exc())
+            self._fail(ticket, APIError(500, "internal error while starting the request (see the server log)"))
+            return
+        ticket.run = run
+        ticket.matcher = run.stop_matcher
+        ticket.own_matcher = ticket.matcher is None
+        if ticket.own_matcher:
+            ticket.matcher = StopMatcher(target.decode)
+        if ticket.parsed.trace:
+            ticket.tracer = IncrementalDetokenizer(target.decode)
+        ticket.put("start", {"prompt_tokens": len(ids)})
+        self._active[id(run)] = ticket
+        try:
+            tokens = self.batch.add(run)
+        except Exception:
+            log.error("prefill failed:\n%s", traceback.format_exc())
+            self._fail(ticket, APIError(500, "internal error while reading the prompt (see the server log)"))
+            return
+        self._emit(ticket, tokens, depths=[0])
+        if run.finished:
+            self._finish(ticket)
+
+    def _emit(self, ticket: Ticket, tokens: list[int], depths: list[int] | None = None) -> None:
+        if not tokens:
+            return
+        if ticket.t_first is None:
+            ticket.t_first = time.perf_counter()
+        if depths is None:  # the accepted draft tokens at depths 1..a, then the target's own (bonus) token
+            depths = list(range(1, ticket.last_accepted + 1)) + [0]
+        if ticket.own_matcher:
+            ticket.matcher.feed(tokens)
+        delta = ticket.matcher.visible_delta()
+        event = {"text": delta}
+        if ticket.tracer is not None:
+            event["pieces"] = [[ticket.tracer.push([tok]), d] for tok, d in zip(tokens, depths, strict=False)]
+            stats = ticket.run.stats
+            event["tau"] = round(stats.tau, 3)
+            event["tokens"] = stats.new_tokens
+        if delta or ticket.tracer is not None:
+            ticket.put("delta", event)
+
+    def _finish(self, ticket: Ticket) -> None:
+        run = ticket.run
+        self._active.pop(id(run), None)
+        now = time.perf_counter()
+        event = {"text": ticket.matcher.final_delta(),
+                 "finish_reason": FINISH_REASONS.get(run.reason, run.reason),
+                 "usage": {"prompt_tokens": run.stats.prompt_tokens, "completion_tokens": run.stats.new_tokens,
+                           "total_tokens": run.stats.prompt_tokens + run.stats.new_tokens},
+                 "stats": ticket.stats(now)}
+        if ticket.tracer is not None:
+            rest = ticket.tracer.flush()
+            event["pieces"] = [[rest, 0]] if rest else []
+        ticket.done = True
+        ticket.put("done", event)
+        self._account(ticket, now, cancelled=False)
+
+    def _account(self, ticket: Ticket, now: float, cancelled: bool) -> None:
+        s = ticket.run.stats
+        self.metrics.finished(
+            ticket.parsed.method, prompt_tokens=s.prompt_tokens, completion_tokens=s.new_tokens,
+            forwards=s.target_forwards, drafts=ticket.drafts, draft_tokens=ticket.draft_tokens,
+            accepted_tokens=ticket.accepted, latency=now - ticket.t_arrival,
+            ttft=None if ticket.t_first is None else ticket.t_first - ticket.t_arrival,
+            queue_wait=(ticket.t_admit or now) - ticket.t_arrival, cancelled=cancelled)
+
+    def _drop_cancelled(self) -> None:
+        for key, ticket in list(self._active.items()):
+            if ticket.cancelled.is_set():
+                self.batch.remove(ticket.run)
+                self._active.pop(key, None)
+                ticket.done = True
+                self._account(ticket, time.perf_counter(), cancelled=True)
+
+    def _fail(self, ticket: Ticket, error: APIError) -> None:
+        if ticket.run is not None:
+            self._active.pop(id(ticket.run), None)
+            if ticket.run in self.batch.runs:
+                self.batch.remove(ticket.run)
+        ticket.done = True
+        ticket.put("error", error)
