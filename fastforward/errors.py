@@ -15,3 +15,7 @@ class ModelNotFoundError(FastForwardError, FileNotFoundError):
 
 class InputTypeError(UsageError, TypeError):
     """An argument of the wrong type (``ff.generate(model, None)``, ``stop=123``): a TypeError and a UsageError."""
+
+
+class PastaSyntaxError(UsageError):
+    """Malformed PASTA-LANG (an unbalanced or nested tag, a promise without its block, a bad attribute, ...)."""

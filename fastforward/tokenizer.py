@@ -93,6 +93,7 @@ class LightTokenizer:
         self.truncation_side = config.get("truncation_side", "right")
         self.model_input_names = list(config.get("model_input_names", ["input_ids", "attention_mask"]))
         self._modified = False
+        self._grown = False  # tokens added since loading (save_pretrained writes the backend then)
 
         # The backend's own padding/truncation settings are never applied by a plain transformers call (it resets
         # them before every encode); only the pad token they name is kept as a default.
@@ -196,11 +197,13 @@ class LightTokenizer:
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
         saved = []
-        if self.folder is None:
+        if self.folder is None or self._grown:
             self._backend.save(str(out / "tokenizer.json"))
             saved.append(str(out / "tokenizer.json"))
-        else:
+        if self.folder is not None:
             for name in _FILES:
+                if self._grown and name == "tokenizer.json":
+                    continue
                 if (self.folder / name).is_file():
                     if (self.folder / name).resolve() != (out / name).resolve():
                         shutil.copyfile(self.folder / name, out / name)
@@ -292,6 +295,28 @@ class LightTokenizer:
     @property
     def added_tokens_encoder(self) -> dict[str, int]:
         return {t.content: i for i, t in sorted(self.added_tokens_decoder.items())}
+
+    def add_tokens(self, new_tokens, special_tokens: bool = False) -> int:
+        """Append tokens to the vocabulary (existing ids never change), as transformers' ``add_tokens``; returns
+        how many were new. Special ones are skipped by ``decode(skip_special_tokens=True)`` and saved with the
+        tokenizer (``save_pretrained`` then writes the grown ``tokenizer.json``)."""
+        if isinstance(new_tokens, (str, AddedToken)):
+            new_tokens = [new_tokens]
+        have = self.get_vocab()
+        tokens = [t if isinstance(t, AddedToken) else AddedToken(t, special=special_tokens, normalized=not
+                                                                  special_tokens) for t in new_tokens]
+        tokens = [t for t in tokens if t.content not in have]
+        if not tokens:
+            return 0
+        if special_tokens:
+            self._backend.add_special_tokens(tokens)
+            self._extra.extend(t for t in tokens if all(str(t) != str(e) for e in self._extra))
+        else:
+            self._backend.add_tokens(tokens)
+        self._grown = True
+        self._modified = True
+        self._hf = None  # a fallback tokenizer loaded earlier no longer matches
+        return len(tokens)
 
     def convert_tokens_to_ids(self, tokens):
         if isinstance(tokens, str):
