@@ -167,9 +167,12 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _collect(request, ticket, parsed, rid)
 
-    def extension(parsed: ParsedRequest, stats: dict) -> dict:
-        return {"method": parsed.method, "options": {k: _json_safe(v) for k, v in parsed.options.items()},
-                "stats": stats}
+    def extension(parsed: ParsedRequest, done: dict) -> dict:
+        ext = {"method": parsed.method, "options": {k: _json_safe(v) for k, v in parsed.options.items()},
+               "stats": done["stats"]}
+        if parsed.token_ids:
+            ext["token_ids"] = done["token_ids"]
+        return ext
 
     async def _collect(request: Request, ticket, parsed: ParsedRequest, rid: str):
         parts = []
@@ -200,7 +203,7 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
                     obj = "text_completion"
                 return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
                         "choices": [choice], "usage": payload["usage"],
-                        "fastforward": extension(parsed, payload["stats"])}
+                        "fastforward": extension(parsed, payload)}
 
     async def _sse(ticket, parsed: ParsedRequest, rid: str):
         created_at = int(time.time())
@@ -247,7 +250,7 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
                     if payload["text"] or (parsed.trace and payload.get("pieces")):
                         extra = {"fastforward": {"pieces": payload["pieces"]}} if parsed.trace else None
                         yield chunk(payload["text"], extra=extra)
-                    ext = {"fastforward": extension(parsed, payload["stats"])}
+                    ext = {"fastforward": extension(parsed, payload)}
                     yield chunk(None if chat else "", finish=payload["finish_reason"], extra=ext)
                     if parsed.include_usage:
                         yield chunk(choices=False, extra={"usage": payload["usage"], **ext})

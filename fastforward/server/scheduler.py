@@ -251,7 +251,7 @@ class Scheduler:
                  "finish_reason": FINISH_REASONS.get(run.reason, run.reason),
                  "usage": {"prompt_tokens": run.stats.prompt_tokens, "completion_tokens": run.stats.new_tokens,
                            "total_tokens": run.stats.prompt_tokens + run.stats.new_tokens},
-                 "stats": ticket.stats(now)}
+                 "stats": ticket.stats(now), "token_ids": list(run.emitted)}
         if ticket.tracer is not None:
             rest = ticket.tracer.flush()
             event["pieces"] = [[rest, 0]] if rest else []

@@ -56,6 +56,7 @@ class ParsedRequest:
     include_usage: bool = False
     trace: bool = False  # stream each token's text and how it came (the page uses it)
     options: dict = field(default_factory=dict)
+    token_ids: bool = False  # return the generated token ids too
 
     @property
     def method(self) -> str:
@@ -136,16 +137,19 @@ def _max_tokens(body: dict, limits: Limits) -> int:
     return value
 
 
-def _extension(body: dict, default_method: str) -> tuple[str, dict, bool]:
+EXTENSION_FIELDS = ("method", "options", "trace", "token_ids")
+
+
+def _extension(body: dict, default_method: str) -> tuple[str, dict, bool, bool]:
     ext = body.get("fastforward")
     if ext is None:
-        return default_method, {}, False
+        return default_method, {}, False, False
     if not isinstance(ext, dict):
         raise bad(f"'fastforward' must be an object {{\"method\": ..., \"options\": {{...}}}}, got "
                   f"{_type_name(ext)}", "fastforward")
-    unknown = sorted(set(ext) - {"method", "options", "trace"})
+    unknown = sorted(set(ext) - set(EXTENSION_FIELDS))
     if unknown:
-        raise bad(f"unknown field(s) in 'fastforward': {', '.join(unknown)} (known: method, options, trace)",
+        raise bad(f"unknown field(s) in 'fastforward': {', '.join(unknown)} (known: {', '.join(EXTENSION_FIELDS)})",
                   "fastforward")
     method = ext.get("method", default_method)
     if not isinstance(method, str) or not method:
@@ -158,10 +162,13 @@ def _extension(body: dict, default_method: str) -> tuple[str, dict, bool]:
     if not isinstance(options, dict):
         raise bad(f"'fastforward.options' must be an object of option name -> value, got {_type_name(options)}",
                   "fastforward.options")
-    trace = ext.get("trace", False)
-    if not isinstance(trace, bool):
-        raise bad("'fastforward.trace' must be true or false", "fastforward.trace")
-    return method, options, trace
+    flags = []
+    for name in ("trace", "token_ids"):
+        flag = ext.get(name, False)
+        if not isinstance(flag, bool):
+            raise bad(f"'fastforward.{name}' must be true or false", f"fastforward.{name}")
+        flags.append(flag)
+    return method, options, *flags
 
 
 def _messages(body: dict) -> list[dict]:
@@ -247,7 +254,7 @@ def parse(kind: str, body, *, served: tuple[str, ...], default_method: str, limi
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise bad(f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
-    method, options, trace = _extension(body, default_method)
+    method, options, trace, token_ids = _extension(body, default_method)
     if kind == "chat":
         prompt, chat = _messages(body), True
     else:
@@ -258,7 +265,7 @@ def parse(kind: str, body, *, served: tuple[str, ...], default_method: str, limi
                                        method_options=options)
     except UsageError as exc:  # the one validation path: its message names the field
         raise bad(str(exc), _param_of(str(exc))) from None
-    return ParsedRequest(kind, model, generation, stream, include_usage, trace, dict(options))
+    return ParsedRequest(kind, model, generation, stream, include_usage, trace, dict(options), token_ids)
 
 
 def _param_of(message: str) -> str | None:
