@@ -369,3 +369,34 @@ def test_default_model_eagle_and_pld_through_the_server():
                                           extra_body={"fastforward": {"method": method, "token_ids": True}})
             assert r.model_extra["fastforward"]["token_ids"] == ref.token_ids, method
             assert r.choices[0].message.content == ref.text
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The load test (fastforward serve-bench) and the commands' refusals
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_load_test_small(server):
+    from fastforward.bench.serve_load import format_report, run_load
+
+    report = run_load(server, MODEL, clients=3, requests=9, max_tokens=8, methods=["ar", "pld", "jacobi"],
+                      log=lambda message: None)
+    assert report["failures"] == 0
+    assert report["greedy_checked"] == 3 * 9 - 3 and report["greedy_mismatches"] == 0
+    assert report["sampled_groups"] > 0 and report["sampled_disagreements"] == 0
+    assert report["one_client"]["tokens_per_s"] > 0 and report["many_clients"]["ttft_p50_s"] is not None
+    assert "aggregate tokens/s" in format_report(report)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["serve", "--method", "warp"], "unknown method 'warp'"),
+    (["serve", "--port", "70000"], "--port"),
+    (["serve-bench", "--methods", "ar,warp"], "unknown method(s) warp"),
+    (["serve-bench", "--url", "http://127.0.0.1:9", "--model", "m", "--methods", ""], "--methods"),
+])
+def test_commands_refuse_bad_arguments_in_one_line(capsys, argv, fragment):
+    from fastforward.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert fragment in err and len(err.splitlines()) == 1

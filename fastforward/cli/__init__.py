@@ -31,6 +31,7 @@ COMMANDS = {
     "collect-trajectories": ("fastforward.cli.trajectories", "collect Jacobi trajectories for CLLM training"),
     "make-data": ("fastforward.cli.make_data", "the target's own responses to training prompts, for drafters"),
     "serve": ("fastforward.cli.serve", "an OpenAI-compatible server: the decoding method per request, shared forwards"),
+    "serve-bench": ("fastforward.cli.serve", "a bounded load test of the server: C clients x R requests"),
 }
 
 

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import sys
 
+from ..bench.serve_load import DEFAULT_METHODS
 from ..errors import UsageError
+from ..model import DEFAULT_MODEL
 from .options import add_model_arguments, positive_int
 
 SERVE_HINT = "install the server's dependencies with: pip install -e '.[serve]' (fastapi, uvicorn)"
 
 
 def add_arguments(p, name: str) -> None:
+    if name == "serve-bench":
+        _add_bench_arguments(p)
+        return
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -32,7 +37,79 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
+def _add_bench_arguments(p) -> None:
+    p.add_argument("--url", default=None, help="an already running server (default: start one on a free loopback "
+                   "port with --model and stop it at the end)")
+    p.add_argument("--model", default=None, help="the model to serve (default: smollm2-135m), or with --url the "
+                   "model id to request (default: the server's first)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads of the started server")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="an argument for the started server (repeatable), e.g. --server-arg=--max-running=8")
+    p.add_argument("--clients", type=positive_int, default=16, help="concurrent clients (default: %(default)s)")
+    p.add_argument("--requests", type=positive_int, default=25, help="requests per client (default: %(default)s)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="max_tokens per request (default: %(default)s)")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help="methods in rotation, comma-separated (default: %(default)s)")
+    p.add_argument("--timeout", type=positive_int, default=600, help="seconds one request may take (default: "
+                   "%(default)s)")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON to FILE")
+
+
+def _run_bench(args) -> int:
+    import json
+    import urllib.request
+
+    from ..bench.serve_load import format_report, free_port, run_load, start_server
+    from ..proposers import available_methods
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in available_methods()]
+    if not methods or unknown:
+        raise UsageError(f"--methods: unknown method(s) {', '.join(unknown) or '(none given)'}; available: "
+                         f"{', '.join(available_methods())}")
+    proc = None
+    url = args.url
+    model = args.model
+    try:
+        if url is None:
+            try:
+                import fastapi  # noqa: F401
+                import uvicorn  # noqa: F401
+            except ModuleNotFoundError:
+                raise UsageError(f"'fastforward serve-bench' starts a server, which needs fastapi and uvicorn: "
+                                 f"{SERVE_HINT}") from None
+            model = model or DEFAULT_MODEL
+            port = free_port()
+            proc = start_server(model, port, args.server_arg, args.threads,
+                                log=lambda m: print(m, file=sys.stderr, flush=True))
+            url = f"http://127.0.0.1:{port}"
+        url = url.rstrip("/")
+        if model is None:
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+                    model = json.loads(r.read())["data"][0]["id"]
+            except OSError as exc:
+                raise UsageError(f"--url {url}: no server answers there ({exc})") from None
+        report = run_load(url, model, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,
+                          methods=methods, timeout=args.timeout, log=lambda m: print(m, file=sys.stderr, flush=True))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except Exception:
+                proc.kill()
+    print(format_report(report))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    ok = report["failures"] == 0 and report["greedy_mismatches"] == 0 and report["sampled_disagreements"] == 0
+    return 0 if ok else 1
+
+
 def run(args, name: str) -> int:
+    if name == "serve-bench":
+        return _run_bench(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     try:

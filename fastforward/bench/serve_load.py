@@ -1,0 +1,316 @@
+"""A bounded load test of ``fastforward serve`` on loopback (``fastforward serve-bench``): it stops by itself.
+
+Two phases against one server, plain HTTP from threads (no client library in the way):
+
+1. **one client**: one request per prompt, one after another (methods in rotation, streaming every other one);
+   its greedy answers are the *solo answers* and its tokens/s the one-client throughput;
+2. **C clients** at once, each sending R requests back to back: prompt ``(c + r) % P``, method
+   ``(c + 2r) % M``, streaming every other one; every 8th request samples (temperature 0.8, a fixed seed) instead.
+
+Checked: no request failed, every greedy answer equals the solo answer of its prompt token for token (methods are
+lossless and the shared forwards compute each row as alone), sampled requests with the same prompt, method and seed
+agree. Reported: aggregate tokens/s of each phase and their ratio, latency p50/p95, time to first token p50/p95
+(streaming requests), the server's rows per forward.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
+
+from ..errors import FastForwardError
+
+PROMPTS = [
+    "Explain what a KV cache is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "Write a haiku about the sea.",
+    "What is the capital of France? Answer in one sentence.",
+    "Give two tips for writing clear emails.",
+    "Describe a cat to someone who has never seen one.",
+    "What does HTTP stand for?",
+    "Summarise the water cycle in three steps.",
+    "Write a Python function that returns the square of a number.",
+    "Name four planets of the solar system.",
+    "Why is the sky blue? Keep it short.",
+    "Translate 'good morning' into Spanish and German.",
+    "Suggest a name for a coffee shop.",
+    "What is 12 times 12? Explain the steps.",
+    "Give a one-sentence definition of machine learning.",
+    "Write a short motivational quote.",
+    "What are the three states of matter?",
+    "Describe how to boil an egg.",
+    "Name two famous painters and one painting by each.",
+    "What is the difference between weather and climate?",
+    "Write a limerick about a programmer.",
+    "How many days are in a leap year?",
+    "Give three synonyms for 'happy'.",
+    "Explain recursion to a child.",
+    "What is photosynthesis? One paragraph.",
+]
+
+DEFAULT_METHODS = ("ar", "pld", "lookahead", "eagle", "sps", "jacobi", "tr-jacobi")
+
+
+@dataclass
+class Outcome:
+    client: int
+    index: int
+    prompt: int
+    method: str
+    stream: bool
+    sampled: bool
+    ok: bool = False
+    error: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    tokens: int = 0
+    latency: float = 0.0
+    ttft: float | None = None
+    tau: float = 0.0
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def _request(conn: http.client.HTTPConnection, model: str, prompt: str, method: str, *, stream: bool,
+             max_tokens: int, sampled: bool, seed: int, timeout: float, outcome: Outcome) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.8 if sampled else 0.0, "seed": seed,
+            "fastforward": {"method": method, "token_ids": True}}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    t0 = time.perf_counter()
+    conn.timeout = timeout
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        outcome.error = f"HTTP {resp.status}: {resp.read().decode('utf-8', 'replace')[:300]}"
+        return
+    if not stream:
+        record = json.loads(resp.read())
+        final = record
+    else:
+        final = None
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                break
+            record = json.loads(data)
+            if "error" in record:
+                outcome.error = record["error"].get("message", "error")
+                resp.read()
+                return
+            choices = record.get("choices") or []
+            if outcome.ttft is None and choices and (choices[0].get("delta") or {}).get("content"):
+                outcome.ttft = time.perf_counter() - t0
+            if not choices and "usage" in record:
+                final = record
+        resp.read()
+    outcome.latency = time.perf_counter() - t0
+    if final is None:
+        outcome.error = "the stream ended without the usage chunk"
+        return
+    ext = final.get("fastforward") or {}
+    outcome.token_ids = ext.get("token_ids", [])
+    outcome.tokens = final["usage"]["completion_tokens"]
+    outcome.tau = (ext.get("stats") or {}).get("tau", 0.0)
+    outcome.ok = True
+
+
+def _client(url: str, model: str, jobs: list[Outcome], max_tokens: int, timeout: float) -> None:
+    parsed = urlparse(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+    for job in jobs:
+        try:
+            _request(conn, model, PROMPTS[job.prompt], job.method, stream=job.stream, max_tokens=max_tokens,
+                     sampled=job.sampled, seed=1000 + job.prompt, timeout=timeout, outcome=job)
+        except Exception as exc:  # a failure to report, not to crash the load test on
+            job.error = f"{type(exc).__name__}: {exc}"
+            conn.close()
+            conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+    conn.close()
+
+
+def _phase(url: str, model: str, plan: list[list[Outcome]], max_tokens: int, timeout: float) -> float:
+    threads = [threading.Thread(target=_client, args=(url, model, jobs, max_tokens, timeout), daemon=True)
+               for jobs in plan]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * max(1, len(plan[0])))
+    return time.perf_counter() - t0
+
+
+def _summary(outcomes: list[Outcome], wall: float) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    tokens = sum(o.tokens for o in ok)
+    ttfts = [o.ttft for o in ok if o.ttft is not None]
+    lat = [o.latency for o in ok]
+    return {"requests": len(outcomes), "failures": len(outcomes) - len(ok), "tokens": tokens,
+            "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+            "latency_p50_s": _round(_percentile(lat, 0.5)), "latency_p95_s": _round(_percentile(lat, 0.95)),
+            "ttft_p50_s": _round(_percentile(ttfts, 0.5)), "ttft_p95_s": _round(_percentile(ttfts, 0.95)),
+            "mean_tau": _round(sum(o.tau for o in ok) / len(ok) if ok else None)}
+
+
+def _round(x):
+    return None if x is None else round(x, 3)
+
+
+def _metric(url: str, name: str) -> float | None:
+    parsed = urlparse(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max_tokens: int = 64,
+             methods=DEFAULT_METHODS, timeout: float = 600.0, log=print) -> dict:
+    """Both phases against the server at ``url`` serving ``model``; returns the report (see the module doc)."""
+    methods = list(methods)
+    n_prompts = min(len(PROMPTS), max(requests, 1))
+    # warm-up: every method once (drafters load on first use)
+    for m in methods:
+        warm = Outcome(-1, 0, 0, m, False, False)
+        _client(url, model, [warm], 4, timeout)
+        if not warm.ok:
+            raise FastForwardError(f"the warm-up request with method {m} failed: {warm.error}")
+    solo = [Outcome(0, i, i, methods[i % len(methods)], bool(i % 2), False) for i in range(n_prompts)]
+    log(f"phase 1: 1 client x {n_prompts} requests (greedy, methods in rotation) ...")
+    forwards0, rows0 = _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
+    solo_wall = _phase(url, model, [solo], max_tokens, timeout)
+    forwards1, rows1 = _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
+    one = _summary(solo, solo_wall)
+    log(f"  {one}")
+    plan = []
+    for c in range(clients):
+        jobs = []
+        for r in range(requests):
+            p = (c + r) % n_prompts
+            jobs.append(Outcome(c, r, p, methods[(c + 2 * r) % len(methods)], (c + r) % 2 == 0, r % 8 == 7))
+        plan.append(jobs)
+    log(f"phase 2: {clients} clients x {requests} requests (mixed methods, streaming and not) ...")
+    many_wall = _phase(url, model, plan, max_tokens, timeout)
+    forwards2, rows2 = _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
+    outcomes = [o for jobs in plan for o in jobs]
+    many = _summary(outcomes, many_wall)
+    log(f"  {many}")
+    # checks
+    reference = {o.prompt: o.token_ids for o in solo if o.ok}
+    mismatches = [o for o in outcomes if o.ok and not o.sampled and o.token_ids != reference.get(o.prompt)]
+    groups: dict[tuple, set] = {}
+    for o in outcomes:
+        if o.ok and o.sampled:
+            groups.setdefault((o.prompt, o.method), set()).add(tuple(o.token_ids))
+    sampled_disagree = [k for k, v in groups.items() if len(v) > 1]
+    failures = [o for o in solo + outcomes if not o.ok]
+
+    def per_forward(f0, r0, f1, r1):
+        if None in (f0, r0, f1, r1) or f1 == f0:
+            return None
+        return round((r1 - r0) / (f1 - f0), 2)
+
+    report = {
+        "model": model, "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens,
+        "methods": methods, "one_client": one, "many_clients": many,
+        "speedup_tokens_per_s": round(many["tokens_per_s"] / one["tokens_per_s"], 2) if one["tokens_per_s"] else None,
+        "rows_per_forward_one_client": per_forward(forwards0, rows0, forwards1, rows1),
+        "rows_per_forward_many_clients": per_forward(forwards1, rows1, forwards2, rows2),
+        "failures": len(failures), "failure_examples": [f"{o.method}: {o.error}" for o in failures[:5]],
+        "greedy_checked": sum(1 for o in outcomes if o.ok and not o.sampled),
+        "greedy_mismatches": len(mismatches),
+        "mismatch_examples": [asdict(o) | {"token_ids": o.token_ids[:16]} for o in mismatches[:3]],
+        "sampled_groups": len(groups), "sampled_disagreements": len(sampled_disagree),
+        "per_method_tau": {m: _round(sum(o.tau for o in outcomes if o.ok and o.method == m) /
+                                     max(1, sum(1 for o in outcomes if o.ok and o.method == m))) for m in methods},
+    }
+    return report
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, extra_args=(), threads: int | None = None, log=print,
+                 startup_timeout: float = 600.0) -> subprocess.Popen:
+    """``fastforward serve`` in a child process (its own interpreter: the load clients never share its GIL); returns
+    once ``/health`` answers."""
+    cmd = [sys.executable, "-m", "fastforward.cli", "serve", "--model", model, "--port", str(port),
+           "--log-level", "warning", *extra_args]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    log("starting: " + " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=dict(os.environ))
+    deadline = time.monotonic() + startup_timeout
+    while True:
+        if proc.poll() is not None:
+            raise FastForwardError(f"the server exited with code {proc.returncode} before answering (its error is "
+                                   "above)")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                conn.close()
+                return proc
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise FastForwardError(f"the server did not answer /health within {startup_timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def format_report(r: dict) -> str:
+    one, many = r["one_client"], r["many_clients"]
+    lines = [
+        f"model {r['model']}: {r['clients']} clients x {r['requests_per_client']} requests, max_tokens "
+        f"{r['max_tokens']}, methods {', '.join(r['methods'])}",
+        f"{'':<12}{'requests':>9}{'fail':>6}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'lat p50':>9}{'lat p95':>9}"
+        f"{'ttft p50':>10}{'ttft p95':>10}",
+    ]
+    for name, s in (("1 client", one), (f"{r['clients']} clients", many)):
+        lines.append(f"{name:<12}{s['requests']:>9}{s['failures']:>6}{s['tokens']:>8}{s['wall_s']:>9}"
+                     f"{s['tokens_per_s']:>9}{_fmt(s['latency_p50_s']):>9}{_fmt(s['latency_p95_s']):>9}"
+                     f"{_fmt(s['ttft_p50_s']):>10}{_fmt(s['ttft_p95_s']):>10}")
+    lines += [
+        f"aggregate tokens/s, {r['clients']} clients vs 1: {r['speedup_tokens_per_s']}x; rows per shared forward: "
+        f"{r['rows_per_forward_one_client']} (1 client) vs {r['rows_per_forward_many_clients']} "
+        f"({r['clients']} clients)",
+        f"failures: {r['failures']}; greedy answers equal to the solo answer: "
+        f"{r['greedy_checked'] - r['greedy_mismatches']}/{r['greedy_checked']}; seeded sampled groups that "
+        f"disagree: {r['sampled_disagreements']}/{r['sampled_groups']}",
+        "tau by method (many clients): " + ", ".join(f"{m} {t}" for m, t in r["per_method_tau"].items()),
+    ]
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
