@@ -103,6 +103,8 @@ class Proposer:
     lossless = True
     #: layers whose hidden states the proposer wants from every target forward (see ``TargetModel.forward``)
     hidden_layers: tuple[int, ...] = ()
+    #: a SequenceRun subclass that decodes this method instead of draft-then-verify (None: the engine's own)
+    run_class = None
 
     def max_proposal_size(self) -> int:
         """An upper bound on ``Proposal.size`` (reserved in the KV cache)."""
@@ -187,6 +189,14 @@ class SequenceRun:
     keep the accepted path in the cache, emit, let the proposer observe) -- after one :meth:`prefill`. A run's
     output does not depend on which other runs share its forwards: every row of a forward is computed as alone.
     """
+
+    def __new__(cls, target=None, prompt_ids=None, proposer=None, **kwargs):
+        # A method that is not draft-then-verify (PASTA's interpreter) brings its own run class, a subclass with
+        # the same three steps; every caller that makes a SequenceRun for it gets one.
+        run_class = getattr(proposer, "run_class", None)
+        if cls is SequenceRun and run_class is not None:
+            cls = run_class
+        return super().__new__(cls)
 
     def __init__(self, target: TargetModel, prompt_ids: list[int], proposer: Proposer, *, max_new_tokens: int,
                  sampling: SamplingConfig, seed: int | None, stops=(), stats: GenerationStats | None = None,
