@@ -162,12 +162,14 @@ def _phase(url: str, model: str, plan: list[list[Outcome]], max_tokens: int, tim
     return time.perf_counter() - t0
 
 
-def _summary(outcomes: list[Outcome], wall: float) -> dict:
+def _summary(outcomes: list[Outcome], wall: float, cpu_start=None, cpu_end=None) -> dict:
     ok = [o for o in outcomes if o.ok]
     tokens = sum(o.tokens for o in ok)
     ttfts = [o.ttft for o in ok if o.ttft is not None]
     lat = [o.latency for o in ok]
+    cpu = None if cpu_start is None or cpu_end is None else cpu_end - cpu_start
     return {"requests": len(outcomes), "failures": len(outcomes) - len(ok), "tokens": tokens,
+            "server_cpu_s": _round(cpu), "tokens_per_cpu_s": _round(tokens / cpu) if cpu else None,
             "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
             "latency_p50_s": _round(_percentile(lat, 0.5)), "latency_p95_s": _round(_percentile(lat, 0.95)),
             "ttft_p50_s": _round(_percentile(ttfts, 0.5)), "ttft_p95_s": _round(_percentile(ttfts, 0.95)),
@@ -190,9 +192,23 @@ def _metric(url: str, name: str) -> float | None:
     return None
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user + system, all threads) the process ``pid`` has used so far (Linux), else None."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max_tokens: int = 64,
-             methods=DEFAULT_METHODS, timeout: float = 600.0, log=print) -> dict:
-    """Both phases against the server at ``url`` serving ``model``; returns the report (see the module doc)."""
+             methods=DEFAULT_METHODS, timeout: float = 600.0, log=print, server_pid: int | None = None) -> dict:
+    """Both phases against the server at ``url`` serving ``model``; returns the report (see the module doc).
+    With the server's ``server_pid`` (a local process), each phase also reports the server's CPU seconds and tokens
+    per CPU second: a measure of batching that other load on the machine does not distort as much as wall time."""
     methods = list(methods)
     n_prompts = min(len(PROMPTS), max(requests, 1))
     # warm-up: every method once (drafters load on first use)
@@ -204,9 +220,11 @@ def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max
     solo = [Outcome(0, i, i, methods[i % len(methods)], bool(i % 2), False) for i in range(n_prompts)]
     log(f"phase 1: 1 client x {n_prompts} requests (greedy, methods in rotation) ...")
     forwards0, rows0 = _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
+    cpu0 = cpu_seconds(server_pid)
     solo_wall = _phase(url, model, [solo], max_tokens, timeout)
+    cpu1 = cpu_seconds(server_pid)
     forwards1, rows1 = _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
-    one = _summary(solo, solo_wall)
+    one = _summary(solo, solo_wall, cpu0, cpu1)
     log(f"  {one}")
     plan = []
     for c in range(clients):
@@ -217,9 +235,10 @@ def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max
         plan.append(jobs)
     log(f"phase 2: {clients} clients x {requests} requests (mixed methods, streaming and not) ...")
     many_wall = _phase(url, model, plan, max_tokens, timeout)
+    cpu2 = cpu_seconds(server_pid)
     forwards2, rows2 = _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
     outcomes = [o for jobs in plan for o in jobs]
-    many = _summary(outcomes, many_wall)
+    many = _summary(outcomes, many_wall, cpu1, cpu2)
     log(f"  {many}")
     # checks
     reference = {o.prompt: o.token_ids for o in solo if o.ok}
@@ -240,6 +259,8 @@ def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max
         "model": model, "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens,
         "methods": methods, "one_client": one, "many_clients": many,
         "speedup_tokens_per_s": round(many["tokens_per_s"] / one["tokens_per_s"], 2) if one["tokens_per_s"] else None,
+        "speedup_tokens_per_cpu_s": round(many["tokens_per_cpu_s"] / one["tokens_per_cpu_s"], 2)
+        if one["tokens_per_cpu_s"] and many["tokens_per_cpu_s"] else None,
         "rows_per_forward_one_client": per_forward(forwards0, rows0, forwards1, rows1),
         "rows_per_forward_many_clients": per_forward(forwards1, rows1, forwards2, rows2),
         "failures": len(failures), "failure_examples": [f"{o.method}: {o.error}" for o in failures[:5]],
@@ -301,6 +322,9 @@ def format_report(r: dict) -> str:
                      f"{s['tokens_per_s']:>9}{_fmt(s['latency_p50_s']):>9}{_fmt(s['latency_p95_s']):>9}"
                      f"{_fmt(s['ttft_p50_s']):>10}{_fmt(s['ttft_p95_s']):>10}")
     lines += [
+        f"server CPU seconds: {one['server_cpu_s']} (1 client), {many['server_cpu_s']} ({r['clients']} clients); "
+        f"tokens per server CPU second: {one['tokens_per_cpu_s']} vs {many['tokens_per_cpu_s']} "
+        f"({r['speedup_tokens_per_cpu_s']}x)",
         f"aggregate tokens/s, {r['clients']} clients vs 1: {r['speedup_tokens_per_s']}x; rows per shared forward: "
         f"{r['rows_per_forward_one_client']} (1 client) vs {r['rows_per_forward_many_clients']} "
         f"({r['clients']} clients)",

@@ -91,7 +91,8 @@ def _run_bench(args) -> int:
             except OSError as exc:
                 raise UsageError(f"--url {url}: no server answers there ({exc})") from None
         report = run_load(url, model, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,
-                          methods=methods, timeout=args.timeout, log=lambda m: print(m, file=sys.stderr, flush=True))
+                          methods=methods, timeout=args.timeout, log=lambda m: print(m, file=sys.stderr, flush=True),
+                          server_pid=None if proc is None else proc.pid)
     finally:
         if proc is not None:
             proc.terminate()
