@@ -3,6 +3,7 @@ report uses (the engine's results, the benchmark's rows, evaluation's summaries)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -10,6 +11,12 @@ from dataclasses import asdict, dataclass, field
 def tau(new_tokens: int, forwards: int) -> float:
     """Mean tokens emitted per target forward, the prefill's forward and token included (AR = 1.00)."""
     return new_tokens / forwards if forwards else 0.0
+
+
+def geomean(xs: Iterable[float]) -> float:
+    """Geometric mean of the positive values (speedup ratios per question or prompt); NaN when there are none."""
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def tokens_per_s(new_tokens: int, seconds: float) -> float:

@@ -259,9 +259,9 @@ def test_fork_visibility_and_positions(ids, prompt_len):
     if ids:
         assert int(layout.targets[p - 1]) == ids[main[0]] if main else True
     # the critical path: never more forwards than tokens, exactly as many when there is no block
-    assert layout.forwards <= max(1, len(ids)) + (0 if ids and ids[-1] == EOS else 1)
+    assert layout.forwards <= max(1, len(ids))
     if not forks:
-        assert layout.forwards == max(1, len(ids) + (0 if ids and ids[-1] == EOS else 1))
+        assert layout.forwards == max(1, len(ids))
 
 
 def test_layout_rejects_malformed_answers():

@@ -27,6 +27,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from ..stats import geomean
 from .plots import write_plots
 from .results import write_atomic
 from .spec import BASELINE, OVERALL
@@ -43,11 +44,6 @@ REFERENCE_PEERS = (
      "llama-cpp-python, of the same GGUF file on the same prompt tokens; its weights stay quantised as in the file "
      "and its activations are quantised to 8 bits, so its text differs from ours -- see its agreement with AR)."),
 )
-
-
-def geomean(xs: list[float]) -> float:
-    xs = [x for x in xs if x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def mean(xs: list[float]) -> float:

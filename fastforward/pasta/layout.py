@@ -260,8 +260,9 @@ class PastaLayout:
     ``positions[i]`` the position id of token i; ``mask[i, j]`` whether token i sees token j; ``targets[i]`` the
     token row i's logits predict (its thread's next token; -1: none); ``fed[i]`` whether the interpreter feeds
     token i (EOS and a block's last ``</async>`` after EOS are only chosen); ``step[i]`` the forward that feeds it
-    (0 = prefill); ``slot[i]`` its pool slot (-1 for the prompt and unfed tokens); ``forwards`` the forwards the
-    whole decode takes (the prefill included: the critical path in steps)."""
+    (0 = prefill); ``slot[i]`` its pool slot (-1 for the prompt and unfed tokens); ``forwards`` the forwards it
+    takes to choose every answer token (the prefill included: the critical path in steps; a plain answer of n
+    tokens takes n)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -309,6 +310,7 @@ def pasta_layout(prompt_ids, answer_ids, vocab: PastaVocab, eos_ids=(), max_fork
     mask[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril_()
     step[:p] = 0
     slot_logical: list[int] = []  # pool slot -> logical index
+    last_choice = [0]  # the forward that chose the last answer token
 
     def give(thread: Thread, source_row: int | None) -> None:
         k = thread.index
@@ -320,6 +322,7 @@ def pasta_layout(prompt_ids, answer_ids, vocab: PastaVocab, eos_ids=(), max_fork
         taken[k] += 1
         if source_row is not None:
             targets[source_row] = answer[i]
+            last_choice[0] = max(last_choice[0], int(step[source_row]))
         schedule.choose(thread, answer[i])
 
     if answer:
@@ -369,4 +372,4 @@ def pasta_layout(prompt_ids, answer_ids, vocab: PastaVocab, eos_ids=(), max_fork
             mask[i, i] = True
             positions[i] = positions[prev] + 1
     return PastaLayout(torch.tensor(prompt + answer, dtype=torch.long), positions, mask, targets, fed, step, slot_of,
-                       p, schedule.steps + 1, len(fork_idx))
+                       p, last_choice[0] + 1, len(fork_idx))
