@@ -1,8 +1,9 @@
 """The page at ``/``: plain HTML and JavaScript, served by the same process, no build step.
 
-A prompt, two method pickers, and both answers streaming side by side from ``/v1/chat/completions`` (with
-``"fastforward": {"trace": true}``, so every chunk says which tokens it holds and how each came): a token produced by
-the target's own forward is plain, a token drafted and accepted at depth d is coloured by d. Live tau (tokens per
+A prompt, two method pickers (each with its options as JSON), and both answers streaming side by side from
+``/v1/chat/completions`` (with ``"fastforward": {"trace": true}``, so every chunk says which tokens it holds and how
+each came): a token produced by the target's own forward is plain, a token drafted and accepted at depth d is
+coloured by d. Live tau (tokens per
 target forward) and tokens/s above each answer; the final statistics below.
 """
 
@@ -39,7 +40,9 @@ PAGE = r"""<!doctype html>
 <textarea id="prompt" rows="3">Explain what a KV cache is in two sentences.</textarea>
 <div class="controls">
   <label>left <select id="m0"></select></label>
+  <input id="o0" placeholder='options, e.g. {"max_ngram": 4}' style="width:13em">
   <label>right <select id="m1"></select></label>
+  <input id="o1" placeholder='options, e.g. {"nodes": 12}' style="width:13em">
   <label>max tokens <input id="max" type="number" value="128" min="1" style="width:5em"></label>
   <label>temperature <input id="temp" type="number" value="0" min="0" max="2" step="0.1" style="width:4em"></label>
   <button id="go">Generate</button>
@@ -72,15 +75,18 @@ async function init() {
 
 function fmt(x, d) { return (x === null || x === undefined) ? "-" : Number(x).toFixed(d); }
 
-async function run(pane, method) {
+async function run(pane, method, optionsText) {
   const name = pane.querySelector(".name"), live = pane.querySelector(".live");
   const out = pane.querySelector(".out"), fin = pane.querySelector(".final");
   name.textContent = method; out.textContent = ""; fin.textContent = ""; live.textContent = "";
   pane.dataset.done = "";
   const t0 = performance.now();
+  let options = {};
+  try { options = optionsText.trim() ? JSON.parse(optionsText) : {}; }
+  catch (e) { fin.textContent = "error: the options are not JSON"; pane.dataset.done = "1"; return; }
   const body = {model: MODEL, stream: true, max_tokens: Number($("max").value), temperature: Number($("temp").value),
                 seed: 0, messages: [{role: "user", content: $("prompt").value}],
-                fastforward: {method: method, trace: true}};
+                fastforward: {method: method, options: options, trace: true}};
   try {
     const r = await fetch("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
                                                    body: JSON.stringify(body)});
@@ -130,7 +136,9 @@ async function run(pane, method) {
   pane.dataset.done = "1";
 }
 
-$("go").onclick = () => { run($("p0"), $("m0").value); run($("p1"), $("m1").value); };
+$("go").onclick = () => {
+  run($("p0"), $("m0").value, $("o0").value); run($("p1"), $("m1").value, $("o1").value);
+};
 init();
 </script>
 </body>
