@@ -77,6 +77,22 @@ def test_cascade_and_parallel_differ_only_from_layer_three(target):
     assert torch.equal(ha[0], hb[0]) and torch.equal(ha[1], hb[1]) and not torch.allclose(ha[2], hb[2])
 
 
+def test_backoff_skips_looks_when_nothing_is_drafted(target, tmp_path):
+    """A drafter that never pays (its outputs are 0: uniform distributions) looks at fewer steps with back-off than
+    without, and both decode AR's tokens."""
+    flat = FastEagleDrafter.for_target(target, DraftVocab.full(VOCAB), 2, seed=0)
+    with torch.no_grad():
+        flat.fc_in.weight.zero_()
+    save_fasteagle(flat, tmp_path, dtype="float32")
+    outs = {}
+    for backoff in (0, 8):
+        prop = make_proposer("fasteagle", target, drafter=str(tmp_path), backoff=backoff)
+        res = ff.generate(target, [3, 1, 4, 1, 5], prop, max_new_tokens=40)
+        outs[backoff] = (res.token_ids, prop.stats()["looks_per_step"])
+    assert outs[0][0] == outs[8][0] == ff.generate(target, [3, 1, 4, 1, 5], "ar", max_new_tokens=40).token_ids
+    assert outs[0][1] == 1.0 and outs[8][1] < 0.5
+
+
 def test_backbone_tree_shape():
     tokens = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
     tree = backbone_tree(tokens, 5, levels=3, k=2)
@@ -96,11 +112,12 @@ def test_expected_tokens_of_the_backbone_tree():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), topk=st.integers(1, 4),
-       depth=st.integers(1, 4), fixed=st.booleans())
-def test_fasteagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, fixed):
+       depth=st.integers(1, 4), fixed=st.booleans(), backoff=st.sampled_from([0, 1, 8]))
+def test_fasteagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, fixed, backoff):
     ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
     out = ff.generate(target, prompt, "fasteagle", max_new_tokens=24,
-                      method_options=dict(drafter=str(drafter_dir), topk=topk, depth=depth, fixed=fixed))
+                      method_options=dict(drafter=str(drafter_dir), topk=topk, depth=depth, fixed=fixed,
+                                          backoff=backoff))
     assert out.token_ids == ar
 
 
@@ -114,12 +131,13 @@ def test_batch_equals_solo(target, drafter_dir):
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=10), topk=st.integers(1, 3))
-def test_drafter_kv_holds_accepted_positions_only(target, drafter_dir, prompt, topk):
-    """After decoding, the drafter's caches hold rows 0 .. n-1 of the output only (the last step, which ends the
-    generation, is not committed), and they equal the caches of one commit of the final sequence: no rejected draft
-    ever entered them."""
-    prop = make_proposer("fasteagle", target, drafter=str(drafter_dir), topk=topk, fixed=True)
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=10), topk=st.integers(1, 3),
+       fixed=st.booleans())
+def test_drafter_kv_holds_accepted_positions_only(target, drafter_dir, prompt, topk, fixed):
+    """After decoding, the drafter's caches hold rows 0 .. n-1 of the output only (rows of the last steps may still
+    wait: the step that ends the generation, or steps the back-off skipped), and they equal the caches of one commit
+    of the final sequence: no rejected draft ever entered them."""
+    prop = make_proposer("fasteagle", target, drafter=str(drafter_dir), topk=topk, fixed=fixed)
     res = ff.generate(target, prompt, prop, max_new_tokens=16)
     seq = torch.tensor(prompt + res.token_ids)
     run = prop.runner

@@ -17,6 +17,12 @@ Each step:
    probabilities and this machine's cost curve t -- an unsure drafter costs a small forward (or none).
 3. **Verify** (the engine): greedy, or at T > 0 the lossless scheme for candidates without probabilities (sample the
    target at each node and walk to the child holding the sample).
+
+**Back-off** (``backoff``, default 8; 0 = off): keeping the drafter's caches in step costs a pass over its N layers
+every step, which a step that then drafts nothing does not earn back. After a step whose best choice was to draft
+nothing, the proposer skips looking for 1, 2, 4, ... up to ``backoff`` steps; the accepted rows of skipped steps wait
+and enter the drafter together at the next look (r rows cost about what one does). Drafting resets the back-off. The
+drafter's caches still hold accepted rows only, and the output is unchanged (only which steps draft).
 """
 
 from __future__ import annotations
@@ -76,14 +82,19 @@ def expected_tokens(top_probs: torch.Tensor) -> torch.Tensor:
 class FastEagleProposer(Proposer):
     name = "fasteagle"
 
-    def __init__(self, runner: FastEagleRunner, *, topk: int, depth: int, fixed: bool, max_nodes: int):
+    def __init__(self, runner: FastEagleRunner, *, topk: int, depth: int, fixed: bool, max_nodes: int,
+                 backoff: int):
         self.shared = runner
         self.hidden_layers = engine_layers(runner.cfg.aux_layers)
         self.topk, self.depth, self.fixed, self.max_nodes = topk, min(depth, runner.cfg.num_layers), fixed, max_nodes
+        self.backoff = 0 if fixed else backoff
         self.runner: FastEagleRunner | None = None
         self.last_h: torch.Tensor | None = None
         self.curve_ms: torch.Tensor | None = None
-        self._n = {"steps": 0, "draft_rows": 0, "nodes": 0, "levels": 0, "k": 0}
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # accepted rows not yet committed
+        self.skip = 0  # steps left to skip looking
+        self.idle = 0  # consecutive looks that drafted nothing
+        self._n = {"steps": 0, "looks": 0, "draft_rows": 0, "nodes": 0, "levels": 0, "k": 0}
 
     def max_proposal_size(self) -> int:
         return min(self.max_nodes, self.depth * self.topk + 1)
@@ -104,16 +115,28 @@ class FastEagleProposer(Proposer):
         path = step.verdict.path
         r = len(path)
         root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
-        tokens = state.ids[root_pos + 1 : root_pos + 1 + r]
-        self.last_h = self.runner.commit(self._taps(step.hidden, torch.as_tensor(path)), tokens,
-                                         torch.arange(root_pos, root_pos + r))
+        tokens = state.ids[root_pos + 1 : root_pos + 1 + r].clone()
+        self.pending.append((self._taps(step.hidden, torch.as_tensor(path)), tokens,
+                             torch.arange(root_pos, root_pos + r)))
         self._n["draft_rows"] += r
+
+    def _catch_up(self) -> None:
+        """Commit the accepted rows that wait (one drafter pass over all of them)."""
+        if self.pending:
+            taps, tokens, positions = (torch.cat(parts) for parts in zip(*self.pending, strict=True))
+            self.last_h = self.runner.commit(taps, tokens, positions)
+            self.pending.clear()
 
     def propose(self, state: DecodeState) -> Proposal | None:
         run = self.runner
         room = min(self.depth, state.remaining)
-        if room < 1:
+        self._n["steps"] += 1
+        if room < 1 or self.skip > 0:
+            self.skip = max(0, self.skip - 1)
+            self._n["nodes"] += 1
             return None
+        self._catch_up()
+        self._n["looks"] += 1
         probs = run.probs(self.last_h[:room])  # [levels, draft_vocab]: one head matmul for every depth
         top = probs.topk(self.topk, dim=-1)
         limit = self.max_proposal_size()
@@ -130,30 +153,36 @@ class FastEagleProposer(Proposer):
                 levels = k = 0  # drafting nothing is the best rate
             else:
                 levels, k = best // self.topk + 1, best % self.topk + 1
-        self._n["steps"] += 1
         self._n["levels"] += levels
         self._n["k"] += k
         if levels == 0:
             self._n["nodes"] += 1
+            if self.backoff:
+                self.skip = min(2**self.idle, self.backoff)
+                self.idle += 1
             return None
+        self.idle = 0
         tree = backbone_tree(run.to_target(top.indices), state.root, levels, k)
         self._n["nodes"] += len(tree)
         return Proposal(tree)
 
     def stats(self) -> dict:
         steps = max(self._n["steps"], 1)
-        return {"mean_tree_nodes": self._n["nodes"] / steps, "mean_levels": self._n["levels"] / steps,
-                "mean_k": self._n["k"] / steps, "draft_rows": self._n["draft_rows"]}
+        looks = max(self._n["looks"], 1)
+        return {"mean_tree_nodes": self._n["nodes"] / steps, "looks_per_step": self._n["looks"] / steps,
+                "mean_levels_per_look": self._n["levels"] / looks, "mean_k_per_look": self._n["k"] / looks,
+                "draft_rows": self._n["draft_rows"]}
 
 
 @register("fasteagle", "FastEagle: a cascaded drafter drafts the whole tree in one pass (backbone expansion tree)",
           source="FastEagle, arXiv 2509.20416")
 def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int = 16, fixed: bool = False,
-              max_nodes: int = 32, weights: str = "auto") -> Proposer:
+              max_nodes: int = 32, backoff: int = 8, weights: str = "auto") -> Proposer:
     check_int("fasteagle", "topk", topk, 1, 16)
     check_int("fasteagle", "depth", depth, 1, 64)
     check_bool("fasteagle", "fixed", fixed)
     check_int("fasteagle", "max_nodes", max_nodes, 2, 256)
+    check_int("fasteagle", "backoff", backoff, 0, 1024)
     check_choice("fasteagle", "weights", weights, ("auto", "q8_0", "fp32"))
     runner = fasteagle_runner(target, drafter, weights)
-    return FastEagleProposer(runner, topk=topk, depth=depth, fixed=fixed, max_nodes=max_nodes)
+    return FastEagleProposer(runner, topk=topk, depth=depth, fixed=fixed, max_nodes=max_nodes, backoff=backoff)
