@@ -232,6 +232,9 @@ def test_train_fasteagle_through_the_cli(train_setup, tmp_path, capsys):
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in log)
     assert {"acc1", "acc2", "acc3"} <= set(log[0])
+    assert "held-out agreement" in stdout  # scored on the held-out split at the end
+    held = json.loads((out / "fastforward_train.json").read_text())["heldout"]
+    assert len(held["top1"]) == 3 and held["chain"][0] == held["top1"][0] >= held["chain"][2]
     target = ff.load(str(model))
     got = ff.generate(target, [5, 6, 7, 8], "fasteagle", max_new_tokens=12, method_options={"drafter": str(out)})
     assert got.token_ids == ff.generate(target, [5, 6, 7, 8], "ar", max_new_tokens=12).token_ids

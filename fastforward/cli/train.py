@@ -205,6 +205,11 @@ def _train_drafter(cfg, method) -> int:
     stopped = f"; {summary['stopped']}, re-run to continue" if summary["stopped"] else ""
     print(f"saved {cfg.out} (step {summary['step']}/{summary['total_steps']}, loss {summary['loss']:.4f}; "
           f"{summary['seconds_this_run']:.0f} s this run{stopped})")
+    held = summary.get("heldout")
+    if held:
+        print(f"held-out agreement with the target over {held['positions']} response positions, by depth: top-1 "
+              + " ".join(f"{v:.3f}" for v in held["top1"]) + "; chain (depths 1..i all right) "
+              + " ".join(f"{v:.3f}" for v in held["chain"]))
     return 0
 
 

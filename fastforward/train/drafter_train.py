@@ -34,6 +34,7 @@ CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "fastforward_train.json"
+HELDOUT_EVAL_RECORDS = 40  # held-out records a method's evaluate() scores at the end
 COMMAND = "train"
 IDENTITY_KEYS = ("model", "data", "method", "seed", "max_length", "batch_size", "grad_accum", "lr", "warmup",
                  "weight_decay", "max_grad_norm", "limit", "extra")
@@ -103,6 +104,10 @@ class DrafterMethod:
     def save(self, drafter, folder: Path) -> None:
         """The drafter in its serving layout."""
         raise NotImplementedError
+
+    def evaluate(self, drafter, target, records: list[dict]) -> dict | None:
+        """Optional: the trained drafter scored on held-out records (in the run's summary and printed)."""
+        return None
 
     def load_weights(self, drafter, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -354,6 +359,11 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
                "config": asdict(cfg)}
     if main:
         method.save(accelerator.unwrap_model(drafter), out)
+        if step == start and (out / SUMMARY_FILE).is_file():  # a finished run re-run: keep its record, re-score
+            summary = json.loads((out / SUMMARY_FILE).read_text())
+        held = method.evaluate(accelerator.unwrap_model(drafter), target, held_recs[:HELDOUT_EVAL_RECORDS])
+        if held is not None:
+            summary["heldout"] = held
         plot_losses(out / LOG_FILE, out / "loss.png", f"train {method.name}")
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     accelerator.wait_for_everyone()

@@ -81,7 +81,39 @@ class FastEagleTraining(DrafterMethod):
     def save(self, drafter, folder: Path) -> None:
         save_fasteagle(drafter, folder, dtype="float16")
 
+    def evaluate(self, drafter, target, records):
+        drafter.eval()
+        return heldout_agreement(target, drafter, records) if records else None
+
     def load_weights(self, drafter, folder: Path) -> None:
         from safetensors.torch import load_file
 
         drafter.load_state_dict(load_file(str(folder / "drafter.safetensors")))
+
+
+def heldout_agreement(target, drafter: FastEagleDrafter, records: list[dict], max_length: int = 768) -> dict:
+    """Teacher-forced agreement of a drafter with the target on ``records`` (e.g. the held-out split of
+    ``make-data``), over response positions: ``top1[i]``, layer i's top-1 == the target's token at depth i;
+    ``chain[i]``, layers 1..i all right at once -- the rate at which a chain draft reaches depth i (what decoding can
+    accept)."""
+    from ..drafters.features import compute_features
+
+    embed = target_embedding_rows(target, torch.arange(target.vocab_size))
+    n = drafter.cfg.num_layers
+    hits, joint, total = torch.zeros(n), torch.zeros(n), 0
+    for r in records:
+        ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]))[:max_length]
+        P, T = len(r["prompt_ids"]), ids.numel()
+        rows = T - 1 - n - P  # rows j >= P whose every depth has a label
+        if rows <= 0:
+            continue
+        taps = compute_features(target, ids)["taps"].reshape(1, T, -1).float()
+        with torch.no_grad():
+            hs = drafter(taps, ids.unsqueeze(0), embed)
+        j = torch.arange(P, P + rows)
+        right = torch.stack([drafter.vocab.to_target(drafter.logits(h[0, j]).argmax(-1)) == ids[j + 1 + i]
+                             for i, h in enumerate(hs, start=1)])  # [n, rows]
+        hits += right.sum(1)
+        joint += right.int().cumprod(0).sum(1)
+        total += rows
+    return {"positions": total, "top1": (hits / max(total, 1)).tolist(), "chain": (joint / max(total, 1)).tolist()}
