@@ -53,3 +53,28 @@ def test_machine_cost_curve_cached(tiny, tmp_path, monkeypatch):
     tiny._cost_curve = None
     again = machine_cost_curve(tiny)  # read back from disk, not re-measured
     assert again.ms == curve.ms
+
+
+def test_a_curve_distorted_by_load_is_neither_trusted_nor_cached(tiny, tmp_path, monkeypatch):
+    from fastforward import costs
+
+    assert costs.plausible_curve({1: 10.0, 2: 14.0, 4: 17.0, 8: 26.0})
+    assert not costs.plausible_curve({1: 66.8, 2: 141.1, 4: 338.2, 8: 339.0})  # 4 tokens at 5.1x one: load
+    monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path))
+    monkeypatch.setattr(tiny, "_cost_curve", None, raising=False)
+    path = costs._curve_path(tiny)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"ms": {"1": 66.8, "2": 141.1, "4": 338.2}, "kv": 256}')
+    calls = []
+
+    def measure(target, qs, kv, repeats):  # every attempt distorted: the fastest of each q is kept, nothing cached
+        calls.append(1)
+        return {1: 10.0, 2: 30.0 - len(calls), 4: 60.0}
+
+    monkeypatch.setattr(costs, "measure_forward_costs", measure)
+    curve = costs.machine_cost_curve(tiny)
+    assert len(calls) == costs.CURVE_ATTEMPTS and curve.ms[2] == 30.0 - costs.CURVE_ATTEMPTS  # the fastest seen
+    assert "66.8" in path.read_text()  # the distorted file was not replaced by another distorted curve
+    tiny._cost_curve = None
+    monkeypatch.setattr(costs, "measure_forward_costs", lambda target, qs, kv, repeats: {1: 10.0, 2: 13.0, 4: 17.0})
+    assert costs.machine_cost_curve(tiny).ms[2] == 13.0 and '"2": 13.0' in path.read_text()

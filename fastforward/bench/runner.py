@@ -356,6 +356,13 @@ def run_bench(
         rewrite(path, kept)  # drops superseded rows (and duplicates); only with --force or after a crash
     done = {row_key(r) for r in kept if not r.get("error")}
     pending = [(q, r, s) for q, r, s in plan if (q.question_id, s.label, r) not in done]
+    if pending and isinstance(env.get("machine"), dict):
+        # the cost curve the methods size their drafts with, measured afresh for this run (a benchmark runs on a
+        # quiet machine; a cached curve may have been measured under load) and recorded with every row
+        from ..costs import machine_cost_curve
+
+        env["machine"]["cost_curve_ms"] = {str(q): round(v, 3) for q, v in
+                                           machine_cost_curve(target, refresh=True).ms.items()}
 
     # AR's tokens per question: the reference of the losslessness check.
     reference: dict[str, dict] = {}
