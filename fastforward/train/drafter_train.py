@@ -34,7 +34,6 @@ CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "fastforward_train.json"
-HELDOUT_EVAL_RECORDS = 40  # held-out records a method's evaluate() scores at the end
 COMMAND = "train"
 IDENTITY_KEYS = ("model", "data", "method", "seed", "max_length", "batch_size", "grad_accum", "lr", "warmup",
                  "weight_decay", "max_grad_norm", "limit", "extra")
@@ -361,7 +360,7 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
         method.save(accelerator.unwrap_model(drafter), out)
         if step == start and (out / SUMMARY_FILE).is_file():  # a finished run re-run: keep its record, re-score
             summary = json.loads((out / SUMMARY_FILE).read_text())
-        held = method.evaluate(accelerator.unwrap_model(drafter), target, held_recs[:HELDOUT_EVAL_RECORDS])
+        held = method.evaluate(accelerator.unwrap_model(drafter), target, held_recs)
         if held is not None:
             summary["heldout"] = held
         plot_losses(out / LOG_FILE, out / "loss.png", f"train {method.name}")
