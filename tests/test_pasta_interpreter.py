@@ -315,3 +315,39 @@ def test_refusals(tiny, tiny_hf):
         ff.generate(tiny, [1, 2], "pasta", method_options={"max_forks": 0})
     with pytest.raises(UsageError, match="lean backend"):
         ff.generate(tiny_hf, [1, 2], "pasta")
+
+
+def test_sft_batch_is_what_the_interpreter_computes(pasta_target):
+    """The HF model (what training runs) on a pasta_batch of two teacher-forced answers gives, at every row the
+    interpreter feeds, the interpreter's logits, and its targets are the tokens the interpreter chose there."""
+    from fastforward.pasta.sft import pasta_batch, pasta_token_losses
+
+    vocab = _vocab(pasta_target)
+    hf = pasta_target.hf_model
+    examples, runs = [], []
+    for prompt_text, text in (("Q: why?", ANSWERS[0]), ("Hi", ANSWERS[2])):
+        prompt = _enc(pasta_target, prompt_text)
+        answer = _enc(pasta_target, text) + [EOS]
+        main, forks = thread_streams(answer, vocab, [EOS])
+        run, _ = _run(pasta_target, prompt, _forced(answer, [main] + forks))
+        examples.append((prompt, answer))
+        runs.append(run)
+    batch = pasta_batch(examples, vocab, [EOS], pad_id=0, dtype=torch.float64)
+    with torch.no_grad():
+        logits = hf(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                    attention_mask=batch["attention_mask"], use_cache=False).logits
+    for k, ((prompt, answer), run) in enumerate(zip(examples, runs, strict=True)):
+        layout = pasta_layout(prompt, answer, vocab, [EOS])
+        by_slot = {int(s): i for i, s in enumerate(layout.slot.tolist()) if s >= 0}
+        for tr in run.trace:
+            for r, s in enumerate(tr["slots"]):
+                i = by_slot[s]
+                torch.testing.assert_close(logits[k, i], tr["logits"][r].to(logits.dtype), rtol=0, atol=1e-4)
+                target = int(batch["targets"][k, i])
+                assert target == (-100 if tr["tokens"][r] == vocab.end_async else int(layout.targets[i]))
+        p = len(prompt)
+        assert int(batch["targets"][k, p - 1]) == answer[0]
+        assert (batch["targets"][k, :p - 1] == -100).all()
+    losses = pasta_token_losses(hf, batch)
+    assert losses.shape == batch["targets"].shape and bool((losses[batch["targets"] == -100] == 0).all())
+    assert batch["num_tokens"] == int((batch["targets"] != -100).sum()) > 0
