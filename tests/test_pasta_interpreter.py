@@ -280,7 +280,7 @@ def test_layout_rejects_malformed_answers():
 def test_no_pasta_tokens_equals_ar(tiny, sampling):
     for prompt in ([1, 2, 3], [7, 8, 9, 10, 11]):
         ar = ff.generate(tiny, prompt, "ar", max_new_tokens=40, **sampling)
-        pasta = ff.generate(tiny, prompt, "pasta", max_new_tokens=40, **sampling)
+        pasta = ff.generate(tiny, prompt, "pasta", max_new_tokens=40, method_options={"plain": True}, **sampling)
         assert pasta.token_ids == ar.token_ids and pasta.text == ar.text
         assert pasta.finish_reason == ar.finish_reason
         assert pasta.stats.target_forwards == ar.stats.target_forwards
@@ -292,12 +292,12 @@ def test_no_pasta_tokens_equals_ar_with_eos_and_stops(tiny):
     target = tiny_target(eos_token_id=9)
     for prompt in ([1, 2, 3], [4, 5]):
         ar = ff.generate(target, prompt, "ar", max_new_tokens=60)
-        pasta = ff.generate(target, prompt, "pasta", max_new_tokens=60)
+        pasta = ff.generate(target, prompt, "pasta", max_new_tokens=60, method_options={"plain": True})
         assert pasta.token_ids == ar.token_ids and pasta.finish_reason == ar.finish_reason
         stop = ar.text.split()[3] if len(ar.text.split()) > 3 else None
         if stop:
             a = ff.generate(target, prompt, "ar", max_new_tokens=60, stop=[stop])
-            b = ff.generate(target, prompt, "pasta", max_new_tokens=60, stop=[stop])
+            b = ff.generate(target, prompt, "pasta", max_new_tokens=60, stop=[stop], method_options={"plain": True})
             assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
 
 
@@ -315,6 +315,8 @@ def test_refusals(tiny, tiny_hf):
         ff.generate(tiny, [1, 2], "pasta", method_options={"max_forks": 0})
     with pytest.raises(UsageError, match="lean backend"):
         ff.generate(tiny_hf, [1, 2], "pasta")
+    with pytest.raises(UsageError, match="no PASTA-LANG tokens"):
+        ff.generate(tiny, [1, 2], "pasta")
 
 
 def test_sft_batch_is_what_the_interpreter_computes(pasta_target):
