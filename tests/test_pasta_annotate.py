@@ -215,3 +215,18 @@ def test_cli_refusals_before_the_model_loads(capsys, tmp_path):
     assert_one_line_error(capsys, "pasta", "annotate", src, src, "--model", "/nonexistent", match="must not be")
     assert_one_line_error(capsys, "pasta", "annotate", src, tmp_path / "o.jsonl", "--threshold", "-1")
     assert_one_line_error(capsys, "pasta", match="give a pasta command")
+
+
+def test_a_block_alongside_nothing_is_left_out():
+    from fastforward.pasta.annotate import Chunk, _drop_useless
+
+    a, b, c = Chunk(0, 0, 0, 5, 10), Chunk(0, 0, 0, 10, 15), Chunk(1, 0, 0, 20, 25)
+    # two blocks joined together: kept; a lone block with its sync right after it: dropped with its sync
+    assert _drop_useless([a, b, c], [15, 25], 30) == ([a, b], [15])
+    # a lone block with main text before its sync: kept
+    assert _drop_useless([c], [27], 30) == ([c], [27])
+    # a lone block ending the answer (EOS joins it at once): dropped; with text after it: kept
+    assert _drop_useless([c], [], 25) == ([], [])
+    assert _drop_useless([c], [], 30) == ([c], [])
+    # a sync right before the next group's first block belongs to the earlier run
+    assert _drop_useless([a, b, c], [20], 30) == ([a, b, c], [20])

@@ -14,12 +14,14 @@ The paper had Gemini 1.5 Flash annotate SlimOrca answers; nothing here can call 
    itself -- never a sibling; each token is predicted by its thread's previous token (a chunk's first token by the
    last main token before it: the analogue of the ``<async>`` row). A chunk stays async only if its mean per-token
    loss rises by at most ``threshold`` nats when its siblings are hidden -- exactly the independence the mask will
-   impose at inference.
+   impose at inference. A list item's marker (``2.``) is left out of the mean: at inference the fork sees the
+   earlier promises, which carry the count, but the untagged text cannot show them.
 3. **Syncs.** With the kept chunks async and no sync, the main-thread units after a group's first kept chunk are
    scored the same way; a ``<sync/>`` goes right before the first one whose mean loss rises by more than
    ``sync_threshold`` (it needs the blocks). Rules: a group's blocks are joined at the latest right before the next
    group's first block (groups never overlap), and the end of the answer is the implicit sync. Units after a
-   mid-group sync are scored as if nothing were joined (conservative: it can only add syncs).
+   mid-group sync are scored as if nothing were joined (conservative: it can only add syncs). A block that would
+   run alongside nothing (the only one before its sync, the sync right after it) is left out.
 4. **Tags.** ``<promise topic="T" tokens=N/>`` with T a bold lead-in, a heading, or the chunk's first words (at most
    three; characters the topic cannot hold removed) and N = max(1, round(len/10)) in the target's tokens; the
    annotation is parsed back and its stripped text must equal the answer exactly, else the record keeps no tags.
@@ -50,6 +52,7 @@ MODES = ("likelihood", "structure")
 _ITEM = re.compile(r"^(\s*)([-*+]|\d+[.)])\s+\S")
 _HEADING = re.compile(r"^\s{0,3}#{1,6}\s")
 _FENCE = re.compile(r"^\s*(```|~~~)")
+_MARKER = re.compile(r"\s*(?:[-*+]|\d+[.)])\s+")
 _BOLD = re.compile(r"^\s*(?:[-*+]|\d+[.)])?\s*\*\*([^*\n]{1,60})\*\*")
 
 
@@ -296,6 +299,21 @@ def render(text: str, chunks: list[Chunk], syncs: list[int], token_len) -> str:
     return "".join(out)
 
 
+def _drop_useless(kept: list[Chunk], sync_tokens: list[int], n: int) -> tuple[list[Chunk], list[int]]:
+    """Leave out a block that runs alongside nothing: the only block before its sync, with no main-thread token
+    between its end and that sync (the main thread would just wait for it)."""
+    out_chunks, out_syncs, prev = [], [], -1
+    for s in sorted(set(sync_tokens)) + [n + 1]:
+        run = [c for c in kept if prev <= c.tok_start and c.tok_end <= s]
+        lone = len(run) == 1 and (s == run[0].tok_end or (s > n and run[0].tok_end == n))
+        if not lone:
+            out_chunks += run
+            if run and s <= n:
+                out_syncs.append(s)
+        prev = s
+    return out_chunks, out_syncs
+
+
 def annotate_answer(target, prompt_ids, answer_ids, *, mode: str = "likelihood",
                     threshold: float = DEFAULT_THRESHOLD, sync_threshold: float = DEFAULT_SYNC_THRESHOLD,
                     min_words: int = DEFAULT_MIN_WORDS) -> Annotation:
@@ -340,7 +358,15 @@ def annotate_answer(target, prompt_ids, answer_ids, *, mode: str = "likelihood",
         hidden = scorer.losses(*tagless_mask(n, blocks, [ends[g] for g in group_ids]))
         kept = []
         for c in candidates:
-            rise = float(hidden[c.tok_start:c.tok_end].mean() - causal[c.tok_start:c.tok_end].mean())
+            # a list item's marker ("2.") is left out: at inference the fork sees the earlier promises, which
+            # carry the count, but the untagged text cannot show them
+            m = _MARKER.match(text, c.start)
+            a = c.tok_start
+            if m is not None:
+                a = next((i for i in range(c.tok_start, c.tok_end) if bounds[i] >= m.end()), c.tok_end)
+            if a >= c.tok_end:
+                a = c.tok_start
+            rise = float(hidden[a:c.tok_end].mean() - causal[a:c.tok_end].mean())
             rises.append(rise)
             if rise <= threshold:
                 kept.append(c)
@@ -372,7 +398,9 @@ def annotate_answer(target, prompt_ids, answer_ids, *, mode: str = "likelihood",
                         break
                 if chosen is not None:
                     sync_tokens.append(chosen)
-    syncs = sorted({bounds[t] for t in sync_tokens if any(c.tok_end <= t for c in kept)})
+    sync_tokens = sorted({t for t in sync_tokens if any(c.tok_end <= t for c in kept)})
+    kept, sync_tokens = _drop_useless(kept, sync_tokens, n)
+    syncs = [bounds[t] for t in sync_tokens]
     if not kept:
         return Annotation(text, len(candidates), 0, 0, rises)
     annotated = render(text, kept, syncs, lambda c: c.tok_end - c.tok_start)
