@@ -24,40 +24,43 @@ SERVING_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def save_eagle3(drafter: Eagle3Drafter, folder, dtype: str = "float16") -> Path:
-    """Write ``drafter`` into ``folder`` (created); floating tensors in ``dtype``; files replaced atomically."""
+def write_folder(state: dict, config: dict, folder, dtype: str = "float16", skip=()) -> Path:
+    """A drafter folder: ``config.json`` and ``model.safetensors`` (``state`` without the names in ``skip``, floating
+    tensors in ``dtype``); the weights replaced atomically."""
     from safetensors.torch import save_file
 
     folder = Path(folder).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, t in drafter.state_dict().items():
+    for name, t in state.items():
+        if name in skip:
+            continue
         t = t.detach().cpu()
         tensors[name] = (t.to(DTYPES[dtype]) if t.is_floating_point() else t).contiguous()
-    cfg = drafter.cfg.to_hf()
-    cfg["torch_dtype"] = dtype
+    config = dict(config, torch_dtype=dtype)
     tmp = folder / f"{WEIGHTS}.tmp{os.getpid()}"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, folder / WEIGHTS)
-    (folder / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
 
-def load_eagle3(folder, target=None) -> Eagle3Drafter:
-    """An EAGLE-3 drafter from ``folder`` (fp32); with ``target``, checked to belong to it (one-line refusals)."""
+def read_folder(folder, kind: str, parse_config) -> tuple[Path, object, dict]:
+    """(folder, ``parse_config(its config.json)``, its tensors) of a drafter folder -- the config checked before the
+    weights are read -- every failure a one-line refusal naming ``kind`` (what the folder should have been)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder).expanduser()
     if not (folder / CONFIG).is_file():
-        raise UsageError(f"drafter {folder}: no {CONFIG} (expected an EAGLE-3 drafter folder)")
+        raise UsageError(f"drafter {folder}: no {CONFIG} (expected {kind} drafter folder)")
     try:
         raw = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"drafter {folder}: unreadable {CONFIG} ({exc})") from None
     if not isinstance(raw, dict):
         raise UsageError(f"drafter {folder}: {CONFIG} is not a JSON object")
-    cfg = Eagle3Config.from_hf(raw, target)
+    cfg = parse_config(raw)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise UsageError(f"drafter {folder}: no *.safetensors weights")
@@ -67,6 +70,17 @@ def load_eagle3(folder, target=None) -> Eagle3Drafter:
             tensors.update(load_file(str(f)))
     except (SafetensorError, OSError) as exc:
         raise UsageError(f"drafter {folder}: unreadable weights ({exc})") from None
+    return folder, cfg, tensors
+
+
+def save_eagle3(drafter: Eagle3Drafter, folder, dtype: str = "float16") -> Path:
+    """Write ``drafter`` into ``folder`` (created); floating tensors in ``dtype``; files replaced atomically."""
+    return write_folder(drafter.state_dict(), drafter.cfg.to_hf(), folder, dtype)
+
+
+def load_eagle3(folder, target=None) -> Eagle3Drafter:
+    """An EAGLE-3 drafter from ``folder`` (fp32); with ``target``, checked to belong to it (one-line refusals)."""
+    folder, cfg, tensors = read_folder(folder, "an EAGLE-3", lambda raw: Eagle3Config.from_hf(raw, target))
     missing = [k for k in SERVING_KEYS if k not in tensors]
     if missing:
         raise UsageError(f"drafter {folder}: missing tensors {', '.join(missing)}")

@@ -355,31 +355,39 @@ class Eagle3Drafter(nn.Module):
         return out
 
 
+def decode_linear_factory(weights: str):
+    """``linear(w [out, in]) -> callable``: a drafter weight as the lean forward's linear at decode time -- packed
+    ``Q8_0`` blocks through the native kernel (``auto`` when it builds, ``q8_0`` required) or fp32 (``fp32``). A
+    drafter only proposes, so this rounding never changes the output."""
+    from ..kernels import load_native
+    from ..linear import DenseLinear, PackedLinear, quantize
+
+    native = None
+    try:
+        native = load_native() if weights in ("auto", "q8_0") else None
+    except Exception:  # noqa: BLE001 - no compiler: the plain path
+        native = None
+    if weights == "q8_0" and native is None:
+        raise UsageError("drafter weights q8_0 need the native kernels, which did not build on this machine")
+
+    def linear(w: torch.Tensor):
+        w = w.detach().float().contiguous()
+        if native is not None and w.shape[1] % 32 == 0:
+            return PackedLinear(quantize(w, "Q8_0"), 8, w.shape[1], native=native)
+        return DenseLinear(w)
+
+    return linear
+
+
 class Eagle3Runner:
     """The drafter at decode time: the weights as the lean forward's linears (fp32, or packed ``Q8_0`` blocks the
     native kernel multiplies -- the drafter only proposes, so its rounding never changes the output), its own KV
     cache of committed rows, and draft rows written after them and dropped after each proposal."""
 
     def __init__(self, drafter: Eagle3Drafter, target, capacity: int, weights: str = "auto"):
-        from ..kernels import load_native
-        from ..linear import DenseLinear, PackedLinear, quantize
-
         cfg = drafter.cfg
         self.cfg, self.target = cfg, target
-        native = None
-        try:
-            native = load_native() if weights in ("auto", "q8_0") else None
-        except Exception:  # noqa: BLE001 - no compiler: the plain path
-            native = None
-        if weights == "q8_0" and native is None:
-            raise UsageError("drafter weights q8_0 need the native kernels, which did not build on this machine")
-
-        def linear(w: torch.Tensor):
-            w = w.detach().float().contiguous()
-            if native is not None and w.shape[1] % 32 == 0:
-                return PackedLinear(quantize(w, "Q8_0"), 8, w.shape[1], native=native)
-            return DenseLinear(w)
-
+        linear = decode_linear_factory(weights)
         m = drafter.midlayer
         a = m.self_attn
         self.fc = linear(drafter.fc.weight)

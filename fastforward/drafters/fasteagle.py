@@ -28,8 +28,6 @@ Folder layout (``fastforward``'s own; serving engines have no FastEagle architec
 from __future__ import annotations
 
 import copy
-import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,9 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
+from .checkpoint import read_folder, write_folder
 from .eagle import (
     _MLP,
     RMSNorm,
+    decode_linear_factory,
     rms_norm,
     rope_cos_sin,
     rotate,
@@ -52,9 +52,6 @@ from .features import default_aux_layers
 from .vocab import DraftVocab
 
 ARCHITECTURE = "FastEagleDrafter"
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -250,45 +247,13 @@ class FastEagleDrafter(nn.Module):
 
 def save_fasteagle(drafter: FastEagleDrafter, folder, dtype: str = "float16") -> Path:
     """Write ``drafter`` into ``folder`` (created), without the frozen head; files replaced atomically."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in drafter.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        t = t.detach().cpu()
-        tensors[name] = (t.to(DTYPES[dtype]) if t.is_floating_point() else t).contiguous()
-    cfg = drafter.cfg.to_json()
-    cfg["torch_dtype"] = dtype
-    tmp = folder / f"{WEIGHTS}.tmp{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / WEIGHTS)
-    (folder / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
-    return folder
+    return write_folder(drafter.state_dict(), drafter.cfg.to_json(), folder, dtype, skip=("lm_head.weight",))
 
 
 def load_fasteagle(folder, target) -> FastEagleDrafter:
     """A FastEagle drafter from ``folder`` (fp32), checked to belong to ``target`` (one-line refusals)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = Path(folder).expanduser()
-    if not (folder / CONFIG).is_file():
-        raise UsageError(f"drafter {folder}: no {CONFIG} (expected a FastEagle drafter folder)")
-    try:
-        raw = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"drafter {folder}: unreadable {CONFIG} ({exc})") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"drafter {folder}: {CONFIG} is not a JSON object")
-    cfg = FastEagleConfig.from_json(raw)
+    folder, cfg, tensors = read_folder(folder, "a FastEagle", FastEagleConfig.from_json)
     cfg.check_target(target)
-    try:
-        tensors = load_file(str(folder / WEIGHTS))
-    except (SafetensorError, OSError) as exc:
-        raise UsageError(f"drafter {folder}: unreadable weights ({exc})") from None
     if "d2t" not in tensors or "t2d" not in tensors:
         raise UsageError(f"drafter {folder}: missing tensors d2t/t2d")
     vocab = DraftVocab(tensors["d2t"], tensors["t2d"])
@@ -320,25 +285,9 @@ class FastEagleRunner:
     layer holding committed (accepted) rows only."""
 
     def __init__(self, drafter: FastEagleDrafter, target, capacity: int, weights: str = "auto"):
-        from ..kernels import load_native
-        from ..linear import DenseLinear, PackedLinear, quantize
-
         cfg = drafter.cfg
         self.cfg, self.target = cfg, target
-        native = None
-        try:
-            native = load_native() if weights in ("auto", "q8_0") else None
-        except Exception:  # noqa: BLE001 - no compiler: the plain path
-            native = None
-        if weights == "q8_0" and native is None:
-            raise UsageError("drafter weights q8_0 need the native kernels, which did not build on this machine")
-
-        def linear(w: torch.Tensor):
-            w = w.detach().float().contiguous()
-            if native is not None and w.shape[1] % 32 == 0:
-                return PackedLinear(quantize(w, "Q8_0"), 8, w.shape[1], native=native)
-            return DenseLinear(w)
-
+        linear = decode_linear_factory(weights)
         self.fc = linear(drafter.fc.weight)
         self.fc_in = linear(drafter.fc_in.weight)
         self.fc_in_bias = drafter.fc_in.bias.detach().float()

@@ -104,6 +104,18 @@ class DrafterMethod:
         """The drafter in its serving layout."""
         raise NotImplementedError
 
+    def read_target(self, target, records: list[dict], draft_vocab: int) -> None:
+        """What drafters over the target's features share: ``self.vocab``, the ``draft_vocab`` most frequent tokens of
+        the responses (EOS always in), and ``self.embed``, the target's frozen embedding [vocab, d]."""
+        import torch
+
+        from ..drafters.eagle import target_embedding_rows
+        from ..drafters.vocab import DraftVocab
+
+        self.vocab = DraftVocab.most_frequent([r["response_ids"] for r in records], target.vocab_size,
+                                              min(draft_vocab, target.vocab_size), always=sorted(target.eos_token_ids))
+        self.embed = target_embedding_rows(target, torch.arange(target.vocab_size))
+
     def evaluate(self, drafter, target, records: list[dict]) -> dict | None:
         """Optional: the trained drafter scored on held-out records (in the run's summary and printed)."""
         return None

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..drafters.checkpoint import save_eagle3
-from ..drafters.eagle import Eagle3Drafter, target_embedding_rows
+from ..drafters.eagle import Eagle3Drafter
 from ..drafters.vocab import DraftVocab
 from .drafter_train import DrafterMethod
 
@@ -32,10 +32,7 @@ class EagleTraining(DrafterMethod):
         self.vocab: DraftVocab | None = None
 
     def build(self, target, records, cfg):
-        size = min(self.draft_vocab, target.vocab_size)
-        self.vocab = DraftVocab.most_frequent([r["response_ids"] for r in records], target.vocab_size, size,
-                                              always=sorted(target.eos_token_ids))
-        self.embed = target_embedding_rows(target, torch.arange(target.vocab_size))
+        self.read_target(target, records, self.draft_vocab)
         return Eagle3Drafter.for_target(target, self.vocab, seed=cfg.seed)
 
     def loss(self, drafter, batch):

@@ -41,11 +41,7 @@ class FastEagleTraining(DrafterMethod):
         self.vocab: DraftVocab | None = None
 
     def build(self, target, records, cfg):
-        size = min(self.draft_vocab, target.vocab_size)
-        self.vocab = DraftVocab.most_frequent([r["response_ids"] for r in records], target.vocab_size, size,
-                                              always=sorted(target.eos_token_ids))
-        self.embed = target_embedding_rows(target, torch.arange(target.vocab_size))
-        self.target = target
+        self.read_target(target, records, self.draft_vocab)
         return FastEagleDrafter.for_target(target, self.vocab, self.layers, cascade=self.cascade, seed=cfg.seed)
 
     def loss(self, drafter, batch):
