@@ -156,8 +156,9 @@ def _curve_path(target):
 CURVE_ATTEMPTS = 3
 
 
-def machine_cost_curve(target, refresh: bool = False) -> CostCurve:
-    """The target's cost curve on this machine: measured once (about a second) and cached on disk."""
+def machine_cost_curve(target, refresh: bool = False, announce: bool = True) -> CostCurve:
+    """The target's cost curve on this machine: measured once (about a second) and cached on disk; ``refresh``
+    measures it again; ``announce`` says so on stderr when it measures."""
     cached = getattr(target, "_cost_curve", None)
     if cached is not None and not refresh:
         return cached
@@ -169,9 +170,10 @@ def machine_cost_curve(target, refresh: bool = False) -> CostCurve:
             curve = CostCurve(ms) if plausible_curve(ms) else None  # a distorted cache is measured again
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             curve = None
-    if curve is None:
+    if curve is None and announce:
         print(f"fastforward: measuring this machine's forward cost curve for {target.name} "
               f"({torch.get_num_threads()} threads; once, a few seconds; cached in {path.parent})", file=sys.stderr)
+    if curve is None:
         kv = min(256, max(1, target.max_context - max(CURVE_QS) - 1))
         ms: dict = {}
         for _ in range(CURVE_ATTEMPTS):  # other load distorts a measurement; the fastest seen is the machine's cost
@@ -186,7 +188,7 @@ def machine_cost_curve(target, refresh: bool = False) -> CostCurve:
                 path.write_text(json.dumps({"ms": curve.ms, "kv": kv}))
             except OSError:
                 pass
-        else:
+        elif announce:
             print("fastforward: the cost curve looks distorted by other load on this machine; used for this run, "
                   "not cached", file=sys.stderr)
     target._cost_curve = curve

@@ -362,7 +362,7 @@ def run_bench(
         from ..costs import machine_cost_curve
 
         env["machine"]["cost_curve_ms"] = {str(q): round(v, 3) for q, v in
-                                           machine_cost_curve(target, refresh=True).ms.items()}
+                                           machine_cost_curve(target, refresh=True, announce=False).ms.items()}
 
     # AR's tokens per question: the reference of the losslessness check.
     reference: dict[str, dict] = {}
