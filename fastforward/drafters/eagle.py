@@ -65,6 +65,22 @@ def target_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
     return target.hf_model.get_output_embeddings().weight[ids].float().detach()
 
 
+def check_drafter_target(cfg, target) -> None:
+    """Refuse, in one line, a drafter config (``fastforward`` section, ``vocab_size``, ``target_hidden_size``,
+    ``aux_layers``) made for another target than ``target``."""
+    fp = cfg.fastforward.get("target_fingerprint")
+    if fp and fp != target_fingerprint(target):
+        raise UsageError(f"this drafter was trained for '{cfg.fastforward.get('target')}', not for "
+                         f"'{target.name}' (target fingerprints differ)")
+    c = target.config
+    if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != c.hidden_size:
+        raise UsageError(f"this drafter expects a target with vocab {cfg.vocab_size} and hidden size "
+                         f"{cfg.target_hidden_size}; '{target.name}' has {target.vocab_size} and {c.hidden_size}")
+    if max(cfg.aux_layers) > c.num_hidden_layers:
+        raise UsageError(f"the drafter taps layer {max(cfg.aux_layers)}; '{target.name}' has "
+                         f"{c.num_hidden_layers} layers")
+
+
 @dataclass
 class Eagle3Config:
     hidden_size: int
@@ -151,17 +167,7 @@ class Eagle3Config:
 
     def check_target(self, target) -> None:
         """Refuse a drafter made for another target (one line)."""
-        fp = self.fastforward.get("target_fingerprint")
-        if fp and fp != target_fingerprint(target):
-            raise UsageError(f"this drafter was trained for '{self.fastforward.get('target')}', not for "
-                             f"'{target.name}' (target fingerprints differ)")
-        c = target.config
-        if self.vocab_size != target.vocab_size or self.target_hidden_size != c.hidden_size:
-            raise UsageError(f"this drafter expects a target with vocab {self.vocab_size} and hidden size "
-                             f"{self.target_hidden_size}; '{target.name}' has {target.vocab_size} and {c.hidden_size}")
-        if max(self.aux_layers) > c.num_hidden_layers:
-            raise UsageError(f"the drafter taps layer {max(self.aux_layers)}; '{target.name}' has "
-                             f"{c.num_hidden_layers} layers")
+        check_drafter_target(self, target)
 
     def as_dict(self) -> dict:
         return asdict(self)

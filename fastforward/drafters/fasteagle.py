@@ -40,6 +40,7 @@ from .checkpoint import read_folder, write_folder
 from .eagle import (
     _MLP,
     RMSNorm,
+    check_drafter_target,
     decode_linear_factory,
     rms_norm,
     rope_cos_sin,
@@ -110,17 +111,8 @@ class FastEagleConfig:
             raise UsageError(f"malformed FastEagle config.json: {exc!r}") from None
 
     def check_target(self, target) -> None:
-        fp = self.fastforward.get("target_fingerprint")
-        if fp and fp != target_fingerprint(target):
-            raise UsageError(f"this drafter was trained for '{self.fastforward.get('target')}', not for "
-                             f"'{target.name}' (target fingerprints differ)")
-        c = target.config
-        if self.vocab_size != target.vocab_size or self.target_hidden_size != c.hidden_size:
-            raise UsageError(f"this drafter expects a target with vocab {self.vocab_size} and hidden size "
-                             f"{self.target_hidden_size}; '{target.name}' has {target.vocab_size} and {c.hidden_size}")
-        if max(self.aux_layers) > c.num_hidden_layers:
-            raise UsageError(f"the drafter taps layer {max(self.aux_layers)}; '{target.name}' has "
-                             f"{c.num_hidden_layers} layers")
+        """Refuse a drafter made for another target (one line)."""
+        check_drafter_target(self, target)
 
 
 class _SelfAttention(nn.Module):
