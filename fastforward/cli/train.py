@@ -266,6 +266,31 @@ def run_fasteagle(args) -> int:
                                                  ce_weight=args.ce_weight, feature_weight=args.feature_weight))
 
 
+def add_falcon_arguments(p) -> None:
+    from ..train.falcon import DEFAULT_BLOCK, DEFAULT_DRAFT_VOCAB
+
+    add_drafter_arguments(p)
+    g = p.add_argument_group("falcon")
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK,
+                   help="k: tokens drafted per pass (default: %(default)s)")
+    g.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
+                   help="draft vocabulary: the N most frequent tokens of the data (default: %(default)s)")
+    g.add_argument("--no-csgd", action="store_true",
+                   help="the 'w/o CSGD' ablation: plain teacher forcing instead of glancing distillation")
+
+
+def run_falcon(args) -> int:
+    from ..train.falcon import FalconTraining
+
+    if not 1 <= args.block_size <= 8:
+        raise UsageError(f"--block-size must be an integer in 1..8, got {args.block_size}")
+    if args.draft_vocab <= 0:
+        raise UsageError("--draft-vocab must be a positive integer")
+    extra = {"block_size": args.block_size, "draft_vocab": args.draft_vocab, "csgd": not args.no_csgd}
+    cfg = drafter_config(args, "falcon", extra)
+    return _train_drafter(cfg, FalconTraining(args.block_size, args.draft_vocab, csgd=not args.no_csgd))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # fastforward train draft-model
 # ------------------------------------------------------------------------------------------------------------------
@@ -351,6 +376,8 @@ METHODS = {
              add_cllm_arguments, run_cllm),
     "eagle": ("an EAGLE-3-style drafter (training-time test) on 'fastforward make-data' output; loads in vLLM/SGLang",
               add_eagle_arguments, run_eagle),
+    "falcon": ("a Falcon semi-autoregressive drafter (k tokens per pass) trained with CSGD on 'fastforward make-data' "
+               "output", add_falcon_arguments, run_falcon),
     "fasteagle": ("a FastEagle cascaded drafter (N layers draft N depths in one pass) on 'fastforward make-data' "
                   "output", add_fasteagle_arguments, run_fasteagle),
     "draft-model": ("a small draft model for --method sps: a few of the target's layers, its embedding and head "

@@ -76,7 +76,7 @@ def check_drafter_target(cfg, target) -> None:
     if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != c.hidden_size:
         raise UsageError(f"this drafter expects a target with vocab {cfg.vocab_size} and hidden size "
                          f"{cfg.target_hidden_size}; '{target.name}' has {target.vocab_size} and {c.hidden_size}")
-    if max(cfg.aux_layers) > c.num_hidden_layers:
+    if cfg.aux_layers and max(cfg.aux_layers) > c.num_hidden_layers:
         raise UsageError(f"the drafter taps layer {max(cfg.aux_layers)}; '{target.name}' has "
                          f"{c.num_hidden_layers} layers")
 

@@ -136,8 +136,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = _SelfAttention(cfg)
         self.mlp = _MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d] at positions 0..T-1 (``cos``/``sin`` [T, hd]) -> [B, T, d]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, d] at the positions of ``cos``/``sin`` [T, hd] -> [B, T, d]; causal, or ``mask`` (True = may attend,
+        broadcastable to [B, 1, T, T]) when given (Falcon's relaxed-causal block mask)."""
         cfg, a = self.cfg, self.self_attn
         B, T, _ = x.shape
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -145,7 +147,8 @@ class DecoderLayer(nn.Module):
         q = rotate(a.q_proj(y).view(B, T, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, T, hd]
         k = rotate(a.k_proj(y).view(B, T, nkv, hd).transpose(1, 2), cos, sin)  # [B, nkv, T, hd]
         v = a.v_proj(y).view(B, T, nkv, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)  # [B, nh, T, hd]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=nh != nkv)  # [B, nh, T, hd]
         h = x + a.o_proj(o.transpose(1, 2).reshape(B, T, nh * hd))
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -38,9 +38,9 @@ from ..drafters.eagle import Eagle3Runner
 from ..drafters.features import engine_layers
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
-from ..tree import DraftTree, TreeShape
 from . import register
 from ._options import check_choice, check_int
+from ._rerank import best_size, build_tree, rank
 
 _RUNNERS: dict = {}  # (drafter folder, weights, id(target)) -> Eagle3Runner (weights shared by every sequence)
 
@@ -108,7 +108,6 @@ class EagleProposer(Proposer):
         cand_score = [top.values]  # cumulative log-probabilities
         cand_parent = [torch.full((k,), -1, dtype=torch.long)]  # global candidate index of the parent (-1: root)
         cand_depth = [torch.ones(k, dtype=torch.long)]
-        n_cand = k
         src_h = self.last_h.expand(k, -1)  # the h each depth-1 node's row reads: the root's
         rows_vis = torch.zeros(0, 0, dtype=torch.bool)  # [rows, rows] ancestor-or-self among draft rows
         row_of = torch.full((k + (self.depth - 1) * k * k,), -1, dtype=torch.long)  # candidate -> its draft row
@@ -149,34 +148,18 @@ class EagleProposer(Proposer):
             cand_parent.append(glob.repeat_interleave(k))
             cand_depth.append(torch.full((r * k,), d, dtype=torch.long))
             src_h = h.repeat_interleave(k, dim=0)
-            n_cand += r * k
         tokens = run.to_target(torch.cat(cand_tok))
         scores = torch.cat(cand_score)
         parents = torch.cat(cand_parent)
         depths = torch.cat(cand_depth)
-        # rank: path probability descending, shallower first on ties (so a parent precedes its children)
-        order = torch.sort(depths, stable=True).indices
-        order = order[torch.sort(scores[order], descending=True, stable=True).indices]
+        order = rank(scores, depths)
         limit = min(self.nodes or self.max_nodes, order.numel() + 1, state.remaining + 1)
-        if self.nodes:
-            n = limit
-        else:
-            gain = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64),
-                                    scores[order[: limit - 1]].double().exp().cumsum(0)])  # E[tokens] for n = 1..
-            n = int((gain / self.curve_ms[:limit]).argmax()) + 1
-        chosen = order[: n - 1]
-        chosen = chosen[torch.sort(depths[chosen], stable=True).indices]  # parents before children
-        index = torch.full((n_cand,), -1, dtype=torch.long)
-        index[chosen] = torch.arange(1, n)
-        tree_parents = torch.cat([torch.tensor([-1]), torch.where(parents[chosen] < 0, 0, index[parents[chosen]])])
-        if bool((tree_parents[1:] < 0).any()):
-            raise RuntimeError("eagle: a chosen node's parent was not chosen")
-        tree_tokens = torch.cat([torch.tensor([state.root]), tokens[chosen]])
+        n = best_size(scores[order].double().exp(), self.curve_ms, limit, self.nodes)
         self._n["steps"] += 1
         self._n["nodes"] += n
         if n == 1:
             return None
-        return Proposal(DraftTree(tree_tokens, TreeShape(tree_parents)))
+        return Proposal(build_tree(order[: n - 1], tokens, parents, depths, state.root))
 
     def stats(self) -> dict:
         steps = max(self._n["steps"], 1)

@@ -39,6 +39,7 @@ from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from ..tree import DraftTree, TreeShape
 from . import register
+from ._backoff import BackOff
 from ._options import check_bool, check_choice, check_int
 
 _RUNNERS: dict = {}  # (drafter folder, weights, id(target)) -> FastEagleRunner (weights shared by every sequence)
@@ -92,8 +93,7 @@ class FastEagleProposer(Proposer):
         self.last_h: torch.Tensor | None = None
         self.curve_ms: torch.Tensor | None = None
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # accepted rows not yet committed
-        self.skip = 0  # steps left to skip looking
-        self.idle = 0  # consecutive looks that drafted nothing
+        self.back_off = BackOff(self.backoff)
         self._n = {"steps": 0, "looks": 0, "draft_rows": 0, "nodes": 0, "levels": 0, "k": 0}
 
     def max_proposal_size(self) -> int:
@@ -131,8 +131,7 @@ class FastEagleProposer(Proposer):
         run = self.runner
         room = min(self.depth, state.remaining)
         self._n["steps"] += 1
-        if room < 1 or self.skip > 0:
-            self.skip = max(0, self.skip - 1)
+        if room < 1 or self.back_off.skipping():
             self._n["nodes"] += 1
             return None
         self._catch_up()
@@ -157,11 +156,9 @@ class FastEagleProposer(Proposer):
         self._n["k"] += k
         if levels == 0:
             self._n["nodes"] += 1
-            if self.backoff:
-                self.skip = min(2**self.idle, self.backoff)
-                self.idle += 1
+            self.back_off.drafted_nothing()
             return None
-        self.idle = 0
+        self.back_off.drafted()
         tree = backbone_tree(run.to_target(top.indices), state.root, levels, k)
         self._n["nodes"] += len(tree)
         return Proposal(tree)

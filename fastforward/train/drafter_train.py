@@ -328,6 +328,9 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
             loss_sum = 0.0
             for m in range(step * cfg.grad_accum, (step + 1) * cfg.grad_accum):
                 batch = collate([seqs[i] for i in batch_indices(m)], store)
+                # where the run is, for losses with a schedule or randomness of their own (a pure function of m)
+                batch.update(seed=random.Random(f"{cfg.seed}:{m}").getrandbits(62), epoch=m // per_epoch,
+                             epochs=math.ceil(total * cfg.grad_accum / per_epoch))
                 loss, metrics = method.loss(drafter, batch)
                 accelerator.backward(loss / cfg.grad_accum)
                 loss_sum += float(loss.detach()) / cfg.grad_accum

@@ -1,0 +1,410 @@
+"""Falcon: a semi-autoregressive drafter -- one pass drafts a block of k tokens. Training
+(:mod:`fastforward.train.falcon`, CSGD) and inference (:mod:`fastforward.proposers.falcon`, the k-block tree) both
+import this module.
+
+Source: Gao et al., *Falcon: Faster and Parallel Inference of Large Language Models through Enhanced
+Semi-Autoregressive Drafting and Custom-Designed Decoding Tree* (AAAI 2025). Its public code does not run as released;
+the paper is the specification and the code a hint (``docs/falcon.md`` lists where we follow which).
+
+Shapes (the default model: d = 576, 9 query / 3 KV heads of 64, MLP 1536; k = ``block_size``):
+
+* row j reads ``[e(x_{j+1}) ; f_j]`` ``[2d]``: the target's (frozen) embedding of the next token and the target's
+  final normed state at j (the paper's order: embedding first);
+* ``lstm``: two LSTM layers 2d -> d -> d applied **per position** (each position its own length-1 sequence from a zero
+  state), as the released code runs ``nn.LSTM`` on ``[1, T, 2d]`` without ``batch_first``. From a zero state the
+  forget gate and the hidden-to-hidden weights multiply zero, so they are not stored: layer l is
+  ``i, g, o = W_l x + b_l``; ``c = sigmoid(i) * tanh(g)``; ``h = sigmoid(o) * tanh(c)``. Per position keeps tree
+  drafting possible (a recurrent state would have to follow every branch);
+* ``layer``: one target-shaped pre-norm Llama decoder layer under the **relaxed-causal block mask**
+  (:func:`block_mask`): a row sees every row before its k-block and every row inside it;
+* readout: the layer's output (no norm) is the predicted final state ``f_{j+k}``; through the frozen (sliced) LM head
+  it gives the distribution of ``x_{j+k+1}``.
+
+Alignment (the k-shift): row j predicts ``f_{j+k}``. At decode time the last k committed rows form one block -- the
+last one reads the bonus token -- and their k outputs are the features (and tokens) of the next k positions; feeding
+each output back with its own drafted token as the next block drafts k more (``m`` passes per draft).
+
+Folder layout (``fastforward``'s own): ``config.json`` (``architectures: ["FalconDrafter"]``, a ``fastforward``
+section naming the target by fingerprint) and ``model.safetensors`` without the head (its rows are the target's,
+rebuilt from ``d2t`` at load).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UsageError
+from .checkpoint import read_folder, write_folder
+from .eagle import (
+    check_drafter_target,
+    decode_linear_factory,
+    rms_norm,
+    rope_cos_sin,
+    rotate,
+    target_embedding_rows,
+    target_fingerprint,
+    target_head_rows,
+)
+from .fasteagle import DecoderLayer
+from .vocab import DraftVocab
+
+ARCHITECTURE = "FalconDrafter"
+
+
+@dataclass
+class FalconConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    block_size: int  # k: tokens drafted per pass
+    lstm_dropout: float = 0.1
+    fastforward: dict = field(default_factory=dict)  # {"kind", "target", "target_fingerprint", "target_layers"}
+
+    @classmethod
+    def for_target(cls, target, draft_vocab_size: int, block_size: int) -> FalconConfig:
+        c = target.config
+        heads = c.num_attention_heads
+        return cls(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=float(c.rms_norm_eps),
+            rope_theta=float(getattr(c, "rope_theta", 10000.0)), vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size, block_size=block_size,
+            fastforward={"kind": "falcon", "target": target.name, "target_fingerprint": target_fingerprint(target),
+                         "target_layers": c.num_hidden_layers},
+        )
+
+    def to_json(self) -> dict:
+        out = {"architectures": [ARCHITECTURE]}
+        out.update(asdict(self))
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict) -> FalconConfig:
+        if (raw.get("architectures") or [""])[0] != ARCHITECTURE:
+            raise UsageError(f"not a Falcon drafter: architectures is {raw.get('architectures')!r}, expected "
+                             f"[{ARCHITECTURE!r}]")
+        try:
+            cfg = cls(
+                hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                num_key_value_heads=int(raw["num_key_value_heads"]), head_dim=int(raw["head_dim"]),
+                rms_norm_eps=float(raw["rms_norm_eps"]), rope_theta=float(raw["rope_theta"]),
+                vocab_size=int(raw["vocab_size"]), draft_vocab_size=int(raw["draft_vocab_size"]),
+                target_hidden_size=int(raw["target_hidden_size"]), block_size=int(raw["block_size"]),
+                lstm_dropout=float(raw.get("lstm_dropout", 0.1)), fastforward=dict(raw.get("fastforward") or {}))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"malformed Falcon config.json: {exc!r}") from None
+        if cfg.block_size < 1:
+            raise UsageError(f"malformed Falcon config.json: block_size must be >= 1, got {cfg.block_size}")
+        return cfg
+
+    @property
+    def aux_layers(self) -> tuple:  # Falcon reads no taps (only the final state)
+        return ()
+
+    def check_target(self, target) -> None:
+        """Refuse a drafter made for another target (one line)."""
+        check_drafter_target(self, target)
+
+
+def block_mask(length: int, k: int) -> torch.Tensor:
+    """The relaxed-causal mask [length, length] (True = may attend): row i sees every row j with
+    ``j < (i // k + 1) * k`` -- everything before its k-block and all of the block (blocks start at row 0)."""
+    rows = torch.arange(length)
+    end = (rows.div(k, rounding_mode="floor") + 1) * k  # [length]: one past the row's block
+    return rows.unsqueeze(0) < end.unsqueeze(1)
+
+
+def lstm_cell(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One LSTM layer from a zero state: ``i, g, o = x W^T + b`` -> ``sigmoid(o) * tanh(sigmoid(i) * tanh(g))``."""
+    i, g, o = F.linear(x, w, b).chunk(3, dim=-1)
+    return torch.sigmoid(o) * torch.tanh(torch.sigmoid(i) * torch.tanh(g))
+
+
+class PositionwiseLSTM(nn.Module):
+    """Two LSTM layers, 2d -> d -> d, each position from a zero state (the released code's effective computation);
+    only the input-to-hidden weights of the input, cell and output gates are live, so only they are stored."""
+
+    def __init__(self, d_in: int, d: int, dropout: float):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(3 * d, d_in))
+        self.b1 = nn.Parameter(torch.zeros(3 * d))
+        self.w2 = nn.Parameter(torch.empty(3 * d, d))
+        self.b2 = nn.Parameter(torch.zeros(3 * d))
+        self.dropout = dropout
+        bound = d**-0.5  # nn.LSTM's init: U(-1/sqrt(hidden), 1/sqrt(hidden))
+        for p in (self.w1, self.b1, self.w2, self.b2):
+            nn.init.uniform_(p, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = lstm_cell(x, self.w1, self.b1)
+        h = F.dropout(h, self.dropout, self.training)  # nn.LSTM's dropout between layers
+        return lstm_cell(h, self.w2, self.b2)
+
+
+class FalconDrafter(nn.Module):
+    """The trainable drafter (``lm_head`` is a frozen slice of the target's head, not saved)."""
+
+    def __init__(self, cfg: FalconConfig, vocab: DraftVocab):
+        super().__init__()
+        if vocab.size != cfg.draft_vocab_size or vocab.vocab_size != cfg.vocab_size:
+            raise UsageError("the draft vocabulary does not match the drafter's config")
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.lstm = PositionwiseLSTM(d + cfg.target_hidden_size, d, cfg.lstm_dropout)
+        self.layer = DecoderLayer(cfg)
+        self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)
+        self.register_buffer("d2t", vocab.d2t.clone())
+        self.register_buffer("t2d", vocab.t2d.clone())
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.d2t, self.t2d)
+
+    @classmethod
+    def for_target(cls, target, vocab: DraftVocab, block_size: int = 2, seed: int = 0) -> FalconDrafter:
+        """A fresh drafter: head rows copied from the target; the LSTM at ``nn.LSTM``'s init, the layer's input
+        projections random (seeded), its output projections (``o_proj``, ``down_proj``) at zero."""
+        if block_size < 1:
+            raise UsageError(f"a Falcon drafter needs block_size >= 1, got {block_size}")
+        torch.manual_seed(seed)
+        drafter = cls(FalconConfig.for_target(target, vocab.size, block_size), vocab)
+        drafter.load_head(target)
+        with torch.no_grad():
+            a, m = drafter.layer.self_attn, drafter.layer.mlp
+            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj, m.down_proj):
+                nn.init.normal_(lin.weight, std=0.02)
+            a.o_proj.weight.zero_()
+        return drafter
+
+    def load_head(self, target) -> None:
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_head_rows(target, self.vocab.target_ids))
+
+    def forward(self, emb: torch.Tensor, feat: torch.Tensor, mask: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``emb`` [B, T, d] (rows' next-token embeddings), ``feat`` [B, T, d_t] (rows' final states), ``mask``
+        (True = may attend; [T, T] or [B, 1, T, T]) -> predicted final states f_{j+k} [B, T, d]. ``positions``
+        [T] (RoPE) default to 0..T-1."""
+        T = emb.shape[1]
+        x = self.lstm(torch.cat([emb, feat], dim=-1))
+        pos = torch.arange(T) if positions is None else positions
+        cos, sin = rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, pos)
+        return self.layer(x, cos, sin, mask)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+
+def training_mask(lengths: torch.Tensor, T: int, k: int) -> torch.Tensor:
+    """[B, 1, T, T]: the block mask with each sequence's padding keys hidden (rows are right-padded)."""
+    keys = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)  # [B, T]
+    return (block_mask(T, k).unsqueeze(0) & keys.unsqueeze(1)).unsqueeze(1)
+
+
+# -- the folder ------------------------------------------------------------------------------------------------------
+
+
+def save_falcon(drafter: FalconDrafter, folder, dtype: str = "float16") -> Path:
+    """Write ``drafter`` into ``folder`` (created), without the frozen head; files replaced atomically."""
+    return write_folder(drafter.state_dict(), drafter.cfg.to_json(), folder, dtype, skip=("lm_head.weight",))
+
+
+def load_falcon(folder, target) -> FalconDrafter:
+    """A Falcon drafter from ``folder`` (fp32), checked to belong to ``target`` (one-line refusals)."""
+    folder, cfg, tensors = read_folder(folder, "a Falcon", FalconConfig.from_json)
+    cfg.check_target(target)
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise UsageError(f"drafter {folder}: missing tensors d2t/t2d")
+    vocab = DraftVocab(tensors["d2t"], tensors["t2d"])
+    if vocab.size != cfg.draft_vocab_size:
+        raise UsageError(f"drafter {folder}: d2t has {vocab.size} entries, config says draft_vocab_size "
+                         f"{cfg.draft_vocab_size}")
+    drafter = FalconDrafter(cfg, vocab)
+    state = drafter.state_dict()
+    for name in state:
+        if name == "lm_head.weight":
+            continue
+        if name not in tensors:
+            raise UsageError(f"drafter {folder}: missing tensor {name}")
+        if tuple(tensors[name].shape) != tuple(state[name].shape):
+            raise UsageError(f"drafter {folder}: {name} has shape {tuple(tensors[name].shape)}, expected "
+                             f"{tuple(state[name].shape)}")
+    drafter.load_state_dict({k: tensors[k].to(v.dtype) for k, v in state.items() if k != "lm_head.weight"},
+                            strict=False)
+    drafter.load_head(target)
+    return drafter.eval()
+
+
+# -- decode time -----------------------------------------------------------------------------------------------------
+
+
+class FalconRunner:
+    """The drafter at decode time: its weights as the lean forward's linears (``Q8_0`` through the native kernel when
+    it builds -- the drafter only proposes, so rounding never changes the output), a KV cache of committed rows, and
+    a scratch area after them for the rows of the current draft's later passes (dropped at the next draft).
+
+    With one decoder layer a row's K/V depend only on the row's own input, not on the mask, so a committed row's K/V
+    stay valid whichever block it later belongs to: the first pass of a draft only re-reads the last k committed rows
+    as queries."""
+
+    def __init__(self, drafter: FalconDrafter, target, capacity: int, weights: str = "auto"):
+        cfg = drafter.cfg
+        self.cfg, self.target, self.k = cfg, target, cfg.block_size
+        linear = decode_linear_factory(weights)
+        lstm, layer = drafter.lstm, drafter.layer
+        self.w1, self.b1 = linear(lstm.w1), lstm.b1.detach().float()
+        self.w2, self.b2 = linear(lstm.w2), lstm.b2.detach().float()
+        a, m = layer.self_attn, layer.mlp
+        self.qkv = linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        self.o = linear(a.o_proj.weight)
+        self.gate_up = linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        self.down = linear(m.down_proj.weight)
+        self.in_norm = layer.input_layernorm.weight.detach().float()
+        self.post_norm = layer.post_attention_layernorm.weight.detach().float()
+        self.head = linear(drafter.lm_head.weight)
+        self.d2t = drafter.d2t.clone()
+        self.eps = cfg.rms_norm_eps
+        self.length = 0  # committed rows
+        self.scratch = 0  # rows of the current draft's later passes, after the committed ones
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        cfg = self.cfg
+        keep = self.length + self.scratch if hasattr(self, "kc") else 0
+        k = torch.zeros(cfg.num_key_value_heads, capacity, cfg.head_dim)
+        v = torch.zeros_like(k)
+        x = torch.zeros(capacity, cfg.hidden_size)
+        if keep:
+            k[:, :keep], v[:, :keep], x[:keep] = self.kc[:, :keep], self.vc[:, :keep], self.x[:keep]
+        self.kc, self.vc, self.x = k, v, x  # [nkv, capacity, hd] x2, [capacity, d]: the rows' layer inputs
+        self.cos, self.sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, torch.arange(capacity))
+
+    @property
+    def capacity(self) -> int:
+        return self.kc.shape[1]
+
+    def fresh(self, capacity: int) -> FalconRunner:
+        """A runner sharing these weights with an empty KV cache of its own (one per sequence)."""
+        other = copy.copy(self)
+        other.length = other.scratch = 0
+        other._alloc(capacity)
+        return other
+
+    def _ensure(self, end: int) -> None:
+        if end > self.capacity:
+            self._alloc(max(2 * self.capacity, end))
+
+    def _inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Rows' LSTM outputs: next tokens [r] (target ids), final states [r, d_t] -> [r, d]."""
+        x = torch.cat([target_embedding_rows(self.target, tokens), feats.float()], dim=-1).contiguous()
+        h = lstm_cell_packed(x, self.w1, self.b1)
+        return lstm_cell_packed(h, self.w2, self.b2)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """[r, d] at ``positions`` -> q [nh, r, hd], k and v [nkv, r, hd]."""
+        cfg = self.cfg
+        r = x.shape[0]
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = self.qkv(rms_norm(x, self.in_norm, self.eps).contiguous())
+        cos, sin = self.cos[positions], self.sin[positions]
+        q = rotate(qkv[:, : nh * hd].view(r, nh, hd).transpose(0, 1), cos, sin)
+        k = rotate(qkv[:, nh * hd : (nh + nkv) * hd].view(r, nkv, hd).transpose(0, 1), cos, sin)
+        v = qkv[:, (nh + nkv) * hd :].view(r, nkv, hd).transpose(0, 1)
+        return q, k, v
+
+    def _attend(self, x: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The layer's output for rows ``x`` [r, d] with queries ``q``, over cache rows ``[0, mask.shape[1])``."""
+        cfg = self.cfg
+        nh, hd = cfg.num_attention_heads, cfg.head_dim
+        end = mask.shape[1]
+        o = F.scaled_dot_product_attention(q.unsqueeze(0), self.kc[:, :end].unsqueeze(0),
+                                           self.vc[:, :end].unsqueeze(0), attn_mask=mask,
+                                           enable_gqa=nh != cfg.num_key_value_heads)[0]
+        h = x + self.o(o.transpose(0, 1).reshape(-1, nh * hd).contiguous())
+        gate, up = self.gate_up(rms_norm(h, self.post_norm, self.eps)).chunk(2, dim=-1)
+        return h + self.down((F.silu(gate) * up).contiguous())
+
+    def commit(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append committed rows -- target final states [r, d_t], next tokens [r], positions [r] -- to the cache
+        (their K/V; their outputs are computed when they form a block). Drops the scratch rows."""
+        self.scratch = 0
+        r = tokens.numel()
+        if r == 0:
+            return
+        start, end = self.length, self.length + r
+        self._ensure(max(end, int(positions.max()) + 1))
+        x = self._inputs(tokens, feats)
+        _, k, v = self._project(x, positions)
+        self.x[start:end], self.kc[:, start:end], self.vc[:, start:end] = x, k, v
+        self.length = end
+
+    def first_block(self) -> torch.Tensor:
+        """The first pass of a draft: the last min(k, length) committed rows as one block (each sees every committed
+        row) -> their outputs [k', d], the predicted final states of the next k' positions."""
+        self.scratch = 0
+        n = min(self.k, self.length)
+        rows = torch.arange(self.length - n, self.length)
+        q, _, _ = self._project(self.x[rows], rows)
+        return self._attend(self.x[rows], q, torch.ones(n, self.length, dtype=torch.bool))
+
+    def extend(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, sees: torch.Tensor) -> torch.Tensor:
+        """A later pass over F branches at once: branch b's block is rows ``(tokens[b, i], feats[b, i])`` at positions
+        ``start + i`` (i < k'); each row sees every committed row, the scratch rows ``sees[b]`` [F, scratch] (its
+        branch's earlier blocks) and its own block. The rows go to scratch (returned indices) -> outputs [F, k', d],
+        and the scratch row indices [F, k'] of the new rows."""
+        Fb, kk = tokens.shape
+        r = Fb * kk
+        base = self.length + self.scratch
+        self._ensure(max(base + r, start + kk))
+        positions = (start + torch.arange(kk)).repeat(Fb)
+        x = self._inputs(tokens.reshape(-1), feats.reshape(r, -1))
+        q, k, v = self._project(x, positions)
+        self.kc[:, base : base + r], self.vc[:, base : base + r] = k, v
+        own = torch.arange(Fb).repeat_interleave(kk)  # [r]: each row's branch
+        mask = torch.zeros(r, base + r, dtype=torch.bool)
+        mask[:, : self.length] = True
+        if self.scratch:
+            mask[:, self.length : base] = sees[own]
+        mask[:, base:] = own.unsqueeze(1) == own.unsqueeze(0)
+        out = self._attend(x, q, mask)
+        new_rows = (self.scratch + torch.arange(r)).view(Fb, kk)
+        self.scratch += r
+        return out.view(Fb, kk, -1), new_rows
+
+    def probs(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., d] -> [..., draft_vocab] next-token probabilities (one head matmul)."""
+        shape = h.shape[:-1]
+        return self.head(h.reshape(-1, h.shape[-1]).contiguous()).softmax(-1).view(*shape, -1)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def lstm_cell_packed(x: torch.Tensor, w, b: torch.Tensor) -> torch.Tensor:
+    """:func:`lstm_cell` with a decode-time linear ``w``."""
+    i, g, o = (w(x) + b).chunk(3, dim=-1)
+    return torch.sigmoid(o) * torch.tanh(torch.sigmoid(i) * torch.tanh(g))
+
+
+def parameter_count(cfg: FalconConfig) -> int:
+    """Trained parameters (the frozen head excluded)."""
+    d, kv, mlp = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    lstm = 3 * d * (d + cfg.target_hidden_size) + 3 * d * d + 6 * d
+    return lstm + d * q * 2 + 2 * d * kv + 3 * d * mlp + 2 * d

@@ -1,0 +1,229 @@
+"""Falcon: a semi-autoregressive drafter drafts k tokens per pass; the target verifies a tree built from k-token
+blocks.
+
+Source: Gao et al., *Falcon: Faster and Parallel Inference of Large Language Models through Enhanced
+Semi-Autoregressive Drafting and Custom-Designed Decoding Tree* (AAAI 2025). The drafter
+(:mod:`fastforward.drafters.falcon`) is trained by ``fastforward train falcon``; one for the default model ships with
+the package.
+
+Each step:
+
+1. **First pass.** The last k committed rows (the last reads the bonus token, the root) form one block: its k outputs
+   are the predicted features of the next k positions and, through the head, the distributions of depths 1..k. A
+   block's k tokens come from one pass, so depth i + 1's candidates do not depend on depth i's choice: each of the
+   ``topk`` candidates of depth i gets the ``topk`` of depth i + 1 as children (Medusa-style Cartesian blocks), each
+   node scored by its path probability (the product of its tokens' draft probabilities).
+2. **Later passes** (up to ``passes``). The frontier -- the deepest-block nodes the current best tree would keep, at
+   most ``frontier`` of them -- each feeds its own block's tokens with the block's predicted features back as the
+   next block, all frontiers in one drafter call under a tree mask (a row sees the committed rows, its own branch's
+   earlier blocks and its own block); each drafts k more depths the same way. A pass whose frontier is empty is not
+   run.
+3. **Rerank** (:mod:`._rerank`): the tree is the top n - 1 candidates by path probability, n maximising expected
+   tokens per millisecond on this machine's cost curve (or ``nodes=N`` fixed). ``topk=1, frontier=1`` drafts a chain
+   (the "tree attention off" ablation).
+4. **Verify** (the engine): greedy, or at T > 0 the lossless scheme for candidates without probabilities.
+5. **Commit.** The target's final states of the accepted path (from the verification forward itself) and their next
+   tokens become committed drafter rows. With back-off (``backoff``, default 8; 0 = off) a step whose best choice
+   was to draft nothing makes the next 1, 2, 4, ... steps skip looking.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..costs import machine_cost_curve
+from ..drafters import shipped_drafter
+from ..drafters.falcon import FalconRunner, load_falcon
+from ..drafters.features import FINAL
+from ..engine import DecodeState, Proposal, Proposer, StepResult
+from ..errors import UsageError
+from . import register
+from ._backoff import BackOff
+from ._options import check_choice, check_int
+from ._rerank import best_size, build_tree, rank
+
+_RUNNERS: dict = {}  # (drafter folder, weights, id(target)) -> FalconRunner (weights shared by every sequence)
+
+
+def falcon_runner(target, drafter: str | None, weights: str) -> FalconRunner:
+    if drafter is None:
+        folder = shipped_drafter(target, "falcon")
+        if folder is None:
+            raise UsageError(f"falcon: no drafter ships for '{target.name}'; train one (fastforward train falcon) and "
+                             "pass -o drafter=FOLDER")
+    else:
+        folder = Path(str(drafter)).expanduser()
+        if not folder.is_dir():
+            raise UsageError(f"falcon: drafter folder not found: {folder}")
+    key = (str(folder.resolve()), weights, id(target))
+    if key not in _RUNNERS:
+        _RUNNERS[key] = FalconRunner(load_falcon(folder, target), target, capacity=64, weights=weights)
+    return _RUNNERS[key]
+
+
+class Candidates:
+    """The draft's candidate nodes so far (flat tensors, one entry per node) and, for the nodes ending a block, what
+    a next pass needs: the block's tokens and which group of outputs holds the block's predicted features."""
+
+    def __init__(self):
+        self.tokens, self.scores, self.parents, self.depths = [], [], [], []
+        self.size = 0
+
+    def add_blocks(self, values: torch.Tensor, ids: torch.Tensor, parent: torch.Tensor, parent_score: torch.Tensor,
+                   parent_depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One pass's blocks: ``values``/``ids`` [F, kk, w] (each block row's top-w probabilities / target ids) under
+        ``parent`` [F] (candidate index, -1 = root) -> the block-end nodes: their indices [F, w^kk], path
+        probabilities [F, w^kk] and block tokens [F, w^kk, kk]."""
+        Fb, kk, w = values.shape
+        prev = parent.unsqueeze(1)  # [F, n]: the previous level's nodes
+        score = parent_score.unsqueeze(1).to(values.dtype)
+        path = torch.zeros(Fb, 1, 0, dtype=torch.long)
+        for i in range(kk):
+            n = prev.shape[1]
+            s = (score.unsqueeze(2) * values[:, i].unsqueeze(1)).reshape(Fb, n * w)
+            tok = ids[:, i].unsqueeze(1).expand(Fb, n, w).reshape(Fb, n * w)
+            idx = self.size + torch.arange(Fb * n * w).view(Fb, n * w)
+            self.tokens.append(tok.reshape(-1))
+            self.scores.append(s.reshape(-1))
+            self.parents.append(prev.unsqueeze(2).expand(Fb, n, w).reshape(-1))
+            self.depths.append((parent_depth.unsqueeze(1) + i + 1).expand(Fb, n * w).reshape(-1))
+            self.size += Fb * n * w
+            path = torch.cat([path.repeat_interleave(w, dim=1), tok.unsqueeze(2)], dim=2)
+            prev, score = idx, s
+        return prev, score, path
+
+    def cat(self):
+        return torch.cat(self.tokens), torch.cat(self.scores), torch.cat(self.parents), torch.cat(self.depths)
+
+
+class FalconProposer(Proposer):
+    name = "falcon"
+    hidden_layers = (FINAL,)
+
+    def __init__(self, runner: FalconRunner, *, topk: int, passes: int, frontier: int, nodes: int, max_nodes: int,
+                 backoff: int):
+        self.shared = runner
+        self.topk, self.passes, self.frontier = topk, passes, frontier
+        self.nodes, self.max_nodes = nodes, max_nodes
+        self.back_off = BackOff(0 if nodes else backoff)
+        self.runner: FalconRunner | None = None
+        self.curve_ms: torch.Tensor | None = None
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # accepted rows not yet committed
+        self._n = {"steps": 0, "looks": 0, "passes": 0, "draft_rows": 0, "nodes": 0}
+
+    def max_proposal_size(self) -> int:
+        return self.nodes or self.max_nodes
+
+    def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
+        n = state.prompt_length
+        k = self.shared.k
+        self.runner = self.shared.fresh(n + state.max_new_tokens + self.passes * k * self.frontier + 8)
+        if not self.nodes:
+            curve = machine_cost_curve(state.target)
+            self.curve_ms = torch.tensor([curve.t(q) for q in range(1, self.max_nodes + 1)], dtype=torch.float64)
+        self.runner.commit(hidden[FINAL][:n], state.ids[1 : n + 1], torch.arange(n))
+
+    def observe(self, state: DecodeState, step: StepResult) -> None:
+        path = step.verdict.path
+        r = len(path)
+        root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
+        tokens = state.ids[root_pos + 1 : root_pos + 1 + r].clone()
+        self.pending.append((step.hidden[FINAL][torch.as_tensor(path)], tokens, torch.arange(root_pos, root_pos + r)))
+        self._n["draft_rows"] += r
+
+    def _catch_up(self) -> None:
+        """Commit the accepted rows that wait (one drafter call for all of them)."""
+        if self.pending:
+            feats, tokens, positions = (torch.cat(parts) for parts in zip(*self.pending, strict=True))
+            self.runner.commit(feats, tokens, positions)
+            self.pending.clear()
+
+    def _top(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block outputs [..., d] -> top-``topk`` probabilities and target ids [..., topk]."""
+        top = self.runner.probs(out).topk(self.topk, dim=-1)
+        return top.values.double(), self.runner.to_target(top.indices)
+
+    def _choose(self, cands: Candidates, state: DecodeState):
+        tokens, scores, parents, depths = cands.cat()
+        order = rank(scores, depths)
+        limit = min(self.max_proposal_size(), order.numel() + 1, state.remaining + 1)
+        n = best_size(scores[order], self.curve_ms, limit, self.nodes)
+        return order[: n - 1], (tokens, scores, parents, depths)
+
+    def propose(self, state: DecodeState) -> Proposal | None:
+        self._n["steps"] += 1
+        if state.remaining < 1 or self.back_off.skipping():
+            self._n["nodes"] += 1
+            return None
+        self._catch_up()
+        self._n["looks"] += 1
+        run = self.runner
+        out = run.first_block()  # [k', d]
+        kk = out.shape[0]
+        values, ids = self._top(out)
+        cands = Candidates()
+        root = torch.tensor([-1])
+        ends, end_scores, end_paths = cands.add_blocks(values.unsqueeze(0), ids.unsqueeze(0), root,
+                                                       torch.ones(1, dtype=torch.float64), torch.zeros_like(root))
+        # the outputs holding each block-end node's block features, and its branch's scratch rows (earlier blocks)
+        feats = out.unsqueeze(0).expand(ends.shape[1], kk, -1)  # [w^kk, kk, d]
+        branch_rows = [torch.zeros(0, dtype=torch.long)] * ends.shape[1]
+        ends, end_scores, end_paths = ends[0], end_scores[0], end_paths[0]
+        self._n["passes"] += 1
+        chosen, _ = self._choose(cands, state)
+        for p in range(2, self.passes + 1):
+            if kk < run.k or chosen.numel() == 0:
+                break
+            keep = torch.isin(ends, chosen)  # block-end nodes the current best tree keeps, best first
+            picked = keep.nonzero().flatten()
+            picked = picked[torch.sort(end_scores[picked], descending=True, stable=True).indices][: self.frontier]
+            if picked.numel() == 0:
+                break
+            sees = torch.zeros(picked.numel(), run.scratch, dtype=torch.bool)
+            for b, i in enumerate(picked.tolist()):
+                sees[b, branch_rows[i]] = True
+            out, rows = run.extend(end_paths[picked], feats[picked], run.length + (p - 2) * run.k, sees)
+            self._n["passes"] += 1
+            values, ids = self._top(out)  # [F, k, w]
+            parent_depth = torch.full((picked.numel(),), (p - 1) * run.k, dtype=torch.long)
+            new_ends, new_scores, new_paths = cands.add_blocks(values, ids, ends[picked], end_scores[picked],
+                                                               parent_depth)
+            per = new_ends.shape[1]
+            feats = out.repeat_interleave(per, dim=0)  # [F * per, k, d]
+            branch_rows = [torch.cat([branch_rows[int(picked[b])], rows[b]]) for b in range(picked.numel())
+                           for _ in range(per)]
+            ends, end_scores = new_ends.reshape(-1), new_scores.reshape(-1)
+            end_paths = new_paths.reshape(-1, run.k)
+            chosen, _ = self._choose(cands, state)
+        chosen, (tokens, _, parents, depths) = self._choose(cands, state)
+        n = chosen.numel() + 1
+        self._n["nodes"] += n
+        if n == 1:
+            self.back_off.drafted_nothing()
+            return None
+        self.back_off.drafted()
+        return Proposal(build_tree(chosen, tokens, parents, depths, state.root))
+
+    def stats(self) -> dict:
+        steps = max(self._n["steps"], 1)
+        looks = max(self._n["looks"], 1)
+        return {"mean_tree_nodes": self._n["nodes"] / steps, "looks_per_step": self._n["looks"] / steps,
+                "passes_per_look": self._n["passes"] / looks, "draft_rows": self._n["draft_rows"]}
+
+
+@register("falcon", "Falcon: a semi-autoregressive drafter drafts k tokens per pass, verified as a tree of k-blocks",
+          source="Gao et al., AAAI 2025")
+def falcon(target, *, drafter: str | None = None, topk: int = 4, passes: int = 2, frontier: int = 4, nodes: int = 0,
+           max_nodes: int = 32, backoff: int = 8, weights: str = "auto") -> Proposer:
+    check_int("falcon", "topk", topk, 1, 16)
+    check_int("falcon", "passes", passes, 1, 8)
+    check_int("falcon", "frontier", frontier, 1, 16)
+    check_int("falcon", "nodes", nodes, 0, 256)
+    check_int("falcon", "max_nodes", max_nodes, 2, 256)
+    check_int("falcon", "backoff", backoff, 0, 1024)
+    check_choice("falcon", "weights", weights, ("auto", "q8_0", "fp32"))
+    runner = falcon_runner(target, drafter, weights)
+    return FalconProposer(runner, topk=topk, passes=passes, frontier=frontier, nodes=nodes, max_nodes=max_nodes,
+                          backoff=backoff)
