@@ -93,12 +93,12 @@ def test_glance_lambda_follows_the_papers_schedule():
     assert glance_lambda(9, 4) == pytest.approx(0.1)  # clamped to the last epoch
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_loss_aligns_row_j_with_the_feature_k_ahead(target, k):
-    """A drafter that outputs exactly f_{j+k} at row j has zero feature loss and predicts every in-vocabulary label
-    (the k-shift); one shifted by k - 1 or k + 1 does not."""
+@pytest.mark.parametrize("k,csgd", [(2, "off"), (3, "off"), (2, "two-pass"), (3, "sequence")])
+def test_loss_aligns_row_j_with_the_feature_k_ahead(target, k, csgd):
+    """A drafter that outputs exactly f_{j+k} at row j (of either pass) predicts every in-vocabulary label (the
+    k-shift); one shifted by k - 1 or k + 1 does not."""
     drafter = FalconDrafter.for_target(target, DraftVocab.full(VOCAB), k, seed=0)
-    method = FalconTraining(k, VOCAB, csgd=False)
+    method = FalconTraining(k, VOCAB, csgd=csgd)
     method.vocab, method.embed = drafter.vocab, target_embedding_rows(target, torch.arange(VOCAB))
     ids = torch.tensor([[3] + ff.generate(target, [3], "ar", max_new_tokens=11).token_ids])  # the target's greedy
     T = ids.shape[1]
@@ -115,7 +115,7 @@ def test_loss_aligns_row_j_with_the_feature_k_ahead(target, k):
             def forward(self, emb, feat, mask, positions=None):
                 out = torch.zeros_like(final)
                 out[:, : T - s] = final[:, s:]
-                return out
+                return out.repeat(1, emb.shape[1] // T, 1)  # the two-pass form has 2T rows
 
             def logits(self, h):
                 return drafter.logits(h)
@@ -129,7 +129,9 @@ def test_loss_aligns_row_j_with_the_feature_k_ahead(target, k):
     falcon_train.NOISE, saved = 0.0, falcon_train.NOISE
     try:
         loss, metrics = method.loss(shifted(k), batch)
-        assert all(metrics[f"acc{i + 1}"] == 1.0 for i in range(k))
+        depths = 2 * k if csgd == "two-pass" else k
+        assert sorted(m for m in metrics if m.startswith("acc")) == [f"acc{i + 1}" for i in range(depths)]
+        assert all(metrics[f"acc{i + 1}"] == 1.0 for i in range(depths))
         for s in (k - 1, k + 1):
             _, bad = method.loss(shifted(s), batch)
             assert min(bad[f"acc{i + 1}"] for i in range(k)) < 1.0
@@ -317,9 +319,9 @@ def test_train_falcon_through_the_cli(train_setup, tmp_path, capsys):
     assert got.token_ids == ff.generate(target, [5, 6, 7, 8], "ar", max_new_tokens=12).token_ids
     code, stdout, err = run_cli(capsys, *common, "--max-steps", 4)  # resumes
     assert code == 0 and "step 4/4" in stdout, err
-    line = assert_one_line_error(capsys, *common, "--max-steps", 4, "--no-csgd")
+    line = assert_one_line_error(capsys, *common, "--max-steps", 4, "--csgd", "off")
     assert "different settings" in line
-    code, stdout, err = run_cli(capsys, *common[:7], tmp_path / "tf", *common[8:], "--max-steps", 1, "--no-csgd",
+    code, stdout, err = run_cli(capsys, *common[:7], tmp_path / "tf", *common[8:], "--max-steps", 1, "--csgd", "off",
                                 "--block-size", 3)
     assert code == 0, err
     assert json.loads((tmp_path / "tf" / "config.json").read_text())["block_size"] == 3

@@ -267,7 +267,7 @@ def run_fasteagle(args) -> int:
 
 
 def add_falcon_arguments(p) -> None:
-    from ..train.falcon import DEFAULT_BLOCK, DEFAULT_DRAFT_VOCAB
+    from ..train.falcon import CSGD_FORMS, DEFAULT_BLOCK, DEFAULT_CSGD, DEFAULT_DRAFT_VOCAB
 
     add_drafter_arguments(p)
     g = p.add_argument_group("falcon")
@@ -275,8 +275,10 @@ def add_falcon_arguments(p) -> None:
                    help="k: tokens drafted per pass (default: %(default)s)")
     g.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
                    help="draft vocabulary: the N most frequent tokens of the data (default: %(default)s)")
-    g.add_argument("--no-csgd", action="store_true",
-                   help="the 'w/o CSGD' ablation: plain teacher forcing instead of glancing distillation")
+    g.add_argument("--csgd", choices=CSGD_FORMS, default=DEFAULT_CSGD,
+                   help="glancing distillation: 'two-pass' (each block's second pass over the true rows before it, "
+                        "the decode-time situation), 'sequence' (one pass over the drafter's own predictions), 'off' "
+                        "(the 'w/o CSGD' ablation: teacher forcing) (default: %(default)s)")
 
 
 def run_falcon(args) -> int:
@@ -286,9 +288,9 @@ def run_falcon(args) -> int:
         raise UsageError(f"--block-size must be an integer in 1..8, got {args.block_size}")
     if args.draft_vocab <= 0:
         raise UsageError("--draft-vocab must be a positive integer")
-    extra = {"block_size": args.block_size, "draft_vocab": args.draft_vocab, "csgd": not args.no_csgd}
+    extra = {"block_size": args.block_size, "draft_vocab": args.draft_vocab, "csgd": args.csgd}
     cfg = drafter_config(args, "falcon", extra)
-    return _train_drafter(cfg, FalconTraining(args.block_size, args.draft_vocab, csgd=not args.no_csgd))
+    return _train_drafter(cfg, FalconTraining(args.block_size, args.draft_vocab, csgd=args.csgd))
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -289,10 +289,14 @@ class FalconRunner:
         keep = self.length + self.scratch if hasattr(self, "kc") else 0
         k = torch.zeros(cfg.num_key_value_heads, capacity, cfg.head_dim)
         v = torch.zeros_like(k)
+        q = torch.zeros(cfg.num_attention_heads, capacity, cfg.head_dim)
         x = torch.zeros(capacity, cfg.hidden_size)
         if keep:
-            k[:, :keep], v[:, :keep], x[:keep] = self.kc[:, :keep], self.vc[:, :keep], self.x[:keep]
-        self.kc, self.vc, self.x = k, v, x  # [nkv, capacity, hd] x2, [capacity, d]: the rows' layer inputs
+            k[:, :keep], v[:, :keep] = self.kc[:, :keep], self.vc[:, :keep]
+            q[:, :keep], x[:keep] = self.qc[:, :keep], self.x[:keep]
+        # [nkv, capacity, hd] x2; the committed rows' queries [nh, capacity, hd] and layer inputs [capacity, d], which
+        # a first pass re-reads
+        self.kc, self.vc, self.qc, self.x = k, v, q, x
         self.cos, self.sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, torch.arange(capacity))
 
     @property
@@ -342,7 +346,7 @@ class FalconRunner:
 
     def commit(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         """Append committed rows -- target final states [r, d_t], next tokens [r], positions [r] -- to the cache
-        (their K/V; their outputs are computed when they form a block). Drops the scratch rows."""
+        (their queries and K/V; their outputs are computed when they form a block). Drops the scratch rows."""
         self.scratch = 0
         r = tokens.numel()
         if r == 0:
@@ -350,8 +354,8 @@ class FalconRunner:
         start, end = self.length, self.length + r
         self._ensure(max(end, int(positions.max()) + 1))
         x = self._inputs(tokens, feats)
-        _, k, v = self._project(x, positions)
-        self.x[start:end], self.kc[:, start:end], self.vc[:, start:end] = x, k, v
+        q, k, v = self._project(x, positions)
+        self.x[start:end], self.qc[:, start:end], self.kc[:, start:end], self.vc[:, start:end] = x, q, k, v
         self.length = end
 
     def first_block(self) -> torch.Tensor:
@@ -359,9 +363,9 @@ class FalconRunner:
         row) -> their outputs [k', d], the predicted final states of the next k' positions."""
         self.scratch = 0
         n = min(self.k, self.length)
-        rows = torch.arange(self.length - n, self.length)
-        q, _, _ = self._project(self.x[rows], rows)
-        return self._attend(self.x[rows], q, torch.ones(n, self.length, dtype=torch.bool))
+        a = self.length - n
+        return self._attend(self.x[a : self.length], self.qc[:, a : self.length],
+                            torch.ones(n, self.length, dtype=torch.bool))
 
     def extend(self, tokens: torch.Tensor, feats: torch.Tensor, start: int, sees: torch.Tensor) -> torch.Tensor:
         """A later pass over F branches at once: branch b's block is rows ``(tokens[b, i], feats[b, i])`` at positions

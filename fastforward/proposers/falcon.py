@@ -172,7 +172,7 @@ class FalconProposer(Proposer):
         branch_rows = [torch.zeros(0, dtype=torch.long)] * ends.shape[1]
         ends, end_scores, end_paths = ends[0], end_scores[0], end_paths[0]
         self._n["passes"] += 1
-        chosen, _ = self._choose(cands, state)
+        chosen, flat = self._choose(cands, state)
         for p in range(2, self.passes + 1):
             if kk < run.k or chosen.numel() == 0:
                 break
@@ -196,8 +196,8 @@ class FalconProposer(Proposer):
                            for _ in range(per)]
             ends, end_scores = new_ends.reshape(-1), new_scores.reshape(-1)
             end_paths = new_paths.reshape(-1, run.k)
-            chosen, _ = self._choose(cands, state)
-        chosen, (tokens, _, parents, depths) = self._choose(cands, state)
+            chosen, flat = self._choose(cands, state)
+        tokens, _, parents, depths = flat
         n = chosen.numel() + 1
         self._n["nodes"] += n
         if n == 1:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ..drafters.eagle import target_embedding_rows
 from ..drafters.falcon import FalconDrafter, block_mask, save_falcon, training_mask
 from ..drafters.vocab import DraftVocab
+from ..errors import UsageError
 from .drafter_train import DrafterMethod
 
 DEFAULT_BLOCK = 2
@@ -42,6 +43,8 @@ DISTILL_WEIGHT = 0.1  # omega_dist
 KL_SHARE = 0.9  # alpha: KL(p || p^) vs hard-label CE
 NOISE = 0.1  # U(-NOISE, NOISE) on true input features
 LAMBDA_START = 0.4  # lambda = 0.4 (E - e) / E
+CSGD_FORMS = ("two-pass", "sequence", "off")
+DEFAULT_CSGD = "two-pass"
 
 
 def glance_lambda(epoch: int, epochs: int) -> float:
@@ -77,7 +80,10 @@ def glance(candidates: torch.Tensor, n: int, k: int, rng: random.Random) -> torc
 class FalconTraining(DrafterMethod):
     name = "falcon"
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK, draft_vocab: int = DEFAULT_DRAFT_VOCAB, csgd: bool = True):
+    def __init__(self, block_size: int = DEFAULT_BLOCK, draft_vocab: int = DEFAULT_DRAFT_VOCAB,
+                 csgd: str = DEFAULT_CSGD):
+        if csgd not in CSGD_FORMS:
+            raise UsageError(f"csgd must be one of {', '.join(CSGD_FORMS)}, got {csgd!r}")
         self.block_size, self.draft_vocab, self.csgd = block_size, draft_vocab, csgd
         self.embed = None
         self.vocab: DraftVocab | None = None
@@ -99,8 +105,7 @@ class FalconTraining(DrafterMethod):
         nxt = torch.zeros_like(ids)
         nxt[:, :-1] = ids[:, 1:]  # row j reads x_{j+1}
         emb = F.embedding(nxt, self.embed)
-        noise = (torch.rand(final.shape, generator=gen) * 2 - 1) * NOISE
-        feat = final + noise
+        feat = final + (torch.rand(final.shape, generator=gen) * 2 - 1) * NOISE
         rows = T - k - 1  # row j predicts x_{j+k+1}, which must exist
         if rows <= 0:
             return torch.zeros((), requires_grad=True), {}
@@ -111,29 +116,20 @@ class FalconTraining(DrafterMethod):
         f_next = torch.zeros_like(final)
         f_next[:, :rows] = final[:, k : T - 1]  # the target's final state at j + k
         metrics = {}
-        if self.csgd:
+        if self.csgd == "off":
+            out = drafter(emb, feat, mask)
+        else:
             lam = glance_lambda(int(batch.get("epoch", 0)), int(batch.get("epochs", 1)))
-            with torch.no_grad():
-                out1 = drafter(emb, feat, mask)
-                pred = inner.logits(out1).argmax(-1)  # [B, T] draft ids
-                wrong = (pred != labels) & keep
-                pred_emb = F.embedding(self.vocab.to_target(pred), self.embed)
-            # pass 2's inputs: row j reads what row j - k predicted (f^_j, x^_{j+1})
-            has_pred = torch.zeros(B, T, dtype=torch.bool)
-            for b in range(B):
-                has_pred[b, k : int(lengths[b])] = True
-            given = torch.zeros(B, T, dtype=torch.bool)
-            for b in range(B):
-                n = round(lam * int(wrong[b].sum()))
-                given[b] = glance(has_pred[b], n, k, rng)
-            use_pred = (has_pred & ~given).unsqueeze(-1)
-            emb2, feat2 = emb.clone(), feat.clone()
-            emb2[:, k:] = torch.where(use_pred[:, k:], pred_emb[:, :-k], emb[:, k:])
-            feat2[:, k:] = torch.where(use_pred[:, k:], out1[:, :-k], feat[:, k:])
-            emb, feat = emb2, feat2
-            metrics["lambda"] = lam
-            metrics["glanced"] = float(given.sum()) / max(1, int(has_pred.sum()))
-        out = drafter(emb, feat, mask)
+            emb2, feat2, share = self._glanced_inputs(drafter, emb, feat, mask, labels, keep, lengths, lam, rng)
+            metrics["lambda"], metrics["glanced"] = lam, share
+            if self.csgd == "sequence":
+                out = drafter(emb2, feat2, mask)
+            else:  # two-pass: [true rows ; second-pass rows], each block's second pass over the true rows before it
+                valid = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).repeat(1, 2)  # [B, 2T] keys
+                both = (chain_mask(T, k).unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)
+                out = drafter(torch.cat([emb, emb2], 1), torch.cat([feat, feat2], 1), both,
+                              positions=torch.arange(T).repeat(2))
+                keep, labels, f_next = keep.repeat(1, 2), labels.repeat(1, 2), f_next.repeat(1, 2, 1)
         total = F.smooth_l1_loss(out[keep], f_next[keep], reduction="none").mean() if bool(keep.any()) else 0.0
         sel = keep & (labels >= 0)
         if bool(sel.any()):
@@ -143,11 +139,32 @@ class FalconTraining(DrafterMethod):
             ce = F.nll_loss(q_log, labels[sel])
             total = total + DISTILL_WEIGHT * (KL_SHARE * kl + (1 - KL_SHARE) * ce)
             right = q_log.argmax(-1) == labels[sel]
-            offset = (torch.arange(T).unsqueeze(0).expand(B, T) % k)[sel]
-            for i in range(k):
-                if bool((offset == i).any()):
-                    metrics[f"acc{i + 1}"] = float(right[offset == i].float().mean())
+            depth = torch.arange(out.shape[1]).unsqueeze(0).expand(B, -1)
+            depth = (depth % k + k * (depth >= T))[sel]  # 0-based depth: offset in block (+ k on second-pass rows)
+            for i in range(int(depth.max()) + 1):
+                if bool((depth == i).any()):
+                    metrics[f"acc{i + 1}"] = float(right[depth == i].float().mean())
         return total, metrics
+
+    def _glanced_inputs(self, drafter, emb, feat, mask, labels, keep, lengths, lam, rng):
+        """Pass 1 (no gradients) and glancing: the inputs of a second pass -- row j reads what row j - k predicted,
+        (x^_{j+1}, f^_j) -- with N = round(lambda d) rows per sequence given the ground truth back."""
+        B, T = labels.shape
+        k = self.block_size
+        inner = getattr(drafter, "module", drafter)
+        with torch.no_grad():
+            out1 = drafter(emb, feat, mask)
+            pred = inner.logits(out1).argmax(-1)  # [B, T] draft ids
+            wrong = (pred != labels) & keep  # Hamming distance to the target's tokens over the loss rows
+            pred_emb = F.embedding(self.vocab.to_target(pred), self.embed)
+        has_pred = torch.arange(T).unsqueeze(0).expand(B, T)
+        has_pred = (has_pred >= k) & (has_pred < lengths.unsqueeze(1))
+        given = torch.stack([glance(has_pred[b], round(lam * int(wrong[b].sum())), k, rng) for b in range(B)])
+        use_pred = (has_pred & ~given).unsqueeze(-1)
+        emb2, feat2 = emb.clone(), feat.clone()
+        emb2[:, k:] = torch.where(use_pred[:, k:], pred_emb[:, :-k], emb[:, k:])
+        feat2[:, k:] = torch.where(use_pred[:, k:], out1[:, :-k], feat[:, k:])
+        return emb2, feat2, float(given.sum()) / max(1, int(has_pred.sum()))
 
     def save(self, drafter, folder: Path) -> None:
         save_falcon(drafter, folder, dtype="float16")
