@@ -73,6 +73,35 @@ def read_folder(folder, kind: str, parse_config) -> tuple[Path, object, dict]:
     return folder, cfg, tensors
 
 
+def load_headless(folder, target, kind: str, parse_config, module_cls, head: str = "lm_head.weight"):
+    """A drafter saved without its frozen head (FastEagle, Falcon): ``module_cls(cfg, vocab)`` from ``folder`` (fp32),
+    checked to belong to ``target``, every other tensor present with its shape, the head rebuilt from the target's
+    rows (``load_head``). Each failure is a one-line refusal."""
+    folder, cfg, tensors = read_folder(folder, kind, parse_config)
+    cfg.check_target(target)
+    if "d2t" not in tensors or "t2d" not in tensors:
+        raise UsageError(f"drafter {folder}: missing tensors d2t/t2d")
+    vocab = DraftVocab(tensors["d2t"], tensors["t2d"])
+    if vocab.size != cfg.draft_vocab_size:
+        raise UsageError(f"drafter {folder}: d2t has {vocab.size} entries, config says draft_vocab_size "
+                         f"{cfg.draft_vocab_size}")
+    drafter = module_cls(cfg, vocab)
+    state = {k: v for k, v in drafter.state_dict().items() if k != head}
+    _check_shapes(folder, state, tensors)
+    drafter.load_state_dict({k: tensors[k].to(v.dtype) for k, v in state.items()}, strict=False)
+    drafter.load_head(target)
+    return drafter.eval()
+
+
+def _check_shapes(folder, state: dict, tensors: dict) -> None:
+    for name in state:
+        if name not in tensors:
+            raise UsageError(f"drafter {folder}: missing tensor {name}")
+        if tuple(tensors[name].shape) != tuple(state[name].shape):
+            raise UsageError(f"drafter {folder}: {name} has shape {tuple(tensors[name].shape)}, expected "
+                             f"{tuple(state[name].shape)}")
+
+
 def save_eagle3(drafter: Eagle3Drafter, folder, dtype: str = "float16") -> Path:
     """Write ``drafter`` into ``folder`` (created); floating tensors in ``dtype``; files replaced atomically."""
     return write_folder(drafter.state_dict(), drafter.cfg.to_hf(), folder, dtype)
@@ -92,11 +121,6 @@ def load_eagle3(folder, target=None) -> Eagle3Drafter:
         cfg.check_target(target)
     drafter = Eagle3Drafter(cfg, vocab)
     state = drafter.state_dict()
-    for name in state:
-        if name not in tensors:
-            raise UsageError(f"drafter {folder}: missing tensor {name}")
-        if tuple(tensors[name].shape) != tuple(state[name].shape):
-            raise UsageError(f"drafter {folder}: {name} has shape {tuple(tensors[name].shape)}, expected "
-                             f"{tuple(state[name].shape)}")
+    _check_shapes(folder, state, tensors)
     drafter.load_state_dict({k: tensors[k].to(state[k].dtype) for k in state})
     return drafter.eval()

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from .checkpoint import read_folder, write_folder
+from .checkpoint import load_headless, write_folder
 from .eagle import (
     _MLP,
     RMSNorm,
@@ -247,28 +247,7 @@ def save_fasteagle(drafter: FastEagleDrafter, folder, dtype: str = "float16") ->
 
 def load_fasteagle(folder, target) -> FastEagleDrafter:
     """A FastEagle drafter from ``folder`` (fp32), checked to belong to ``target`` (one-line refusals)."""
-    folder, cfg, tensors = read_folder(folder, "a FastEagle", FastEagleConfig.from_json)
-    cfg.check_target(target)
-    if "d2t" not in tensors or "t2d" not in tensors:
-        raise UsageError(f"drafter {folder}: missing tensors d2t/t2d")
-    vocab = DraftVocab(tensors["d2t"], tensors["t2d"])
-    if vocab.size != cfg.draft_vocab_size:
-        raise UsageError(f"drafter {folder}: d2t has {vocab.size} entries, config says draft_vocab_size "
-                         f"{cfg.draft_vocab_size}")
-    drafter = FastEagleDrafter(cfg, vocab)
-    state = drafter.state_dict()
-    for name in state:
-        if name == "lm_head.weight":
-            continue
-        if name not in tensors:
-            raise UsageError(f"drafter {folder}: missing tensor {name}")
-        if tuple(tensors[name].shape) != tuple(state[name].shape):
-            raise UsageError(f"drafter {folder}: {name} has shape {tuple(tensors[name].shape)}, expected "
-                             f"{tuple(state[name].shape)}")
-    drafter.load_state_dict({k: tensors[k].to(v.dtype) for k, v in state.items() if k != "lm_head.weight"},
-                            strict=False)
-    drafter.load_head(target)
-    return drafter.eval()
+    return load_headless(folder, target, "a FastEagle", FastEagleConfig.from_json, FastEagleDrafter)
 
 
 # -- decode time -----------------------------------------------------------------------------------------------------

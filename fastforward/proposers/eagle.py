@@ -27,12 +27,9 @@ Each step:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..costs import machine_cost_curve
-from ..drafters import shipped_drafter
 from ..drafters.checkpoint import load_eagle3
 from ..drafters.eagle import Eagle3Runner
 from ..drafters.features import engine_layers
@@ -41,24 +38,12 @@ from ..errors import UsageError
 from . import register
 from ._options import check_choice, check_int
 from ._rerank import best_size, build_tree, rank
-
-_RUNNERS: dict = {}  # (drafter folder, weights, id(target)) -> Eagle3Runner (weights shared by every sequence)
+from ._runners import shared_runner
 
 
 def drafter_runner(target, drafter: str | None, weights: str) -> Eagle3Runner:
-    if drafter is None:
-        folder = shipped_drafter(target, "eagle3")
-        if folder is None:
-            raise UsageError(f"eagle: no drafter ships for '{target.name}'; train one (fastforward train eagle) and "
-                             "pass -o drafter=FOLDER")
-    else:
-        folder = Path(str(drafter)).expanduser()
-        if not folder.is_dir():
-            raise UsageError(f"eagle: drafter folder not found: {folder}")
-    key = (str(folder.resolve()), weights, id(target))
-    if key not in _RUNNERS:
-        _RUNNERS[key] = Eagle3Runner(load_eagle3(folder, target), target, capacity=64, weights=weights)
-    return _RUNNERS[key]
+    return shared_runner("eagle", "eagle3", target, drafter, weights,
+                         lambda folder: Eagle3Runner(load_eagle3(folder, target), target, capacity=64, weights=weights))
 
 
 class EagleProposer(Proposer):

@@ -29,38 +29,22 @@ Each step:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..costs import machine_cost_curve
-from ..drafters import shipped_drafter
 from ..drafters.falcon import FalconRunner, load_falcon
 from ..drafters.features import FINAL
 from ..engine import DecodeState, Proposal, Proposer, StepResult
-from ..errors import UsageError
 from . import register
 from ._backoff import BackOff
 from ._options import check_choice, check_int
 from ._rerank import best_size, build_tree, rank
-
-_RUNNERS: dict = {}  # (drafter folder, weights, id(target)) -> FalconRunner (weights shared by every sequence)
+from ._runners import shared_runner
 
 
 def falcon_runner(target, drafter: str | None, weights: str) -> FalconRunner:
-    if drafter is None:
-        folder = shipped_drafter(target, "falcon")
-        if folder is None:
-            raise UsageError(f"falcon: no drafter ships for '{target.name}'; train one (fastforward train falcon) and "
-                             "pass -o drafter=FOLDER")
-    else:
-        folder = Path(str(drafter)).expanduser()
-        if not folder.is_dir():
-            raise UsageError(f"falcon: drafter folder not found: {folder}")
-    key = (str(folder.resolve()), weights, id(target))
-    if key not in _RUNNERS:
-        _RUNNERS[key] = FalconRunner(load_falcon(folder, target), target, capacity=64, weights=weights)
-    return _RUNNERS[key]
+    return shared_runner("falcon", "falcon", target, drafter, weights,
+                         lambda folder: FalconRunner(load_falcon(folder, target), target, capacity=64, weights=weights))
 
 
 class Candidates:

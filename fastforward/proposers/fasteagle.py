@@ -27,38 +27,23 @@ drafter's caches still hold accepted rows only, and the output is unchanged (onl
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..costs import machine_cost_curve
-from ..drafters import shipped_drafter
 from ..drafters.fasteagle import FastEagleRunner, load_fasteagle
 from ..drafters.features import engine_layers
 from ..engine import DecodeState, Proposal, Proposer, StepResult
-from ..errors import UsageError
 from ..tree import DraftTree, TreeShape
 from . import register
 from ._backoff import BackOff
 from ._options import check_bool, check_choice, check_int
-
-_RUNNERS: dict = {}  # (drafter folder, weights, id(target)) -> FastEagleRunner (weights shared by every sequence)
+from ._runners import shared_runner
 
 
 def fasteagle_runner(target, drafter: str | None, weights: str) -> FastEagleRunner:
-    if drafter is None:
-        folder = shipped_drafter(target, "fasteagle")
-        if folder is None:
-            raise UsageError(f"fasteagle: no drafter ships for '{target.name}'; train one (fastforward train "
-                             "fasteagle) and pass -o drafter=FOLDER")
-    else:
-        folder = Path(str(drafter)).expanduser()
-        if not folder.is_dir():
-            raise UsageError(f"fasteagle: drafter folder not found: {folder}")
-    key = (str(folder.resolve()), weights, id(target))
-    if key not in _RUNNERS:
-        _RUNNERS[key] = FastEagleRunner(load_fasteagle(folder, target), target, capacity=64, weights=weights)
-    return _RUNNERS[key]
+    return shared_runner("fasteagle", "fasteagle", target, drafter, weights,
+                         lambda folder: FastEagleRunner(load_fasteagle(folder, target), target, capacity=64,
+                                                        weights=weights))
 
 
 def backbone_tree(tokens: torch.Tensor, root: int, levels: int, k: int) -> DraftTree:
