@@ -153,3 +153,13 @@ def test_first_load_converts_to_a_plain_trainable_model(tmp_path, monkeypatch):
     assert any(tmp_path.iterdir())
     assert not getattr(first.hf_model, "is_quantized", False)
     assert first.hf_model.float() is first.hf_model
+
+
+@pytest.mark.parametrize("method", ["eagle", "fasteagle", "falcon", "sps"])
+def test_shipped_drafters_equal_ar_on_default_model(default_model, method):
+    """The drafters that ship for the default model load, draft, and leave the greedy output AR's."""
+    for prompt in PROMPTS[:2]:
+        ids = default_model.encode(prompt)
+        want = ff.generate(default_model, ids, "ar", max_new_tokens=40)
+        got = ff.generate(default_model, ids, method, max_new_tokens=40)
+        assert got.token_ids == want.token_ids, prompt
