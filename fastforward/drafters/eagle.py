@@ -65,6 +65,27 @@ def target_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
     return target.hf_model.get_output_embeddings().weight[ids].float().detach()
 
 
+LAYER_SHAPE = {"hidden_size": int, "intermediate_size": int, "num_attention_heads": int, "num_key_value_heads": int,
+               "head_dim": int, "rms_norm_eps": float, "rope_theta": float, "vocab_size": int,
+               "target_hidden_size": int}
+
+
+def target_layer_shape(target) -> dict:
+    """The fields of a drafter config that copy the target's decoder-layer shape (``LAYER_SHAPE``)."""
+    c = target.config
+    heads = c.num_attention_heads
+    return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_attention_heads": heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads, "rms_norm_eps": float(c.rms_norm_eps),
+            "rope_theta": float(getattr(c, "rope_theta", 10000.0)), "vocab_size": target.vocab_size,
+            "target_hidden_size": c.hidden_size}
+
+
+def read_layer_shape(raw: dict) -> dict:
+    """``LAYER_SHAPE``'s fields from a drafter's config.json (KeyError / TypeError / ValueError when malformed)."""
+    return {name: kind(raw[name]) for name, kind in LAYER_SHAPE.items()}
+
+
 def check_drafter_target(cfg, target) -> None:
     """Refuse, in one line, a drafter config (``fastforward`` section, ``vocab_size``, ``target_hidden_size``,
     ``aux_layers``) made for another target than ``target``."""

@@ -44,12 +44,14 @@ from .checkpoint import load_headless, write_folder
 from .eagle import (
     check_drafter_target,
     decode_linear_factory,
+    read_layer_shape,
     rms_norm,
     rope_cos_sin,
     rotate,
     target_embedding_rows,
     target_fingerprint,
     target_head_rows,
+    target_layer_shape,
 )
 from .fasteagle import DecoderLayer
 from .vocab import DraftVocab
@@ -75,16 +77,10 @@ class FalconConfig:
 
     @classmethod
     def for_target(cls, target, draft_vocab_size: int, block_size: int) -> FalconConfig:
-        c = target.config
-        heads = c.num_attention_heads
         return cls(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=float(c.rms_norm_eps),
-            rope_theta=float(getattr(c, "rope_theta", 10000.0)), vocab_size=target.vocab_size,
-            draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size, block_size=block_size,
+            **target_layer_shape(target), draft_vocab_size=draft_vocab_size, block_size=block_size,
             fastforward={"kind": "falcon", "target": target.name, "target_fingerprint": target_fingerprint(target),
-                         "target_layers": c.num_hidden_layers},
+                         "target_layers": target.config.num_hidden_layers},
         )
 
     def to_json(self) -> dict:
@@ -99,13 +95,9 @@ class FalconConfig:
                              f"[{ARCHITECTURE!r}]")
         try:
             cfg = cls(
-                hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
-                num_attention_heads=int(raw["num_attention_heads"]),
-                num_key_value_heads=int(raw["num_key_value_heads"]), head_dim=int(raw["head_dim"]),
-                rms_norm_eps=float(raw["rms_norm_eps"]), rope_theta=float(raw["rope_theta"]),
-                vocab_size=int(raw["vocab_size"]), draft_vocab_size=int(raw["draft_vocab_size"]),
-                target_hidden_size=int(raw["target_hidden_size"]), block_size=int(raw["block_size"]),
-                lstm_dropout=float(raw.get("lstm_dropout", 0.1)), fastforward=dict(raw.get("fastforward") or {}))
+                **read_layer_shape(raw), draft_vocab_size=int(raw["draft_vocab_size"]),
+                block_size=int(raw["block_size"]), lstm_dropout=float(raw.get("lstm_dropout", 0.1)),
+                fastforward=dict(raw.get("fastforward") or {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"malformed Falcon config.json: {exc!r}") from None
         if cfg.block_size < 1:

@@ -42,12 +42,14 @@ from .eagle import (
     RMSNorm,
     check_drafter_target,
     decode_linear_factory,
+    read_layer_shape,
     rms_norm,
     rope_cos_sin,
     rotate,
     target_embedding_rows,
     target_fingerprint,
     target_head_rows,
+    target_layer_shape,
 )
 from .features import default_aux_layers
 from .vocab import DraftVocab
@@ -74,17 +76,12 @@ class FastEagleConfig:
 
     @classmethod
     def for_target(cls, target, draft_vocab_size: int, num_layers: int, cascade: bool = True) -> FastEagleConfig:
-        c = target.config
-        heads = c.num_attention_heads
+        n_layers = target.config.num_hidden_layers
         return cls(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=float(c.rms_norm_eps),
-            rope_theta=float(getattr(c, "rope_theta", 10000.0)), vocab_size=target.vocab_size,
-            draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size, num_layers=num_layers,
-            cascade=cascade, aux_layers=default_aux_layers(c.num_hidden_layers),
+            **target_layer_shape(target), draft_vocab_size=draft_vocab_size, num_layers=num_layers, cascade=cascade,
+            aux_layers=default_aux_layers(n_layers),
             fastforward={"kind": "fasteagle", "target": target.name, "target_fingerprint": target_fingerprint(target),
-                         "target_layers": c.num_hidden_layers},
+                         "target_layers": n_layers},
         )
 
     def to_json(self) -> dict:
@@ -99,14 +96,9 @@ class FastEagleConfig:
                              f"[{ARCHITECTURE!r}]")
         try:
             return cls(
-                hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
-                num_attention_heads=int(raw["num_attention_heads"]),
-                num_key_value_heads=int(raw["num_key_value_heads"]), head_dim=int(raw["head_dim"]),
-                rms_norm_eps=float(raw["rms_norm_eps"]), rope_theta=float(raw["rope_theta"]),
-                vocab_size=int(raw["vocab_size"]), draft_vocab_size=int(raw["draft_vocab_size"]),
-                target_hidden_size=int(raw["target_hidden_size"]), num_layers=int(raw["num_layers"]),
-                cascade=bool(raw.get("cascade", True)), aux_layers=tuple(int(a) for a in raw["aux_layers"]),
-                fastforward=dict(raw.get("fastforward") or {}))
+                **read_layer_shape(raw), draft_vocab_size=int(raw["draft_vocab_size"]),
+                num_layers=int(raw["num_layers"]), cascade=bool(raw.get("cascade", True)),
+                aux_layers=tuple(int(a) for a in raw["aux_layers"]), fastforward=dict(raw.get("fastforward") or {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"malformed FastEagle config.json: {exc!r}") from None
 
