@@ -113,6 +113,24 @@ def tiny_hf_folder(path, *, max_positions=512, seed=0, hidden_size=64, layers=2,
     return path
 
 
+def write_tiny_make_data(folder, *, records: int = 10, response_lengths=(6, 14), vocab: int = 250,
+                         seed: int = 0) -> Path:
+    """A ``make-data``-shaped folder of random token records (every 5th held out) for training tests."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "responses.jsonl", "w") as f:
+        for i in range(records):
+            f.write(json.dumps({"key": f"k{i}", "source": "hand", "split": "heldout" if i % 5 == 0 else "train",
+                                "prompt": "", "prompt_ids": [rng.randrange(vocab) for _ in range(rng.randrange(3, 9))],
+                                "response_ids": [rng.randrange(vocab) for _ in range(rng.randrange(*response_lengths))],
+                                "finish_reason": "length"}) + "\n")
+    return folder
+
+
 def write_tiny_gguf(path, *, vocab_size=96, hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128,
                     max_positions=512, seed=0, init_std=0.3, linear_type="Q4_1", embed_type="Q8_0",
                     tied=True, rope_theta=10000.0, eps=1e-5, types=None):

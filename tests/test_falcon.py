@@ -22,7 +22,7 @@ from fastforward.drafters.features import compute_features
 from fastforward.drafters.vocab import DraftVocab
 from fastforward.errors import UsageError
 from fastforward.proposers import make_proposer
-from fastforward.testing import tiny_hf_folder, tiny_target
+from fastforward.testing import tiny_hf_folder, tiny_target, write_tiny_make_data
 from fastforward.train.falcon import FalconTraining, chain_mask, glance, glance_lambda
 
 VOCAB = 96
@@ -289,15 +289,7 @@ def test_refusals_are_one_line_errors(target, tmp_path):
 def train_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train-falcon")
     model = tiny_hf_folder(root / "model", max_positions=128, layers=4)
-    rng = random.Random(0)
-    (root / "data").mkdir()
-    with open(root / "data" / "responses.jsonl", "w") as f:
-        for i in range(10):
-            f.write(json.dumps({"key": f"k{i}", "source": "hand", "split": "heldout" if i % 5 == 0 else "train",
-                                "prompt": "", "prompt_ids": [rng.randrange(250) for _ in range(rng.randrange(3, 9))],
-                                "response_ids": [rng.randrange(250) for _ in range(rng.randrange(10, 18))],
-                                "finish_reason": "length"}) + "\n")
-    return model, root / "data"
+    return model, write_tiny_make_data(root / "data", response_lengths=(10, 18))
 
 
 def test_train_falcon_through_the_cli(train_setup, tmp_path, capsys):

@@ -21,7 +21,7 @@ from fastforward.drafters.vocab import DraftVocab
 from fastforward.errors import UsageError
 from fastforward.proposers import make_proposer
 from fastforward.proposers.fasteagle import backbone_tree, expected_tokens
-from fastforward.testing import tiny_hf_folder, tiny_target
+from fastforward.testing import tiny_hf_folder, tiny_target, write_tiny_make_data
 
 VOCAB = 96
 
@@ -209,19 +209,9 @@ def test_refusals_are_one_line_errors(target, drafter_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def train_setup(tmp_path_factory):
-    import random
-
     root = tmp_path_factory.mktemp("train-fasteagle")
     model = tiny_hf_folder(root / "model", max_positions=128, layers=4)
-    rng = random.Random(0)
-    (root / "data").mkdir()
-    with open(root / "data" / "responses.jsonl", "w") as f:
-        for i in range(10):
-            f.write(json.dumps({"key": f"k{i}", "source": "hand", "split": "heldout" if i % 5 == 0 else "train",
-                                "prompt": "", "prompt_ids": [rng.randrange(250) for _ in range(rng.randrange(3, 9))],
-                                "response_ids": [rng.randrange(250) for _ in range(rng.randrange(6, 14))],
-                                "finish_reason": "length"}) + "\n")
-    return model, root / "data"
+    return model, write_tiny_make_data(root / "data", response_lengths=(6, 14))
 
 
 def test_train_fasteagle_through_the_cli(train_setup, tmp_path, capsys):
