@@ -371,6 +371,22 @@ def run_draft_model(args) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 
 # method -> (summary, add its arguments, run it)
+# ------------------------------------------------------------------------------------------------------------------
+# fastforward train pasta-sft
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def add_pasta_sft_arguments(p) -> None:
+    add_training_arguments(p)
+
+
+def run_pasta_sft(args) -> int:
+    from ..train.pasta import PastaSFT
+
+    cfg = config_from_args(args)
+    return _train(cfg, PastaSFT())
+
+
 METHODS = {
     "msn": ("MSN noisy SFT: ahead noise in one response segment per sample (--no-noise = plain SFT)",
             add_msn_arguments, run_msn),
@@ -382,6 +398,8 @@ METHODS = {
                "output", add_falcon_arguments, run_falcon),
     "fasteagle": ("a FastEagle cascaded drafter (N layers draft N depths in one pass) on 'fastforward make-data' "
                   "output", add_fasteagle_arguments, run_fasteagle),
+    "pasta-sft": ("PASTA's SFT on 'fastforward pasta annotate' output: PASTA attention mask, Pred-10X positions, "
+                  "promise targets; adds the PASTA-LANG tokens", add_pasta_sft_arguments, run_pasta_sft),
     "draft-model": ("a small draft model for --method sps: a few of the target's layers, its embedding and head "
                     "shared, distilled on 'fastforward make-data' output", add_draft_model_arguments,
                     run_draft_model),

@@ -156,8 +156,12 @@ class TrainingMethod:
         """Method-specific counters for the run summary."""
         return {}
 
-    # Optional: a method with its own training set defines ``load_records(cfg, tokenizer) -> (records, held_out,
-    # dropped)``; the records need ``input_ids`` (for length grouping) and are passed to ``collate`` as they are.
+    # Optional hooks:
+    # * ``load_records(cfg, tokenizer) -> (records, held_out, dropped)``: a method with its own training set; the
+    #   records need ``input_ids`` (for length grouping) and are passed to ``collate`` as they are.
+    # * ``prepare_model(model, tokenizer) -> (model, tokenizer)``: change the base before training (e.g. add
+    #   tokens); called on every run, resumed ones included, so it must be idempotent.
+    # * ``lora_options() -> dict``: extra ``peft.LoraConfig`` settings (e.g. ``trainable_token_indices``).
 
 
 def pad_batch(examples, pad_id: int) -> dict:
@@ -309,7 +313,7 @@ def save_checkpoint(accelerator, model, tokenizer, out: Path, step: int, state: 
     if accelerator.is_main_process:
         _save_hf(unwrapped, tokenizer, tmp, bool(cfg.lora))
         if cfg.lora:
-            unwrapped.save_pretrained(tmp / "adapter")
+            unwrapped.save_pretrained(tmp / "adapter", save_embedding_layers=False)
     accelerator.save_state(str(tmp / "accelerate"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -399,6 +403,9 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
             raise UsageError(f"every record of {cfg.data} is held out; lower --heldout")
         train_ex = subsample(train_ex, cfg.limit, cfg.seed)
     model, tokenizer = _load_base(cfg, resume)
+    prepare_model = getattr(method, "prepare_model", None)
+    if prepare_model is not None:
+        model, tokenizer = prepare_model(model, tokenizer)
     if load_records is None:
         encoded, dropped = encode_examples(tokenizer, train_ex, cfg.max_length)
         n_held = len(held)
@@ -434,6 +441,7 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
                 lora_cfg = LoraConfig(
                     r=cfg.lora, lora_alpha=cfg.lora_alpha or 2 * cfg.lora, lora_dropout=0.0,
                     target_modules="all-linear", task_type="CAUSAL_LM",
+                    **(method.lora_options() if hasattr(method, "lora_options") else {}),
                 )
                 model = get_peft_model(model, lora_cfg)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -531,6 +539,8 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
     if main:
         unwrapped = accelerator.unwrap_model(model)
         _save_hf(unwrapped, tokenizer, out, bool(cfg.lora))
+        if cfg.lora:
+            unwrapped.save_pretrained(out / "adapter", save_embedding_layers=False)  # the adapter alone, next to the merged model
         summary = state_at(step, last_loss)
         summary.update(
             method_stats=method.stats(), trainable_parameters=n_trainable, seconds_this_run=round(seconds, 2),
