@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
+from cli_helpers import run_cli
 
 import fastforward as ff
-from cli_helpers import run_cli
 from fastforward.pasta.language import PastaVocab, add_pasta_tokens, promise_tag
 from fastforward.pasta.sft import pasta_batch
 from fastforward.testing import tiny_hf_folder, tiny_tokenizer_hf
@@ -36,7 +36,8 @@ def tiny_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     tok = tiny_tokenizer_hf()
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Give tips."}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Give tips."}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
     rows = [{"prompt_ids": prompt, "pasta": ANSWER, "finish_reason": "eos", "split": "train"} for _ in range(5)]
     rows.append({"prompt_ids": prompt, "pasta": "Plain answer.", "finish_reason": "length", "split": "train"})
     rows.append({"prompt_ids": prompt, "pasta": ANSWER, "finish_reason": "eos", "split": "heldout"})

@@ -59,8 +59,136 @@ def _run_annotate(args) -> int:
     return 0
 
 
-COMMANDS = {"annotate": ("annotate make-data answers with PASTA-LANG (no external LLM)", _add_annotate,
-                         _run_annotate)}
+def _add_judge(p) -> None:
+    g = p.add_argument_group("judge")
+    g.add_argument("--judge-model", default="smollm2-135m",
+                   help="the proxy judge's frozen original model: alias, HF folder or .gguf (default: %(default)s)")
+    g.add_argument("--judge-url", default=None,
+                   help="use an OpenAI-compatible chat endpoint as the judge instead (e.g. http://host:8000/v1)")
+    g.add_argument("--judge-name", default="judge", help="the model name sent to --judge-url (default: %(default)s)")
+
+
+def _judge(args, tokenizer_source=None):
+    from ..pasta.judge import OpenAIJudge, ProxyJudge
+
+    if args.judge_url:
+        return OpenAIJudge(args.judge_url, args.judge_name)
+    import torch
+
+    import fastforward as ff
+
+    original = ff.load(args.judge_model, backend="hf", dtype=torch.float32)
+    return ProxyJudge(original.hf_model, original.tokenizer)
+
+
+def _add_sample(p) -> None:
+    p.add_argument("input", metavar="IN", help="'fastforward pasta annotate' (or make-data) records: the prompts, "
+                                               "their baseline answers; the held-out split is skipped")
+    p.add_argument("output", metavar="OUT", help="samples per prompt (JSONL; the same command resumes it)")
+    add_model_arguments(p)
+    p.add_argument("--n", type=positive_int, default=8, help="samples per prompt (default: %(default)s)")
+    p.add_argument("--prompts", type=positive_int, default=64,
+                   help="prompts, a seeded random subset of the training split (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: the paper's 1.0)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=384, help="per sample (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="prompt subset and sampling seeds (default: %(default)s)")
+    _add_judge(p)
+
+
+def _run_sample(args) -> int:
+    import json
+    import random
+    from pathlib import Path
+
+    import fastforward as ff
+
+    from ..pasta.bon import sample_record, sample_to_dict
+    from ..train.pasta import read_jsonl
+
+    if args.n < 2:
+        raise UsageError(f"--n must be at least 2 (a best and a worst sample), got {args.n}")
+    if not args.temperature > 0:
+        raise UsageError(f"--temperature must be > 0 for sampling, got {args.temperature}")
+    records = [r for r in read_jsonl(args.input) if r.get("split", "train") != "heldout"]
+    if not records or "prompt_ids" not in records[0] or "response_ids" not in records[0]:
+        raise UsageError(f"{args.input} holds no make-data records (prompt_ids, response_ids)")
+    random.Random(args.seed).shuffle(records)
+    records = records[: args.prompts]
+    out = Path(args.output)
+    done = {r.get("key") for r in read_jsonl(str(out))} if out.is_file() and out.stat().st_size else set()
+    target = ff.load(args.model, backend="lean", threads=args.threads, weights=args.weights)
+    judge = _judge(args)
+    written = 0
+    for i, rec in enumerate(records):
+        key = rec.get("key", str(i))
+        if key in done:
+            continue
+        samples = sample_record(target, judge, rec, args.n, temperature=args.temperature,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed * 100_003 + i)
+        row = {"key": key, "prompt_ids": rec["prompt_ids"], "response": rec.get("response"),
+               "baseline_tokens": len(rec["response_ids"]), "samples": [sample_to_dict(s) for s in samples]}
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        written += 1
+        best = max(s.theoretical_speedup for s in samples)
+        print(f"[pasta sample] {len(done) + written}/{len(records)}: best theoretical speedup {best:.2f}",
+              file=__import__("sys").stderr, flush=True)
+    print(f"saved {out}: {written} prompts sampled ({args.n} each), {len(done)} already there")
+    return 0
+
+
+def _add_evaluate(p) -> None:
+    p.add_argument("--baseline", default="smollm2-135m", help="the Baseline model (default: %(default)s)")
+    p.add_argument("--models", required=True,
+                   help="PASTA models to compare, comma-separated NAME=MODEL (alias, HF folder)")
+    p.add_argument("--prompts", required=True,
+                   help="held-apart prompt files, comma-separated (MT-Bench question.jsonl, EAGLE alpaca "
+                        "questions, or JSONL with 'prompt')")
+    p.add_argument("--limit", type=positive_int, default=None, help="the first N prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default: %(default)s)")
+    p.add_argument("--runs", type=positive_int, default=2,
+                   help="decodes per answer, the last one timed (default: the paper's %(default)s)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.add_argument("--out", default=None, help="write every row and the summary to this JSON file")
+    _add_judge(p)
+
+
+def _run_evaluate(args) -> int:
+    import json
+    import sys
+
+    import fastforward as ff
+
+    from ..pasta.evaluation import evaluate_models, read_prompts, table
+
+    pairs = [m.split("=", 1) for m in args.models.split(",") if m.strip()]
+    if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+        raise UsageError(f"--models takes NAME=MODEL pairs, got '{args.models}'")
+    prompts = read_prompts(args.prompts)[: args.limit]
+    baseline = ff.load(args.baseline, backend="lean", threads=args.threads, weights="fp32")
+    models = {name: ff.load(path, backend="lean", threads=args.threads) for name, path in pairs}
+    judge = _judge(args)
+
+    def progress(name, item, row, p, result, annotated):
+        print(f"[pasta evaluate] {item['id']} {name}: theoretical {row.theoretical_speedup:.2f}x realized "
+              f"{row.realized_speedup:.2f}x forks {row.forks} P(better) {p:.2f}", file=sys.stderr, flush=True)
+
+    result = evaluate_models(baseline, models, prompts, judge, max_new_tokens=args.max_new_tokens, runs=args.runs,
+                             on_prompt=progress)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(table(result))
+    return 0
+
+
+COMMANDS = {
+    "annotate": ("annotate make-data answers with PASTA-LANG (no external LLM)", _add_annotate, _run_annotate),
+    "sample": ("BoN samples: n PASTA answers per prompt through the interpreter, scored (speedup, quality)",
+               _add_sample, _run_sample),
+    "evaluate": ("PASTA models vs a Baseline on held-apart prompts: theoretical/realized speedup, parallelism, "
+                 "judge win rate", _add_evaluate, _run_evaluate),
+}
 
 
 def add_arguments(p, name: str) -> None:

@@ -387,6 +387,25 @@ def run_pasta_sft(args) -> int:
     return _train(cfg, PastaSFT())
 
 
+def add_pasta_bon_arguments(p) -> None:
+    add_training_arguments(p)
+    p.add_argument("--lam", type=finite_float, default=1.0,
+                   help="λ in score = theoretical speedup + λ * quality (default: %(default)s)")
+    p.add_argument("--alpha", type=finite_float, default=0.005,
+                   help="weight of the SFT term of the BoNBoN loss (default: the paper's %(default)s)")
+
+
+def run_pasta_bon(args) -> int:
+    from ..pasta.bon import check_lambda
+    from ..train.pasta import PastaBoN
+
+    lam = check_lambda(args.lam)
+    if not 0.0 <= args.alpha <= 1.0:
+        raise UsageError(f"--alpha must be in [0, 1], got {args.alpha}")
+    cfg = config_from_args(args, {"lam": lam, "alpha": args.alpha})
+    return _train(cfg, PastaBoN(lam, args.alpha))
+
+
 METHODS = {
     "msn": ("MSN noisy SFT: ahead noise in one response segment per sample (--no-noise = plain SFT)",
             add_msn_arguments, run_msn),
@@ -400,6 +419,8 @@ METHODS = {
                   "output", add_fasteagle_arguments, run_fasteagle),
     "pasta-sft": ("PASTA's SFT on 'fastforward pasta annotate' output: PASTA attention mask, Pred-10X positions, "
                   "promise targets; adds the PASTA-LANG tokens", add_pasta_sft_arguments, run_pasta_sft),
+    "pasta-bon": ("one BoNBoN round for PASTA on 'fastforward pasta sample' output: best/worst of n by theoretical "
+                  "speedup + λ * quality (LoRA)", add_pasta_bon_arguments, run_pasta_bon),
     "draft-model": ("a small draft model for --method sps: a few of the target's layers, its embedding and head "
                     "shared, distilled on 'fastforward make-data' output", add_draft_model_arguments,
                     run_draft_model),

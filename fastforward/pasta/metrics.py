@@ -58,12 +58,13 @@ class PromptMetrics:
     finish_reason: str
 
 
-def _timed(target, prompt_ids, proposer_factory, max_new_tokens: int):
-    """Decode twice with a fresh proposer each time; the second run's result (and its wall time)."""
+def _timed(target, prompt_ids, proposer_factory, max_new_tokens: int, runs: int = 2):
+    """Decode ``runs`` times (the paper: twice) with a fresh proposer each time; the last run's result (and its wall
+    time)."""
     from ..engine import Generation
 
     result = None
-    for _ in range(2):
+    for _ in range(runs):
         gen = Generation(target, prompt_ids, proposer_factory(target), max_new_tokens=max_new_tokens)
         result = gen.run()
     return result

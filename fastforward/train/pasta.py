@@ -129,3 +129,83 @@ class PastaSFT:
 
     def stats(self) -> dict:
         return dict(self.counts)
+
+
+class PairExample(Encoded):
+    """A preference pair: ``input_ids`` = prompt + the chosen answer (for length grouping); ``rejected`` = the
+    rejected answer's ids."""
+
+    def __init__(self, input_ids, prompt_len, rejected):
+        super().__init__(input_ids, prompt_len)
+        self.rejected = rejected
+
+
+class PastaBoN(PastaSFT):
+    """``fastforward train pasta-bon``: one BoNBoN round on ``fastforward pasta sample`` output (see
+    :mod:`fastforward.pasta.bon`). The reference model ``p0`` is the starting model itself -- the base of the LoRA
+    adapters, which are switched off for the reference pass -- so LoRA is required."""
+
+    name = "pasta-bon"
+
+    def __init__(self, lam: float, alpha: float = 0.005):
+        super().__init__()
+        self.lam, self.alpha = lam, alpha
+        self.margin = None
+        self.counts: dict = {}
+        self._margins: list[float] = []
+
+    def load_records(self, cfg, tokenizer):
+        from ..pasta.bon import best_worst, bonbon_margin, sample_from_dict
+
+        if not cfg.lora:
+            raise UsageError("pasta-bon trains LoRA adapters (the reference model is the adapters switched off): "
+                             "drop --full")
+        rows = read_jsonl(cfg.data)
+        if not rows or "samples" not in rows[0]:
+            raise UsageError(f"{cfg.data} is not 'fastforward pasta sample' output (no samples)")
+        ns = {len(r["samples"]) for r in rows}
+        if len(ns) != 1:
+            raise UsageError(f"{cfg.data} mixes prompts with {sorted(ns)} samples; BoNBoN's margin needs one n")
+        self.margin = bonbon_margin(ns.pop())
+        examples, counts = [], {"tied": 0, "too_long": 0}
+        for r in rows:
+            pair = best_worst([sample_from_dict(s) for s in r["samples"]], self.lam)
+            if pair is None:
+                counts["tied"] += 1
+                continue
+            prompt = list(r["prompt_ids"])
+            if len(prompt) + max(len(pair[0].ids), len(pair[1].ids)) > cfg.max_length:
+                counts["too_long"] += 1
+                continue
+            examples.append(PairExample(prompt + pair[0].ids, len(prompt), pair[1].ids))
+        examples = subsample(examples, cfg.limit, cfg.seed)
+        if not examples:
+            raise UsageError(f"{cfg.data} gives no preference pair (every prompt's samples tie)")
+        self.counts = dict(counts, pairs=len(examples), margin=round(self.margin, 4), lam=self.lam)
+        return examples, 0, counts["too_long"]
+
+    def collate(self, examples, key: int) -> dict:
+        pairs = [(e.input_ids[: e.prompt_len], e.input_ids[e.prompt_len:]) for e in examples]
+        pairs += [(e.input_ids[: e.prompt_len], list(e.rejected)) for e in examples]
+        batch = pasta_batch(pairs, self.vocab, self.eos_ids, self.pad_id)
+        batch["num_tokens"] = len(examples)  # the loss is a mean over pairs
+        return batch
+
+    def loss(self, model, batch):
+        import torch
+
+        from ..pasta.bon import bonbon_loss, sequence_logprobs
+
+        b = batch["input_ids"].shape[0] // 2
+        logp = sequence_logprobs(model, batch)
+        peft_model = getattr(model, "module", model)
+        with torch.no_grad(), peft_model.disable_adapter():
+            ref = sequence_logprobs(peft_model, batch)
+        losses = bonbon_loss(logp[:b], logp[b:], ref[:b], ref[b:], self.margin, self.alpha)
+        gap = ((logp[:b] - logp[b:]) - (ref[:b] - ref[b:])).detach()
+        self._margins.extend(gap.tolist())
+        return losses.sum()
+
+    def stats(self) -> dict:
+        recent = self._margins[-64:]
+        return dict(self.counts, mean_log_ratio_gap_last=round(sum(recent) / len(recent), 4) if recent else None)

@@ -1,0 +1,111 @@
+"""The PASTA miniature's evaluation: several models against one Baseline on held-apart prompts.
+
+For each prompt, the Baseline and every PASTA model decode it greedily through the same interpreter
+(:class:`~fastforward.pasta.interpreter.PastaProposer`; the Baseline has no PASTA-LANG tokens, so it runs its main
+thread only -- exactly ``ar``), the models interleaved prompt by prompt so that slow drift of the machine hits all
+alike. Per model: the paper's §5.1 metrics (:mod:`fastforward.pasta.metrics`: theoretical speedup, realized speedup,
+parallelism, as geometric means) and the judge's win rate against the Baseline's answer
+(:func:`fastforward.pasta.judge.win_rate`: P(model ≻ Baseline) per prompt; wins + ties/2 over prompts).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import PastaSyntaxError, UsageError
+from .interpreter import PastaProposer
+from .judge import win_rate
+from .language import PastaVocab
+from .metrics import PromptMetrics, _timed, summarize, theoretical
+
+
+def read_prompts(spec: str) -> list[dict]:
+    """Held-apart prompts: ``mt_bench`` question files (first turns), EAGLE-style alpaca question files
+    (``turns``), or JSONL with ``prompt``; several comma-separated. Each as ``{"id", "prompt", "reference"}``."""
+    prompts = []
+    for path in [p.strip() for p in spec.split(",") if p.strip()]:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise UsageError(f"no prompt file {path}")
+        refs = {}
+        ref_file = p.with_name("reference_answer_gpt-4.jsonl")
+        if ref_file.is_file():  # MT-Bench's GPT-4 reference answers (math, reasoning, coding)
+            for line in ref_file.read_text().splitlines():
+                r = json.loads(line)
+                refs[r["question_id"]] = r["choices"][0]["turns"][0]
+        for i, line in enumerate(p.read_text().splitlines()):
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            text = r["turns"][0] if "turns" in r else r.get("prompt") or r.get("instruction")
+            if not isinstance(text, str) or not text.strip():
+                raise UsageError(f"{path}:{i + 1} has no prompt (turns, prompt or instruction)")
+            qid = r.get("question_id", r.get("id", i))
+            ref = refs.get(qid) or r.get("reference")
+            if isinstance(ref, list):  # MT-Bench's short gold answers, one per turn
+                ref = ref[0] if ref else None
+            prompts.append({"id": f"{p.stem}:{qid}", "prompt": text, "reference": ref})
+    return prompts
+
+
+def evaluate_models(baseline, models: dict, prompts: list[dict], judge, *, max_new_tokens: int = 256,
+                    runs: int = 2, on_prompt=None) -> dict:
+    """``baseline`` and ``models`` (name -> TargetModel) on ``prompts`` (:func:`read_prompts`); ``judge`` a
+    :class:`~fastforward.pasta.judge.Judge` (its ``compare(prompt, a, b, baseline_text, reference_text)``).
+    Returns ``{"models": {name: {"summary", "win_rate", "prompts"}}, "baseline": [...]}``."""
+    make = PastaProposer
+    rows = {name: [] for name in models}
+    probs = {name: [] for name in models}
+    base_rows = []
+    for k, item in enumerate(prompts):
+        prompt_ids = baseline.encode(item["prompt"], chat=True)
+        base = _timed(baseline, prompt_ids, make, max_new_tokens, runs)
+        base_rows.append({"id": item["id"], "tokens": len(base.token_ids), "seconds": base.stats.wall_time,
+                          "text": base.text})
+        for name, target in models.items():
+            ids = target.encode(item["prompt"], chat=True)
+            fast = _timed(target, ids, make, max_new_tokens, runs)
+            stats = fast.stats.method_stats
+            vocab = PastaVocab.from_tokenizer(target.tokenizer)
+            annotated = stats.get("annotated_ids", fast.token_ids)
+            try:
+                theory = theoretical(ids, annotated, vocab, len(base.token_ids), target.eos_token_ids)
+            except PastaSyntaxError:  # an answer cut by the budget inside a block: the forwards the interpreter took
+                path = fast.stats.target_forwards
+                theory = {"critical_path": path, "theoretical_speedup": len(base.token_ids) / path,
+                          "parallelism": len(fast.token_ids) / path}
+            realized = base.stats.wall_time / fast.stats.wall_time if fast.stats.wall_time > 0 else 0.0
+            row = PromptMetrics(k, len(base.token_ids), len(fast.token_ids), len(annotated), stats.get("forks", 0),
+                                theory["critical_path"], base.stats.wall_time, fast.stats.wall_time,
+                                theory["theoretical_speedup"], theory["parallelism"], realized, fast.finish_reason)
+            p = judge.compare(prompt_ids, fast.text, base.text, None, item.get("reference"))
+            rows[name].append(row)
+            probs[name].append(p)
+            if on_prompt is not None:
+                on_prompt(name, item, row, p, fast, stats.get("annotated", ""))
+    out = {"models": {}, "baseline": base_rows}
+    for name in models:
+        wr = win_rate(probs[name])
+        out["models"][name] = {
+            "summary": summarize(rows[name]),
+            "win_rate": asdict(wr) if hasattr(wr, "__dataclass_fields__") else wr._asdict(),
+            "prompts": [dict(asdict(r), p_better=p) for r, p in zip(rows[name], probs[name], strict=True)],
+        }
+    return out
+
+
+def table(result: dict) -> str:
+    """A markdown table of :func:`evaluate_models`' summary."""
+    lines = ["| model | theoretical speedup | realized speedup | realized / theoretical | parallelism | forks per "
+             "answer | proxy win rate vs Baseline (W/T/L) |", "|---|---|---|---|---|---|---|"]
+    for name, r in result["models"].items():
+        s, w = r["summary"], r["win_rate"]
+        lines.append(f"| {name} | {s['theoretical_speedup']:.2f}x | {s['realized_speedup']:.2f}x | "
+                     f"{s['realized_over_theoretical']:.2f} | {s['parallelism']:.2f} | {s['forks_per_answer']:.2f} | "
+                     f"{100 * w['rate']:.1f}% ({w['wins']}/{w['ties']}/{w['losses']}) |")
+    return "\n".join(lines)
+
+
+__all__ = ["evaluate_models", "read_prompts", "table"]
