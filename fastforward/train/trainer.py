@@ -540,7 +540,8 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
         unwrapped = accelerator.unwrap_model(model)
         _save_hf(unwrapped, tokenizer, out, bool(cfg.lora))
         if cfg.lora:
-            unwrapped.save_pretrained(out / "adapter", save_embedding_layers=False)  # the adapter alone, next to the merged model
+            # the adapter alone, next to the merged model
+            unwrapped.save_pretrained(out / "adapter", save_embedding_layers=False)
         summary = state_at(step, last_loss)
         summary.update(
             method_stats=method.stats(), trainable_parameters=n_trainable, seconds_this_run=round(seconds, 2),
