@@ -10,7 +10,7 @@ import torch
 from cli_helpers import assert_one_line_error, run_cli
 
 from fastforward.pasta.bon import Sample, best_worst, bonbon_loss, bonbon_margin
-from fastforward.pasta.language import promise_tag
+from fastforward.pasta.language import PastaVocab, promise_tag
 from fastforward.testing import tiny_hf_folder, tiny_tokenizer_hf
 
 
@@ -97,6 +97,22 @@ def test_sft_sample_bon_evaluate(chain, capsys):
     assert stats["margin"] == pytest.approx(3.0) and stats["pairs"] >= 1
     # the first step's policy is the reference (adapters start at zero): the log-ratio gap is exactly 0
     assert stats["mean_log_ratio_gap_last"] == pytest.approx(0.0, abs=1e-3)
+    # the shipped form: both LoRA stages and the new rows over the base reproduce the final model
+    adapter = root / "adapter"
+    code, out, err = run_cli(capsys, "pasta", "export", "--base", base, "--stages", f"{sft}/adapter,{bon}/adapter",
+                             "--model", bon, "--out", adapter)
+    assert code == 0, err
+    import fastforward as ff
+    from fastforward.model.adapters import build_adapted_model
+
+    plain = ff.load(base, backend="hf")
+    model, tokenizer = build_adapted_model(plain.hf_model, plain.tokenizer, adapter)
+    final = ff.load(str(bon), backend="hf")
+    assert tokenizer.get_vocab() == final.tokenizer.get_vocab()
+    ids = torch.tensor([final.tokenizer.encode("Give tips.") + [PastaVocab.from_tokenizer(tokenizer).open]])
+    with torch.no_grad():
+        got, want = model(ids).logits, final.hf_model(ids).logits
+    assert torch.allclose(got, want, atol=2e-2), (got - want).abs().max()
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in ["Give tips.", "Say hi."]))
     result = root / "eval.json"

@@ -9,6 +9,7 @@ import time
 import fastforward as ff
 
 from ..errors import UsageError
+from ..model import DEFAULT_MODEL, DEFAULT_PASTA_MODEL
 from ..proposers import available_methods
 from .options import add_method_option_argument, add_model_arguments, parse_options, positive_int
 
@@ -85,6 +86,8 @@ def run(args, name: str) -> int:
     else:
         requests = [ff.GenerationRequest(_read_prompt(args.prompt), args.method, **kwargs)]
     t_load = time.perf_counter()
+    if args.method == "pasta" and args.model == DEFAULT_MODEL:
+        args.model = DEFAULT_PASTA_MODEL  # the default model's PASTA adapter, shipped with the project
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     load_seconds = time.perf_counter() - t_load
     if args.prompts is not None:

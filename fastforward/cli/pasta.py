@@ -182,12 +182,43 @@ def _run_evaluate(args) -> int:
     return 0
 
 
+def _add_export(p) -> None:
+    p.add_argument("--base", required=True, help="the base model the training started from (an alias)")
+    p.add_argument("--stages", required=True,
+                   help="the LoRA adapter folders, comma-separated in training order (OUT/adapter of each "
+                        "'fastforward train pasta-sft/pasta-bon --lora R')")
+    p.add_argument("--model", required=True, help="the last stage's merged model folder (its new tokens' rows)")
+    p.add_argument("--out", required=True, help="the adapter folder to write")
+    p.add_argument("--training", default=None, help="a text file recording how it was trained (TRAINING.md)")
+
+
+def _run_export(args) -> int:
+    from pathlib import Path
+
+    from ..model.adapters import export_adapter
+    from ..pasta.language import PASTA_TOKENS
+
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    for s in stages:
+        if not (Path(s) / "adapter_config.json").is_file():
+            raise UsageError(f"{s} is not a LoRA adapter folder (no adapter_config.json)")
+    if not (Path(args.model) / "model.safetensors").is_file():
+        raise UsageError(f"{args.model} is not a model folder (no model.safetensors)")
+    training = Path(args.training).read_text() if args.training else ""
+    out = export_adapter(args.base, stages, args.model, list(PASTA_TOKENS), args.out, training)
+    size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
+    print(f"saved {out} ({size:.1f} MB)")
+    return 0
+
+
 COMMANDS = {
     "annotate": ("annotate make-data answers with PASTA-LANG (no external LLM)", _add_annotate, _run_annotate),
     "sample": ("BoN samples: n PASTA answers per prompt through the interpreter, scored (speedup, quality)",
                _add_sample, _run_sample),
     "evaluate": ("PASTA models vs a Baseline on held-apart prompts: theoretical/realized speedup, parallelism, "
                  "judge win rate", _add_evaluate, _run_evaluate),
+    "export": ("write a shippable adapter (fp16 LoRA stages + the PASTA tokens' rows) over a base model",
+               _add_export, _run_export),
 }
 
 

@@ -28,8 +28,10 @@ from .kv import HFDynamicKVCache, StaticKVCache
 from .lean import LeanLlama, LlamaLayer, rope_tables
 from .loading import (
     DEFAULT_MODEL,
+    DEFAULT_PASTA_MODEL,
     MODEL_ALIASES,
     PACKAGED_MODELS,
+    SHIPPED_ADAPTERS,
     WEIGHT_CHOICES,
     _converted_gguf,
     _gguf_cache_dir,
@@ -45,7 +47,8 @@ from .loading import (
 from .target import LEAN_ARCHITECTURES, TargetModel
 
 __all__ = [
-    "DEFAULT_MODEL", "LEAN_ARCHITECTURES", "MODEL_ALIASES", "PACKAGED_MODELS", "WEIGHT_CHOICES", "ForwardOutput",
+    "DEFAULT_MODEL", "DEFAULT_PASTA_MODEL", "SHIPPED_ADAPTERS",
+    "LEAN_ARCHITECTURES", "MODEL_ALIASES", "PACKAGED_MODELS", "WEIGHT_CHOICES", "ForwardOutput",
     "ForwardRequest", "HFDynamicKVCache", "HFForward", "LeanLlama", "LlamaLayer", "StaticKVCache", "TargetModel",
     "convert_gguf", "from_hf", "load", "load_hf", "packaged_gguf", "resolve_model", "rope_tables",
     "sliding_window_of", "_converted_gguf", "_full_mask", "_gguf_cache_dir", "_gguf_tokenizer", "_quiet_transformers",

@@ -28,6 +28,12 @@ PACKAGED_MODELS = {
 }
 MODEL_ALIASES = {"default": "smollm2-135m", "smollm2": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
 
+# Models shipped as an adapter over a packaged base (fastforward/model/adapters.py): alias -> folder name under
+# fastforward/adapters/shipped/. Merged once into a cached HF folder on first use.
+SHIPPED_ADAPTERS = {"smollm2-135m-pasta": "smollm2-135m-instruct-pasta"}
+DEFAULT_PASTA_MODEL = "smollm2-135m-pasta"  # what --method pasta runs when no --model is given
+SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parent.parent / "adapters" / "shipped"
+
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8")
 
 
@@ -50,13 +56,41 @@ def resolve_model(name: str) -> tuple[str, Path]:
     key = MODEL_ALIASES.get(str(name).lower(), str(name).lower())
     if key in PACKAGED_MODELS:
         return "gguf", packaged_gguf(key)
+    if key in SHIPPED_ADAPTERS:
+        return "hf", adapted_model_folder(key)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return "gguf", path
     if path.is_dir() and (path / "config.json").is_file():
         return "hf", path
-    known = ", ".join(sorted(PACKAGED_MODELS))
+    known = ", ".join(sorted(PACKAGED_MODELS) + sorted(SHIPPED_ADAPTERS))
     raise ModelNotFoundError(f"unknown model '{name}': give {known}, a local Hugging Face folder or a .gguf file")
+
+
+def adapted_model_folder(alias: str) -> Path:
+    """The cached HF folder of a shipped adapter merged into its base (built on first use)."""
+    from .adapters import WEIGHTS_FILE, build_adapted_model, read_adapter
+
+    folder = SHIPPED_ADAPTERS_DIR / SHIPPED_ADAPTERS[alias]
+    info = read_adapter(folder)
+    base_kind, base_path = resolve_model(info["base"])
+    st = (folder / WEIGHTS_FILE).stat()
+    digest = hashlib.sha1(f"{base_path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    cached = cache_root() / f"{alias}-{digest}"
+    if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
+        return cached
+    model, tokenizer = _converted_gguf(base_path) if base_kind == "gguf" else load_hf(base_path)
+    model, tokenizer = build_adapted_model(model, tokenizer, folder)
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "fastforward.json").write_text(json.dumps({"source": str(folder), "base": str(base_path),
+                                                      "built": time.time()}))
+    shutil.rmtree(cached, ignore_errors=True)
+    tmp.rename(cached)
+    return cached
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:

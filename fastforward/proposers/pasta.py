@@ -19,5 +19,6 @@ def pasta(target, *, max_forks: int = 8, plain: bool = False) -> PastaProposer:
     proposer = PastaProposer(target, max_forks=max_forks)
     if proposer.vocab is None and not plain:
         raise UsageError(f"method pasta: {target.name} has no PASTA-LANG tokens (it was never trained for PASTA); "
-                         "-o plain=True decodes its main thread only, which is exactly ar")
+                         "use --model smollm2-135m-pasta (the default model's shipped PASTA adapter) or a model from "
+                         "'fastforward train pasta-sft'; -o plain=True decodes its main thread only, exactly ar")
     return proposer

@@ -1,0 +1,1 @@
+"""Adapters shipped with the project (see fastforward/model/adapters.py)."""
