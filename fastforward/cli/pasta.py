@@ -145,10 +145,16 @@ def _add_evaluate(p) -> None:
                    help="held-apart prompt files, comma-separated (MT-Bench question.jsonl, EAGLE alpaca "
                         "questions, or JSONL with 'prompt')")
     p.add_argument("--limit", type=positive_int, default=None, help="the first N prompts")
+    p.add_argument("--exclude", default=None,
+                   help="training records (make-data or annotated JSONL, comma-separated): prompts among them are "
+                        "left out, so the evaluation is held apart")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default: %(default)s)")
     p.add_argument("--runs", type=positive_int, default=2,
                    help="decodes per answer, the last one timed (default: the paper's %(default)s)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.add_argument("--weights", default="fp32", choices=["fp32", "int8"],
+                   help="weight storage of every model, the Baseline included (a GGUF Baseline is read from its "
+                        "dequantised HF folder), so all run alike (default: %(default)s)")
     p.add_argument("--out", default=None, help="write every row and the summary to this JSON file")
     _add_judge(p)
 
@@ -164,9 +170,27 @@ def _run_evaluate(args) -> int:
     pairs = [m.split("=", 1) for m in args.models.split(",") if m.strip()]
     if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
         raise UsageError(f"--models takes NAME=MODEL pairs, got '{args.models}'")
-    prompts = read_prompts(args.prompts)[: args.limit]
-    baseline = ff.load(args.baseline, backend="lean", threads=args.threads, weights="fp32")
-    models = {name: ff.load(path, backend="lean", threads=args.threads) for name, path in pairs}
+    prompts = read_prompts(args.prompts)
+    if args.exclude:
+        from ..train.pasta import read_jsonl
+
+        seen = {str(r.get("prompt", "")).strip() for r in read_jsonl(args.exclude)}
+        dropped = [p for p in prompts if p["prompt"].strip() in seen]
+        prompts = [p for p in prompts if p["prompt"].strip() not in seen]
+        print(f"[pasta evaluate] {len(dropped)} prompts left out (in the training records): "
+              f"{', '.join(p['id'] for p in dropped) or 'none'}", file=sys.stderr)
+    prompts = prompts[: args.limit]
+    baseline_source = args.baseline
+    if args.weights == "int8":
+        from ..model.loading import _converted_gguf, _gguf_cache_dir, resolve_model
+
+        kind, path = resolve_model(args.baseline)
+        if kind == "gguf":
+            _converted_gguf(path)  # the dequantised HF folder, made once
+            baseline_source = str(_gguf_cache_dir(path))
+    baseline = ff.load(baseline_source, backend="lean", threads=args.threads, weights=args.weights)
+    models = {name: ff.load(path, backend="lean", threads=args.threads, weights=args.weights)
+              for name, path in pairs}
     judge = _judge(args)
 
     def progress(name, item, row, p, result, annotated):

@@ -23,13 +23,14 @@ from .metrics import PromptMetrics, _timed, summarize, theoretical
 
 def read_prompts(spec: str) -> list[dict]:
     """Held-apart prompts: ``mt_bench`` question files (first turns), EAGLE-style alpaca question files
-    (``turns``), or JSONL with ``prompt``; several comma-separated. Each as ``{"id", "prompt", "reference"}``."""
-    prompts = []
+    (``turns``), or JSONL with ``prompt``; several comma-separated, taken in turn (one from each file, then the next
+    from each...), so that a ``--limit`` keeps the mix. Each as ``{"id", "prompt", "reference"}``."""
+    files = []
     for path in [p.strip() for p in spec.split(",") if p.strip()]:
         p = Path(path).expanduser()
         if not p.is_file():
             raise UsageError(f"no prompt file {path}")
-        refs = {}
+        prompts, refs = [], {}
         ref_file = p.with_name("reference_answer_gpt-4.jsonl")
         if ref_file.is_file():  # MT-Bench's GPT-4 reference answers (math, reasoning, coding)
             for line in ref_file.read_text().splitlines():
@@ -46,8 +47,12 @@ def read_prompts(spec: str) -> list[dict]:
             ref = refs.get(qid) or r.get("reference")
             if isinstance(ref, list):  # MT-Bench's short gold answers, one per turn
                 ref = ref[0] if ref else None
-            prompts.append({"id": f"{p.stem}:{qid}", "prompt": text, "reference": ref})
-    return prompts
+            prompts.append({"id": f"{p.parent.name}/{p.stem}:{qid}", "prompt": text, "reference": ref})
+        files.append(prompts)
+    mixed = []
+    for i in range(max((len(f) for f in files), default=0)):
+        mixed += [f[i] for f in files if i < len(f)]
+    return mixed
 
 
 def evaluate_models(baseline, models: dict, prompts: list[dict], judge, *, max_new_tokens: int = 256,
