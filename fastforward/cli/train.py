@@ -376,15 +376,29 @@ def run_draft_model(args) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def add_pasta_token_lr(p, default) -> None:
+    p.add_argument("--token-lr", type=finite_float, default=default,
+                   help="learning rate of the PASTA-LANG tokens' embedding rows with LoRA (default: %(default)s)")
+
+
+def _token_lr(args) -> float:
+    if not args.token_lr > 0:
+        raise UsageError(f"--token-lr must be positive, got {args.token_lr}")
+    return args.token_lr
+
+
 def add_pasta_sft_arguments(p) -> None:
+    from ..train.pasta import DEFAULT_TOKEN_LR
+
     add_training_arguments(p)
+    add_pasta_token_lr(p, DEFAULT_TOKEN_LR)
 
 
 def run_pasta_sft(args) -> int:
     from ..train.pasta import PastaSFT
 
-    cfg = config_from_args(args)
-    return _train(cfg, PastaSFT())
+    cfg = config_from_args(args, {"token_lr": _token_lr(args)})
+    return _train(cfg, PastaSFT(args.token_lr))
 
 
 def add_pasta_bon_arguments(p) -> None:
@@ -393,6 +407,7 @@ def add_pasta_bon_arguments(p) -> None:
                    help="λ in score = theoretical speedup + λ * quality (default: %(default)s)")
     p.add_argument("--alpha", type=finite_float, default=0.005,
                    help="weight of the SFT term of the BoNBoN loss (default: the paper's %(default)s)")
+    add_pasta_token_lr(p, 1e-3)
 
 
 def run_pasta_bon(args) -> int:
@@ -402,8 +417,8 @@ def run_pasta_bon(args) -> int:
     lam = check_lambda(args.lam)
     if not 0.0 <= args.alpha <= 1.0:
         raise UsageError(f"--alpha must be in [0, 1], got {args.alpha}")
-    cfg = config_from_args(args, {"lam": lam, "alpha": args.alpha})
-    return _train(cfg, PastaBoN(lam, args.alpha))
+    cfg = config_from_args(args, {"lam": lam, "alpha": args.alpha, "token_lr": _token_lr(args)})
+    return _train(cfg, PastaBoN(lam, args.alpha, args.token_lr))
 
 
 METHODS = {

@@ -162,6 +162,8 @@ class TrainingMethod:
     # * ``prepare_model(model, tokenizer) -> (model, tokenizer)``: change the base before training (e.g. add
     #   tokens); called on every run, resumed ones included, so it must be idempotent.
     # * ``lora_options() -> dict``: extra ``peft.LoraConfig`` settings (e.g. ``trainable_token_indices``).
+    # * ``param_groups(named_params, lr) -> list[dict]``: optimizer parameter groups (e.g. a learning rate of their
+    #   own for new tokens' rows); the schedule scales every group's rate alike.
 
 
 def pad_batch(examples, pad_id: int) -> dict:
@@ -447,7 +449,11 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
     params = [p for p in model.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    groups = params
+    if hasattr(method, "param_groups"):
+        groups = method.param_groups([(n, p) for n, p in model.named_parameters() if p.requires_grad],
+                                     cfg.learning_rate)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     from transformers import get_scheduler
 
     scheduler = get_scheduler(
