@@ -59,8 +59,12 @@ def evaluate_models(baseline, models: dict, prompts: list[dict], judge, *, max_n
                     runs: int = 2, on_prompt=None) -> dict:
     """``baseline`` and ``models`` (name -> TargetModel) on ``prompts`` (:func:`read_prompts`); ``judge`` a
     :class:`~fastforward.pasta.judge.Judge` (its ``compare(prompt, a, b, baseline_text, reference_text)``).
-    Returns ``{"models": {name: {"summary", "win_rate", "prompts"}}, "baseline": [...]}``."""
+    Every model first decodes a few tokens untimed (a warm-up); then each answer is decoded ``runs`` times and the
+    last run timed. Returns ``{"models": {name: {"summary", "win_rate", "prompts"}}, "baseline": [...]}``."""
     make = PastaProposer
+    if prompts:  # one short decode per model first, so that no model's first timed answer pays one-time costs
+        for target in (baseline, *models.values()):
+            _timed(target, target.encode(prompts[0]["prompt"], chat=True), make, 16, 1)
     rows = {name: [] for name in models}
     probs = {name: [] for name in models}
     base_rows = []
