@@ -179,9 +179,16 @@ class PastaBoN(PastaSFT):
         if len(ns) != 1:
             raise UsageError(f"{cfg.data} mixes prompts with {sorted(ns)} samples; BoNBoN's margin needs one n")
         self.margin = bonbon_margin(ns.pop())
-        examples, counts = [], {"tied": 0, "too_long": 0}
+        examples, counts = [], {"tied": 0, "too_long": 0, "unparsable_samples": 0}
         for r in rows:
-            pair = best_worst([sample_from_dict(s) for s in r["samples"]], self.lam)
+            samples = []
+            for s in map(sample_from_dict, r["samples"]):
+                try:  # a sample cut by the token budget inside a block does not parse: it cannot be trained on
+                    parse_ids(s.ids, self.vocab, self.eos_ids)
+                    samples.append(s)
+                except PastaSyntaxError:
+                    counts["unparsable_samples"] += 1
+            pair = best_worst(samples, self.lam)
             if pair is None:
                 counts["tied"] += 1
                 continue
