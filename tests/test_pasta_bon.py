@@ -138,3 +138,33 @@ def test_refusals(chain, capsys, tmp_path):
     # a model without PASTA-LANG tokens cannot be sampled from
     assert_one_line_error(capsys, "pasta", "sample", data, tmp_path / "s.jsonl", "--model", base,
                           "--judge-model", base, "--prompts", 1, match="PASTA-LANG")
+
+
+def test_unparsable_samples_are_left_out_of_the_pair(chain, tmp_path):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from fastforward.train.pasta import PastaBoN
+
+    root, base, data = chain
+    tok = tiny_tokenizer_hf()
+    method = PastaBoN(lam=1.0)
+    method.prepare_model(AutoModelForCausalLM.from_pretrained(base), tok)
+    v = method.vocab
+    good = tok.encode(ANSWER, add_special_tokens=False)
+    close = next(t for t, n in v.close.items() if n == 1)
+    broken = [65, v.open, 66, close, v.async_, 67, v.open, 68]  # a promise inside a block: a cut sample
+    shorter = tok.encode("Short.", add_special_tokens=False)
+
+    def sample(ids, speed):
+        return {"ids": ids, "text": "", "finish_reason": "eos", "critical_path": 1, "theoretical_speedup": speed,
+                "parallelism": 1.0, "quality": 0.1}
+
+    path = tmp_path / "samples.jsonl"
+    path.write_text(json.dumps({"key": "a", "prompt_ids": [1, 2, 3],
+                                "samples": [sample(broken, 9.0), sample(good, 2.0), sample(shorter, 1.0)]}) + "\n")
+    cfg = SimpleNamespace(data=str(path), lora=4, limit=None, seed=0, max_length=512)
+    examples, _, _ = method.load_records(cfg, tok)
+    assert method.counts["unparsable_samples"] == 1
+    assert examples[0].input_ids[3:] == good and examples[0].rejected == shorter  # not the broken best
