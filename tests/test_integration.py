@@ -163,3 +163,22 @@ def test_shipped_drafters_equal_ar_on_default_model(default_model, method):
         want = ff.generate(default_model, ids, "ar", max_new_tokens=40)
         got = ff.generate(default_model, ids, method, max_new_tokens=40)
         assert got.token_ids == want.token_ids, prompt
+
+
+def test_shipped_pasta_model_decodes_with_forks_and_valid_annotations(default_model):
+    """The shipped PASTA adapter over the default model (merged once into a cached folder): the alias loads, the
+    interpreter decodes it, and every answer it writes parses (its annotated ids obey PASTA-LANG's grammar)."""
+    from fastforward.pasta.language import PastaVocab, parse_ids
+
+    model = ff.load("smollm2-135m-pasta")
+    vocab = PastaVocab.from_tokenizer(model.tokenizer)
+    assert vocab is not None and max(vocab.all_ids) < model.vocab_size
+    forks = 0
+    for prompt in ["Give me three tips for staying healthy.", "List four ways to save money, with a short reason each."]:
+        got = ff.generate(model, prompt, "pasta", max_new_tokens=160)
+        ids = got.stats.method_stats["annotated_ids"]
+        if got.finish_reason == "eos":
+            parse_ids(ids, vocab, model.eos_token_ids)
+        forks += got.stats.method_stats["forks"]
+        assert got.text.strip()
+    assert forks > 0  # the shipped model does write promises on list-shaped prompts

@@ -222,10 +222,11 @@ def _run_export(args) -> int:
     from ..model.adapters import export_adapter
     from ..pasta.language import PASTA_TOKENS
 
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    stages = [str(Path(s.strip()).expanduser()) for s in args.stages.split(",") if s.strip()]
     for s in stages:
         if not (Path(s) / "adapter_config.json").is_file():
             raise UsageError(f"{s} is not a LoRA adapter folder (no adapter_config.json)")
+    args.model = str(Path(args.model).expanduser())
     if not (Path(args.model) / "model.safetensors").is_file():
         raise UsageError(f"{args.model} is not a model folder (no model.safetensors)")
     training = Path(args.training).read_text() if args.training else ""
