@@ -174,7 +174,8 @@ def test_shipped_pasta_model_decodes_with_forks_and_valid_annotations(default_mo
     vocab = PastaVocab.from_tokenizer(model.tokenizer)
     assert vocab is not None and max(vocab.all_ids) < model.vocab_size
     forks = 0
-    for prompt in ["Give me three tips for staying healthy.", "List four ways to save money, with a short reason each."]:
+    prompts = ["Give me three tips for staying healthy.", "List four ways to save money, with a short reason each."]
+    for prompt in prompts:
         got = ff.generate(model, prompt, "pasta", max_new_tokens=160)
         ids = got.stats.method_stats["annotated_ids"]
         if got.finish_reason == "eos":
