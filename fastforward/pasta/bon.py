@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..errors import PastaSyntaxError, UsageError
+from ..errors import UsageError
 from .judge import quality as judge_quality
-from .language import PastaVocab, strip_ids
-from .metrics import theoretical
+from .language import PastaVocab
+from .metrics import result_theoretical
 from .sft import pasta_token_losses
 
 ALPHA = 0.005  # the paper's weight of the SFT term
@@ -77,12 +77,7 @@ def sample_record(target, judge, record: dict, n: int, *, temperature: float = 1
     samples = []
     for res in results:
         ids = list(res.stats.method_stats.get("annotated_ids", res.token_ids))
-        try:
-            theory = theoretical(prompt, ids, vocab, baseline_tokens, target.eos_token_ids)
-        except PastaSyntaxError:  # cut by the budget inside a block: count the forwards taken
-            path = res.stats.target_forwards
-            theory = {"critical_path": path, "theoretical_speedup": baseline_tokens / path,
-                      "parallelism": len(strip_ids(ids, vocab)) / path}
+        theory = result_theoretical(target, prompt, res, baseline_tokens)
         quality = judge_quality(judge, prompt, res.text, baseline_text=record.get("response"),
                                 reference_text=record.get("reference"))
         samples.append(Sample(ids, res.text, res.finish_reason, theory["critical_path"],

@@ -14,11 +14,10 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ..errors import PastaSyntaxError, UsageError
+from ..errors import UsageError
 from .interpreter import PastaProposer
 from .judge import win_rate
-from .language import PastaVocab
-from .metrics import PromptMetrics, _timed, summarize, theoretical
+from .metrics import PromptMetrics, result_theoretical, summarize, timed_decode
 
 
 def read_prompts(spec: str) -> list[dict]:
@@ -64,27 +63,21 @@ def evaluate_models(baseline, models: dict, prompts: list[dict], judge, *, max_n
     make = PastaProposer
     if prompts:  # one short decode per model first, so that no model's first timed answer pays one-time costs
         for target in (baseline, *models.values()):
-            _timed(target, target.encode(prompts[0]["prompt"], chat=True), make, 16, 1)
+            timed_decode(target, target.encode(prompts[0]["prompt"], chat=True), make, 16, 1)
     rows = {name: [] for name in models}
     probs = {name: [] for name in models}
     base_rows = []
     for k, item in enumerate(prompts):
         prompt_ids = baseline.encode(item["prompt"], chat=True)
-        base = _timed(baseline, prompt_ids, make, max_new_tokens, runs)
+        base = timed_decode(baseline, prompt_ids, make, max_new_tokens, runs)
         base_rows.append({"id": item["id"], "tokens": len(base.token_ids), "seconds": base.stats.wall_time,
                           "text": base.text})
         for name, target in models.items():
             ids = target.encode(item["prompt"], chat=True)
-            fast = _timed(target, ids, make, max_new_tokens, runs)
+            fast = timed_decode(target, ids, make, max_new_tokens, runs)
             stats = fast.stats.method_stats
-            vocab = PastaVocab.from_tokenizer(target.tokenizer)
             annotated = stats.get("annotated_ids", fast.token_ids)
-            try:
-                theory = theoretical(ids, annotated, vocab, len(base.token_ids), target.eos_token_ids)
-            except PastaSyntaxError:  # an answer cut by the budget inside a block: the forwards the interpreter took
-                path = fast.stats.target_forwards
-                theory = {"critical_path": path, "theoretical_speedup": len(base.token_ids) / path,
-                          "parallelism": len(fast.token_ids) / path}
+            theory = result_theoretical(target, ids, fast, len(base.token_ids))
             realized = base.stats.wall_time / fast.stats.wall_time if fast.stats.wall_time > 0 else 0.0
             row = PromptMetrics(k, len(base.token_ids), len(fast.token_ids), len(annotated), stats.get("forks", 0),
                                 theory["critical_path"], base.stats.wall_time, fast.stats.wall_time,
@@ -99,7 +92,7 @@ def evaluate_models(baseline, models: dict, prompts: list[dict], judge, *, max_n
         wr = win_rate(probs[name])
         out["models"][name] = {
             "summary": summarize(rows[name]),
-            "win_rate": asdict(wr) if hasattr(wr, "__dataclass_fields__") else wr._asdict(),
+            "win_rate": asdict(wr),
             "prompts": [dict(asdict(r), p_better=p) for r, p in zip(rows[name], probs[name], strict=True)],
         }
     return out

@@ -42,6 +42,19 @@ def theoretical(prompt_ids, answer_ids, vocab: PastaVocab | None, baseline_lengt
             "theoretical_speedup": baseline_length / path, "parallelism": plain / path}
 
 
+def result_theoretical(target, prompt_ids, result, baseline_length: int) -> dict:
+    """:func:`theoretical` of an interpreter result (its annotated ids); an answer cut by the token budget inside a
+    block does not parse, and then the forwards the interpreter actually took are its critical path."""
+    vocab = PastaVocab.from_tokenizer(target.tokenizer) if result.stats.method_stats.get("pasta_tokens") else None
+    ids = list(result.stats.method_stats.get("annotated_ids", result.token_ids))
+    try:
+        return theoretical(prompt_ids, ids, vocab, baseline_length, target.eos_token_ids)
+    except PastaSyntaxError:
+        path = result.stats.target_forwards
+        return {"critical_path": path, "plain_tokens": len(result.token_ids), "baseline_tokens": baseline_length,
+                "theoretical_speedup": baseline_length / path, "parallelism": len(result.token_ids) / path}
+
+
 @dataclass
 class PromptMetrics:
     prompt: int
@@ -58,7 +71,7 @@ class PromptMetrics:
     finish_reason: str
 
 
-def _timed(target, prompt_ids, proposer_factory, max_new_tokens: int, runs: int = 2):
+def timed_decode(target, prompt_ids, proposer_factory, max_new_tokens: int, runs: int = 2):
     """Decode ``runs`` times (the paper: twice) with a fresh proposer each time; the last run's result (and its wall
     time)."""
     from ..engine import Generation
@@ -79,17 +92,11 @@ def evaluate(baseline, pasta, prompts: list[list[int]], *, max_new_tokens: int =
     make = proposer or (lambda target: PastaProposer(target))
     rows = []
     for i, prompt in enumerate(prompts):
-        base = _timed(baseline, prompt, make, max_new_tokens)
-        fast = _timed(pasta, prompt, make, max_new_tokens)
+        base = timed_decode(baseline, prompt, make, max_new_tokens)
+        fast = timed_decode(pasta, prompt, make, max_new_tokens)
         stats = fast.stats.method_stats
-        vocab = PastaVocab.from_tokenizer(pasta.tokenizer) if stats.get("pasta_tokens") else None
         annotated = stats.get("annotated_ids", fast.token_ids)
-        try:
-            theory = theoretical(prompt, annotated, vocab, len(base.token_ids), pasta.eos_token_ids)
-        except PastaSyntaxError:  # an answer cut by the budget: count the forwards the interpreter took
-            path = fast.stats.target_forwards
-            theory = {"critical_path": path, "theoretical_speedup": len(base.token_ids) / path,
-                      "parallelism": len(fast.token_ids) / path}
+        theory = result_theoretical(pasta, prompt, fast, len(base.token_ids))
         row = PromptMetrics(i, len(base.token_ids), len(fast.token_ids), len(annotated), stats.get("forks", 0),
                             theory["critical_path"], base.stats.wall_time, fast.stats.wall_time,
                             theory["theoretical_speedup"], theory["parallelism"],
