@@ -110,6 +110,7 @@ def generate_batch(
     method_options: dict | None = None,
     max_batch_tokens: int | None = None,
     max_active: int | None = None,
+    cut_drafts: bool = True,
     on_tokens=None,
     on_result=None,
     observers=None,
@@ -118,8 +119,10 @@ def generate_batch(
 
     ``prompts`` is a list of prompts (each as :func:`generate` takes them) or of :class:`GenerationRequest`;
     ``method`` one name for all or a list with one per prompt; ``seed`` an int for all (each sequence then samples
-    as it would alone with that seed) or a list. Each step every unfinished sequence drafts as it would alone and
-    one target forward carries the drafts of as many sequences as fit in ``max_batch_tokens`` rows (default:
+    as it would alone with that seed) or a list. Each step every unfinished sequence drafts as it would alone; with
+    ``cut_drafts`` (the default) the greedy sequences' drafts are then cut to what they are worth in the shared
+    forward, which on a CPU is much less than alone (:mod:`fastforward.draft_budget`; outputs unchanged); one target
+    forward carries the drafts of as many sequences as fit in ``max_batch_tokens`` rows (default:
     :func:`batch_token_budget`). With ``max_active``, at most that many sequences decode at once and the next
     prompt starts as soon as one finishes (continuous batching). Each result equals what :func:`generate` gives
     that prompt alone: token for token at temperature 0, the same samples with the same seed.
@@ -151,6 +154,8 @@ def generate_batch(
     if max_active is not None and (not isinstance(max_active, int) or isinstance(max_active, bool)
                                    or max_active <= 0):
         raise UsageError(f"max_active must be a positive integer, got {max_active!r}")
+    if not isinstance(cut_drafts, bool):
+        raise InputTypeError(f"cut_drafts must be True or False, got {cut_drafts!r}")
     if on_tokens is not None and not callable(on_tokens):
         raise InputTypeError("on_tokens must be a callable (index, token_ids) or None")
     if on_result is not None and not callable(on_result):
@@ -175,7 +180,7 @@ def generate_batch(
         text = Generation.final_text(target, run.emitted, run.stops)
         return GenerationResult(text, list(run.emitted), run.stats, run.prompt_ids)
 
-    for i, tokens in decode_batch(runs, budget, max_active):
+    for i, tokens in decode_batch(runs, budget, max_active, cut_drafts):
         if on_tokens is not None and tokens:
             on_tokens(i, tokens)
         if runs[i].finished and results[i] is None:

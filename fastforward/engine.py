@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .draft_budget import DraftBudget, DraftLevels, cut_to_depth, depth_gains, levels_of
 from .errors import UsageError
 from .model import ForwardOutput, ForwardRequest, TargetModel
 from .stats import GenerationStats
@@ -63,6 +64,9 @@ class DecodeState:
     rng: random.Random
     generator: torch.Generator | None
     max_new_tokens: int
+    #: in a step shared with other sequences, the deepest draft worth its rows there (None: alone, no limit).
+    #: Proposers with a costly drafter skip or shorten their work by it; the engine cuts deeper drafts anyway.
+    max_draft_depth: int | None = None
 
     @property
     def root(self) -> int:
@@ -190,6 +194,10 @@ class SequenceRun:
     output does not depend on which other runs share its forwards: every row of a forward is computed as alone.
     """
 
+    #: whether a shared step may cut this run's greedy drafts to their worth in the shared forward
+    #: (:mod:`fastforward.draft_budget`); a run class that is not draft-then-verify says no
+    draft_cuttable = True
+
     def __new__(cls, target=None, prompt_ids=None, proposer=None, **kwargs):
         # A method that is not draft-then-verify (PASTA's interpreter) brings its own run class, a subclass with
         # the same three steps; every caller that makes a SequenceRun for it gets one.
@@ -309,6 +317,25 @@ class SequenceRun:
         self.stats.draft_time += time.perf_counter() - t0
         return self._proposal
 
+    def draft_levels(self):
+        """This step's draft level by level (rows, expected tokens from this run's acceptance history), or None
+        when it may not be cut: a sampled run (its random draws depend on the draft) or one without a draft."""
+        proposal = self._proposal
+        if not self.draft_cuttable or not self.sampling.greedy or proposal is None or proposal.size == 1:
+            return None
+        depth = proposal.tree.shape.max_depth
+        gains = depth_gains(self.stats.depth_attempts, self.stats.depth_accepts, depth)
+        aux = 0 if proposal.aux_tokens is None else proposal.aux_tokens.numel()
+        return levels_of(proposal.tree, aux, gains)
+
+    def cut_draft(self, depth: int) -> int:
+        """Keep this step's draft nodes no deeper than ``depth`` (aux tokens only when every level stays); returns
+        the proposal's size."""
+        proposal = self._proposal
+        if depth < max(proposal.tree.shape.max_depth, int(proposal.aux_tokens is not None)):
+            self._proposal = proposal = Proposal(cut_to_depth(proposal.tree, depth), info=proposal.info)
+        return proposal.size
+
     def forward_request(self) -> ForwardRequest:
         """The target forward this step needs: the proposal's tokens at their positions, under its tree mask."""
         proposal = self._proposal
@@ -387,19 +414,21 @@ def _run_steps(run: SequenceRun) -> Iterator[list[int]]:
         yield run.complete(out, time.perf_counter() - t0)
 
 
-def decode_batch(runs: list[SequenceRun], max_batch_tokens: int,
-                 max_active: int | None = None) -> Iterator[tuple[int, list[int]]]:
+def decode_batch(runs: list[SequenceRun], max_batch_tokens: int, max_active: int | None = None,
+                 cut_drafts: bool = True) -> Iterator[tuple[int, list[int]]]:
     """Decode several sequences together, yielding ``(index of the run, its newly emitted tokens)`` as they come.
 
     At most ``max_active`` runs decode at once (all when None); the others wait in order and start (prefill) as
-    soon as one finishes -- continuous batching. Each step every active run proposes exactly what it would alone;
-    the proposals are packed in order into forwards of at most ``max_batch_tokens`` rows (a proposal larger than
-    that gets a forward of its own); each forward carries every packed sequence's root and draft nodes (a sequence
-    sees only its own cache and nodes), and each run completes from its slice of the logits. Proposals are never
-    cut to fit the batch, so each run decodes exactly as alone.
+    soon as one finishes -- continuous batching. Each step every active run proposes what it would alone; with
+    ``cut_drafts`` the greedy runs' drafts are then cut to what they are worth in the shared forward
+    (:mod:`fastforward.draft_budget`; the output is the same, only the speed changes); the proposals are packed in
+    order into forwards of at most ``max_batch_tokens`` rows (a proposal larger than that gets a forward of its
+    own); each forward carries every packed sequence's root and draft nodes (a sequence sees only its own cache and
+    nodes), and each run completes from its slice of the logits, exactly as alone.
     """
     waiting = list(range(len(runs)))[::-1]  # a stack: the next run to start is at the end
     active: list[int] = []
+    budget = None
     while waiting or active:
         while waiting and (max_active is None or len(active) < max_active):
             i = waiting.pop()
@@ -408,18 +437,79 @@ def decode_batch(runs: list[SequenceRun], max_batch_tokens: int,
                 active.append(i)
         if not active:
             continue
-        for j, tokens in shared_step([runs[i] for i in active], max_batch_tokens):
+        if cut_drafts and budget is None and len(active) > 1:
+            budget = draft_budget_for(runs[active[0]].target, max_batch_tokens)
+        for j, tokens in shared_step([runs[i] for i in active], max_batch_tokens, budget=budget):
             yield active[j], tokens
         active = [i for i in active if not runs[i].finished]
 
 
-def shared_step(runs: list[SequenceRun], max_batch_tokens: int,
-                on_forward=None) -> Iterator[tuple[int, list[int]]]:
+def draft_budget_for(target: TargetModel, max_batch_tokens: int) -> DraftBudget | None:
+    """The draft pricing of shared forwards on this machine (None where a forward carries one sequence)."""
+    if max_batch_tokens < 2 or target.batch_rows_limit() < 2:
+        return None
+    from .costs import machine_cost_curve  # measured once per machine and model (cached)
+
+    return DraftBudget(machine_cost_curve(target), max_batch_tokens)
+
+
+PLANNED_DEPTH = 8  # the deepest draft a shared step plans for before the proposals are known
+
+
+def _announce_draft_depths(runs: list[SequenceRun], budget: DraftBudget) -> None:
+    """Before proposing: tell each greedy run how deep a one-node-per-level draft of its could be worth going in
+    this shared step (from its acceptance history), so that drafters with a cost of their own can skip work."""
+    plans, who = [], []
+    for run in runs:
+        run.state.max_draft_depth = None
+        if run.draft_cuttable and run.sampling.greedy:
+            stats = run.stats
+            plans.append(DraftLevels([1] * PLANNED_DEPTH,
+                                     depth_gains(stats.depth_attempts, stats.depth_accepts, PLANNED_DEPTH)))
+            who.append(run)
+    if not who:
+        return
+    for run, depth in zip(who, budget.choose(len(runs), float(len(runs)), plans), strict=True):
+        run.state.max_draft_depth = depth
+
+
+def _cut_drafts(runs: list[SequenceRun], sizes: list[int], budget: DraftBudget) -> list[int]:
+    """Cut the greedy runs' drafts to the depths that maximise the shared step's expected tokens per ms; returns
+    the proposals' sizes after the cut."""
+    fixed_rows, fixed_tokens = 0, float(len(runs))  # every run gains its root's next token
+    cuttable, levels = [], []
+    for i, run in enumerate(runs):
+        lv = run.draft_levels()
+        if lv is None:
+            fixed_rows += sizes[i]
+        else:
+            fixed_rows += 1
+            cuttable.append(i)
+            levels.append(lv)
+    if not cuttable:
+        return sizes
+    sizes = list(sizes)
+    for i, depth in zip(cuttable, budget.choose(fixed_rows, fixed_tokens, levels), strict=True):
+        sizes[i] = runs[i].cut_draft(depth)
+    return sizes
+
+
+def shared_step(runs: list[SequenceRun], max_batch_tokens: int, on_forward=None,
+                budget: DraftBudget | None = None) -> Iterator[tuple[int, list[int]]]:
     """One verification step of every run in ``runs`` (none finished), through shared forwards: yields
-    ``(index in runs, newly emitted tokens)``. Proposals are packed in order into forwards of at most
+    ``(index in runs, newly emitted tokens)``. With a ``budget`` and more than one run, greedy drafts are first cut
+    to their worth in the shared forward. Proposals are packed in order into forwards of at most
     ``max_batch_tokens`` rows (a larger one gets a forward of its own). ``on_forward(sequences, rows, seconds)`` is
     called after every forward."""
+    shared = budget is not None and len(runs) > 1
+    if shared:
+        _announce_draft_depths(runs, budget)
+    else:
+        for run in runs:
+            run.state.max_draft_depth = None
     sizes = [run.propose().size for run in runs]
+    if shared:
+        sizes = _cut_drafts(runs, sizes, budget)
     groups: list[list[int]] = []
     used = 0
     for i, size in enumerate(sizes):
@@ -445,13 +535,17 @@ class BatchDecoder:
     """Sequences decoded together and admitted continuously: :meth:`add` prefills a run, which then joins the next
     :meth:`step`; :meth:`step` advances every active run by one verification step through shared forwards of at
     most ``max_batch_tokens`` rows and drops the runs that finished; :meth:`remove` drops a run at any time between
-    steps (a cancelled request). Each run decodes exactly as alone, whatever joins or leaves around it."""
+    steps (a cancelled request). With ``cut_drafts`` the greedy runs' drafts are cut to their worth in the shared
+    forward (:mod:`fastforward.draft_budget`). Each run's output is what it gives alone, whatever joins or leaves
+    around it."""
 
-    def __init__(self, max_batch_tokens: int, on_forward=None):
+    def __init__(self, max_batch_tokens: int, on_forward=None, cut_drafts: bool = True):
         if not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool) or max_batch_tokens <= 0:
             raise UsageError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
         self.max_batch_tokens = max_batch_tokens
         self.on_forward = on_forward
+        self.cut_drafts = cut_drafts
+        self.budget: DraftBudget | None = None
         self.runs: list[SequenceRun] = []
 
     def __len__(self) -> int:
@@ -473,7 +567,10 @@ class BatchDecoder:
     def step(self) -> list[tuple[SequenceRun, list[int]]]:
         """One step of every active run: ``[(run, newly emitted tokens), ...]``; finished runs leave."""
         runs = list(self.runs)
-        out = [(runs[i], tokens) for i, tokens in shared_step(runs, self.max_batch_tokens, self.on_forward)]
+        if self.cut_drafts and self.budget is None and len(runs) > 1:
+            self.budget = draft_budget_for(runs[0].target, self.max_batch_tokens)
+        out = [(runs[i], tokens)
+               for i, tokens in shared_step(runs, self.max_batch_tokens, self.on_forward, self.budget)]
         self.runs = [run for run in self.runs if not run.finished]
         return out
 

@@ -109,6 +109,8 @@ class PastaProposer(Proposer):
 class PastaRun(SequenceRun):
     """One PASTA answer in flight: the engine's three steps over a :class:`PastaSchedule`."""
 
+    draft_cuttable = False  # its rows are threads of the answer, not drafts
+
     def __init__(self, target, prompt_ids, proposer: PastaProposer, **kwargs):
         super().__init__(target, prompt_ids, proposer, **kwargs)
         if target.backend_name != "lean":

@@ -87,6 +87,11 @@ class EagleProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal | None:
         run, k = self.runner, self.topk
         root_pos = state.root_position
+        depth = self.depth if state.max_draft_depth is None else min(self.depth, state.max_draft_depth)
+        if depth < 1:  # sharing a forward where no draft of this sequence is worth its rows
+            self._n["steps"] += 1
+            self._n["nodes"] += 1
+            return None
         lp = run.log_probs(self.last_h)[0]  # [draft_vocab]
         top = lp.topk(k)
         cand_tok = [top.indices]  # per depth: draft ids [c_d]
@@ -97,7 +102,7 @@ class EagleProposer(Proposer):
         rows_vis = torch.zeros(0, 0, dtype=torch.bool)  # [rows, rows] ancestor-or-self among draft rows
         row_of = torch.full((k + (self.depth - 1) * k * k,), -1, dtype=torch.long)  # candidate -> its draft row
         offset = 0  # global index of the first candidate of the current depth
-        for d in range(2, self.depth + 1):
+        for d in range(2, depth + 1):
             scores = cand_score[-1]
             r = min(k, scores.numel())
             best = scores.topk(r)

@@ -138,7 +138,7 @@ class FalconProposer(Proposer):
 
     def propose(self, state: DecodeState) -> Proposal | None:
         self._n["steps"] += 1
-        if state.remaining < 1 or self.back_off.skipping():
+        if state.remaining < 1 or state.max_draft_depth == 0 or self.back_off.skipping():
             self._n["nodes"] += 1
             return None
         self._catch_up()

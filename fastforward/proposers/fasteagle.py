@@ -116,6 +116,8 @@ class FastEagleProposer(Proposer):
         run = self.runner
         room = min(self.depth, state.remaining)
         self._n["steps"] += 1
+        if state.max_draft_depth is not None:  # sharing a forward: deeper drafts would be cut
+            room = min(room, state.max_draft_depth)
         if room < 1 or self.back_off.skipping():
             self._n["nodes"] += 1
             return None

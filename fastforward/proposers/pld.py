@@ -178,6 +178,7 @@ class PromptLookupProposer(Proposer):
         self.index.sync(state.tokens)  # the tokens just accepted
         if self.pending is not None:
             n, k = self.pending
+            k = min(k, len(step.proposal.tree) - 1)  # the engine may have cut the draft (KV room, shared forward)
             self.estimates[n].update(k, step.verdict.accepted)
             self.pending = None
 

@@ -179,6 +179,8 @@ class DraftModelProposer(Proposer):
 
     def _length(self, state: DecodeState) -> int:
         k = min(self.k_max, state.remaining - 1, self.cache.capacity - state.length + 1)
+        if state.max_draft_depth is not None:  # sharing a forward: deeper drafts would be cut
+            k = min(k, state.max_draft_depth)
         if k <= 0 or self.fixed_k is not None:
             return max(k, 0)
         return best_draft_length(self.estimate.alpha, k, self.curve, self.draft_ms)
