@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 import fastforward as ff
 from fastforward.costs import CostCurve
 from fastforward.draft_budget import PRIOR, DraftBudget, DraftLevels, cut_to_depth, depth_gains, levels_of
-from fastforward.errors import InputTypeError
 from fastforward.engine import BatchDecoder, Proposer, SequenceRun
+from fastforward.errors import InputTypeError
 from fastforward.proposers import make_proposer
 from fastforward.testing import tiny_gguf_target
 from fastforward.tree import DraftTree
