@@ -10,6 +10,7 @@ from __future__ import annotations
 from .engine import Generation, GenerationResult, SequenceRun, decode_batch
 from .errors import InputTypeError, UsageError
 from .model import TargetModel, load
+from .model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS, prefix_cache_for
 from .proposers import make_proposer
 from .request import GenerationRequest
 
@@ -120,15 +121,17 @@ def generate_batch(
     ``prompts`` is a list of prompts (each as :func:`generate` takes them) or of :class:`GenerationRequest`;
     ``method`` one name for all or a list with one per prompt; ``seed`` an int for all (each sequence then samples
     as it would alone with that seed) or a list. Each step every unfinished sequence drafts as it would alone; with
-    ``cut_drafts`` (the default) the greedy sequences' drafts are then cut to what they are worth in the shared
+    ``cut_drafts`` (the default) the sequences' drafts are then cut to what they are worth in the shared
     forward, which on a CPU is much less than alone (:mod:`fastforward.draft_budget`; outputs unchanged); one target
     forward carries the drafts of as many sequences as fit in ``max_batch_tokens`` rows (default:
-    :func:`batch_token_budget`). With ``max_active``, at most that many sequences decode at once and the next
-    prompt starts as soon as one finishes (continuous batching). Each result equals what :func:`generate` gives
-    that prompt alone: token for token at temperature 0, the same samples with the same seed.
-    ``on_tokens(index, token_ids)`` is called as tokens come, ``on_result(index, result)`` as soon as a sequence
-    finishes (to save finished work while the others still decode). ``observers``: one tuple of step observers
-    ``(state, step)`` for every prompt, or a list with one tuple per prompt.
+    :func:`batch_token_budget`). Prompts that start alike (a chat template's system prompt) read their shared
+    prefix once (:mod:`fastforward.model.prefix_cache`; bitwise the same KV). With ``max_active``, at most that
+    many sequences decode at once and the next prompt starts as soon as one finishes (continuous batching). Each
+    result equals what :func:`generate` gives that prompt alone: token for token at temperature 0, the same
+    samples with the same seed. ``on_tokens(index, token_ids)`` is called as tokens come, ``on_result(index,
+    result)`` as soon as a sequence finishes (to save finished work while the others still decode).
+    ``observers``: one tuple of step observers ``(state, step)`` for every prompt, or a list with one tuple per
+    prompt.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
         raise InputTypeError("prompts must be a list of prompts (or GenerationRequests)")
@@ -168,9 +171,11 @@ def generate_batch(
         raise UsageError("observers must be a tuple of callables, or a list with one tuple per prompt")
     target = _target(model)
     prompt_ids = [r.prompt_ids(target) for r in requests]
+    # prompts that start alike (a chat template's system prompt) read their shared prefix once
+    prefix_cache = prefix_cache_for(target, DEFAULT_PREFIX_CACHE_TOKENS) if n > 1 else None
     runs = [SequenceRun(target, ids, make_proposer(r.method, target, **r.method_options),
                         max_new_tokens=r.max_new_tokens, sampling=r.sampling, seed=r.seed, stops=r.stops,
-                        observers=tuple(obs))
+                        observers=tuple(obs), prefix_cache=prefix_cache)
             for r, ids, obs in zip(requests, prompt_ids, observers, strict=True)]
     budget = max_batch_tokens or batch_token_budget(target)
     results: list[GenerationResult | None] = [None] * n

@@ -27,7 +27,7 @@ from .stats import GenerationStats
 from .stopping import StopMatcher, cut_at_stop
 from .tree import DraftTree, TreeShape
 from .validation import check_max_new_tokens, check_stop
-from .verify import SamplingConfig, Verdict, next_token, verify
+from .verify import PositionKeyedUniforms, SamplingConfig, Verdict, next_token, verify
 
 
 @dataclass
@@ -67,6 +67,8 @@ class DecodeState:
     #: in a step shared with other sequences, the deepest draft worth its rows there (None: alone, no limit).
     #: Proposers with a costly drafter skip or shorten their work by it; the engine cuts deeper drafts anyway.
     max_draft_depth: int | None = None
+    #: sampling: the uniform number of each sequence position (see :mod:`fastforward.verify`, "Keyed draws")
+    keyed: PositionKeyedUniforms | None = None
 
     @property
     def root(self) -> int:
@@ -109,6 +111,9 @@ class Proposer:
     hidden_layers: tuple[int, ...] = ()
     #: a SequenceRun subclass that decodes this method instead of draft-then-verify (None: the engine's own)
     run_class = None
+    #: whether its drafts carry draft probabilities when sampling (verified by recursive rejection, which draws
+    #: from the run's generator: such a draft must not be cut, or a seeded answer would depend on the batch)
+    drafts_with_probabilities = False
 
     def max_proposal_size(self) -> int:
         """An upper bound on ``Proposal.size`` (reserved in the KV cache)."""
@@ -165,13 +170,24 @@ def _full_mask(proposal: Proposal) -> torch.Tensor | None:
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward: bounded activations, and progress to report
 
 
-def _prefill(target, prompt, cache, hidden_layers, on_prefill=None) -> ForwardOutput:
-    """The prompt's KV in chunks of :data:`PREFILL_CHUNK` tokens; the last position's logits and every prompt
-    token's requested hidden states. ``on_prefill(done, total)`` is called after each chunk."""
+def _prefill(target, prompt, cache, hidden_layers, on_prefill=None,
+             prefix_cache=None) -> tuple[ForwardOutput, int]:
+    """The prompt's KV in chunks of :data:`PREFILL_CHUNK` tokens; returns the last position's logits and every prompt
+    token's requested hidden states, and how many prompt positions came from the ``prefix_cache``: the longest kept
+    prefix of the prompt is copied in instead of read (bitwise the same entries), and the prompt is kept for later
+    ones. ``on_prefill(done, total)`` is called after each chunk."""
     n = prompt.numel()
     hidden: dict[int, list] = {}
+    begin = 0
+    if prefix_cache is not None:
+        entry, begin = prefix_cache.lookup(prompt, hidden_layers)
+        if entry is not None:
+            prefix_cache.restore(entry, begin, cache)
+            for layer in hidden_layers:
+                if layer in entry.hidden:  # (a tap index the model does not have is absent in both)
+                    hidden[layer] = [entry.hidden[layer][:begin]]
     out = None
-    for start in range(0, n, PREFILL_CHUNK):
+    for start in range(begin, n, PREFILL_CHUNK):
         end = min(n, start + PREFILL_CHUNK)
         out = target.forward(prompt[start:end], torch.arange(start, end), cache, hidden_layers=hidden_layers,
                              last_only=True)
@@ -180,9 +196,11 @@ def _prefill(target, prompt, cache, hidden_layers, on_prefill=None) -> ForwardOu
             hidden.setdefault(layer, []).append(h)
         if on_prefill is not None:
             on_prefill(end, n)
-    if len(hidden) and n > PREFILL_CHUNK:
+    if len(hidden) and any(len(parts) > 1 for parts in hidden.values()):
         out = ForwardOutput(out.logits, {layer: torch.cat(parts) for layer, parts in hidden.items()})
-    return out
+    if prefix_cache is not None:
+        prefix_cache.store(prompt, cache, out.hidden, hidden_layers)
+    return out, begin
 
 
 class SequenceRun:
@@ -194,7 +212,7 @@ class SequenceRun:
     output does not depend on which other runs share its forwards: every row of a forward is computed as alone.
     """
 
-    #: whether a shared step may cut this run's greedy drafts to their worth in the shared forward
+    #: whether a shared step may cut this run's drafts to their worth in the shared forward
     #: (:mod:`fastforward.draft_budget`); a run class that is not draft-then-verify says no
     draft_cuttable = True
 
@@ -208,7 +226,7 @@ class SequenceRun:
 
     def __init__(self, target: TargetModel, prompt_ids: list[int], proposer: Proposer, *, max_new_tokens: int,
                  sampling: SamplingConfig, seed: int | None, stops=(), stats: GenerationStats | None = None,
-                 on_prefill=None, observers=()):
+                 on_prefill=None, observers=(), prefix_cache=None):
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
             raise UsageError("the prompt is empty")
@@ -217,17 +235,20 @@ class SequenceRun:
         self.target, self.proposer, self.sampling = target, proposer, sampling
         self.max_new_tokens, self.stops, self.on_prefill = max_new_tokens, tuple(stops), on_prefill
         self.observers = tuple(observers)
+        self.prefix_cache = prefix_cache  # a model.prefix_cache.PrefixCache shared by runs of the same target
         self.stats = stats if stats is not None else GenerationStats(proposer.name)
         self.stats.prompt_tokens = n_prompt
         self.prompt_ids = list(prompt_ids)
         # [prompt + generated + 1]; never more than the context holds, whatever max_new_tokens says
         self.ids = torch.zeros(min(n_prompt + max_new_tokens, target.max_context) + 1, dtype=torch.long)
         self.ids[:n_prompt] = torch.as_tensor(prompt_ids, dtype=torch.long)
-        generator = None
+        generator = keyed = None
         if not sampling.greedy:
-            generator = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2**63))
+            seed_value = seed if seed is not None else random.randrange(2**63)
+            generator = torch.Generator().manual_seed(seed_value)
+            keyed = PositionKeyedUniforms(seed_value)
         self.state = DecodeState(target, self.ids, n_prompt, n_prompt, sampling, random.Random(seed), generator,
-                                 max_new_tokens)
+                                 max_new_tokens, keyed=keyed)
         self.eos = target.eos_token_ids
         self.emitted: list[int] = []
         self.reason = ""
@@ -292,8 +313,9 @@ class SequenceRun:
         self._t_start = time.perf_counter()
         capacity = min(target.max_context, n_prompt + self.max_new_tokens + self.proposer.max_proposal_size() + 1)
         self.cache = target.new_cache(capacity)
-        out = _prefill(target, self.ids[:n_prompt], self.cache, self.proposer.hidden_layers, self.on_prefill)
-        first = next_token(out.logits[-1], self.sampling, self.state.generator)
+        out, stats.cached_prompt_tokens = _prefill(target, self.ids[:n_prompt], self.cache,
+                                                   self.proposer.hidden_layers, self.on_prefill, self.prefix_cache)
+        first = next_token(out.logits[-1], self.sampling, self.state.generator, self.state.keyed, n_prompt)
         stats.target_forwards = 1
         stats.prefill_time = time.perf_counter() - self._t_start
         taken = self._emit([first])
@@ -317,11 +339,18 @@ class SequenceRun:
         self.stats.draft_time += time.perf_counter() - t0
         return self._proposal
 
+    @property
+    def draft_negotiable(self) -> bool:
+        """Whether a shared step may shorten this run's drafts without changing its answer: greedy runs, and
+        sampled ones whose drafts are guesses (keyed draws: the same samples whatever was drafted)."""
+        return self.draft_cuttable and (self.sampling.greedy or not self.proposer.drafts_with_probabilities)
+
     def draft_levels(self):
         """This step's draft level by level (rows, expected tokens from this run's acceptance history), or None
-        when it may not be cut: a sampled run (its random draws depend on the draft) or one without a draft."""
+        when it may not be cut (see :attr:`draft_negotiable`) or there is nothing to cut."""
         proposal = self._proposal
-        if not self.draft_cuttable or not self.sampling.greedy or proposal is None or proposal.size == 1:
+        if not self.draft_negotiable or proposal is None or proposal.size == 1 or \
+                proposal.tree.draft_probs is not None:
             return None
         depth = proposal.tree.shape.max_depth
         gains = depth_gains(self.stats.depth_attempts, self.stats.depth_accepts, depth)
@@ -351,7 +380,8 @@ class SequenceRun:
         observe; returns the emitted tokens."""
         t0 = time.perf_counter()
         stats, proposal, tree = self.stats, self._proposal, self._proposal.tree
-        verdict = verify(tree, out.logits, self.sampling, self.state.generator)
+        verdict = verify(tree, out.logits, self.sampling, self.state.generator, self.state.keyed,
+                         self.state.root_position)
         self.cache.keep(verdict.path)
         t1 = time.perf_counter()
         stats.verify_time += forward_seconds + (t1 - t0)
@@ -420,7 +450,7 @@ def decode_batch(runs: list[SequenceRun], max_batch_tokens: int, max_active: int
 
     At most ``max_active`` runs decode at once (all when None); the others wait in order and start (prefill) as
     soon as one finishes -- continuous batching. Each step every active run proposes what it would alone; with
-    ``cut_drafts`` the greedy runs' drafts are then cut to what they are worth in the shared forward
+    ``cut_drafts`` the runs' drafts are then cut to what they are worth in the shared forward
     (:mod:`fastforward.draft_budget`; the output is the same, only the speed changes); the proposals are packed in
     order into forwards of at most ``max_batch_tokens`` rows (a proposal larger than that gets a forward of its
     own); each forward carries every packed sequence's root and draft nodes (a sequence sees only its own cache and
@@ -457,12 +487,12 @@ PLANNED_DEPTH = 8  # the deepest draft a shared step plans for before the propos
 
 
 def _announce_draft_depths(runs: list[SequenceRun], budget: DraftBudget) -> None:
-    """Before proposing: tell each greedy run how deep a one-node-per-level draft of its could be worth going in
+    """Before proposing: tell each run how deep a one-node-per-level draft of its could be worth going in
     this shared step (from its acceptance history), so that drafters with a cost of their own can skip work."""
     plans, who = [], []
     for run in runs:
         run.state.max_draft_depth = None
-        if run.draft_cuttable and run.sampling.greedy:
+        if run.draft_negotiable:
             stats = run.stats
             plans.append(DraftLevels([1] * PLANNED_DEPTH,
                                      depth_gains(stats.depth_attempts, stats.depth_accepts, PLANNED_DEPTH)))
@@ -474,7 +504,7 @@ def _announce_draft_depths(runs: list[SequenceRun], budget: DraftBudget) -> None
 
 
 def _cut_drafts(runs: list[SequenceRun], sizes: list[int], budget: DraftBudget) -> list[int]:
-    """Cut the greedy runs' drafts to the depths that maximise the shared step's expected tokens per ms; returns
+    """Cut the runs' drafts to the depths that maximise the shared step's expected tokens per ms; returns
     the proposals' sizes after the cut."""
     fixed_rows, fixed_tokens = 0, float(len(runs))  # every run gains its root's next token
     cuttable, levels = [], []
@@ -497,7 +527,7 @@ def _cut_drafts(runs: list[SequenceRun], sizes: list[int], budget: DraftBudget) 
 def shared_step(runs: list[SequenceRun], max_batch_tokens: int, on_forward=None,
                 budget: DraftBudget | None = None) -> Iterator[tuple[int, list[int]]]:
     """One verification step of every run in ``runs`` (none finished), through shared forwards: yields
-    ``(index in runs, newly emitted tokens)``. With a ``budget`` and more than one run, greedy drafts are first cut
+    ``(index in runs, newly emitted tokens)``. With a ``budget`` and more than one run, drafts are first cut
     to their worth in the shared forward. Proposals are packed in order into forwards of at most
     ``max_batch_tokens`` rows (a larger one gets a forward of its own). ``on_forward(sequences, rows, seconds)`` is
     called after every forward."""
@@ -535,7 +565,7 @@ class BatchDecoder:
     """Sequences decoded together and admitted continuously: :meth:`add` prefills a run, which then joins the next
     :meth:`step`; :meth:`step` advances every active run by one verification step through shared forwards of at
     most ``max_batch_tokens`` rows and drops the runs that finished; :meth:`remove` drops a run at any time between
-    steps (a cancelled request). With ``cut_drafts`` the greedy runs' drafts are cut to their worth in the shared
+    steps (a cancelled request). With ``cut_drafts`` the runs' drafts are cut to their worth in the shared
     forward (:mod:`fastforward.draft_budget`). Each run's output is what it gives alone, whatever joins or leaves
     around it."""
 

@@ -49,6 +49,7 @@ def totals(runs: Iterable[GenerationStats]) -> dict:
 class GenerationStats:
     method: str
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt positions whose KV came from a prefix cache instead of the prefill
     new_tokens: int = 0
     target_forwards: int = 0  # including the prefill
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per forward (prefill = 1, AR = 1)

@@ -7,7 +7,8 @@ import sys
 from ..bench.serve_load import DEFAULT_METHODS
 from ..errors import UsageError
 from ..model import DEFAULT_MODEL
-from .options import add_model_arguments, positive_int
+from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
+from .options import add_model_arguments, nonnegative_int, positive_int
 
 SERVE_HINT = "install the server's dependencies with: pip install -e '.[serve]' (fastapi, uvicorn)"
 
@@ -34,6 +35,9 @@ def add_arguments(p, name: str) -> None:
                    help="the largest max_tokens a request may ask for (default: %(default)s)")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20,
                    help="the largest request body; larger get 413 (default: %(default)s)")
+    p.add_argument("--prefix-cache-tokens", type=nonnegative_int, default=DEFAULT_PREFIX_CACHE_TOKENS, metavar="N",
+                   help="prompt tokens whose KV is kept so that later prompts starting the same way (a system "
+                        "prompt, earlier turns) skip reading them; 0 = off (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -132,7 +136,7 @@ def run(args, name: str) -> int:
     model_name = args.served_model_name or args.model
     app = create_app(target, model_name=model_name, default_method=args.method, limits=limits,
                      max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
-                     max_waiting=args.max_waiting)
+                     max_waiting=args.max_waiting, prefix_cache_tokens=args.prefix_cache_tokens)
     print(f"fastforward serve: {model_name} on http://{args.host}:{args.port} (page at /, OpenAI API at /v1, "
           f"{app.state.max_batch_tokens} rows per shared forward)", file=sys.stderr, flush=True)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -22,6 +22,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import batch_token_budget
+from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
 from ..proposers import available_methods
 from ..version import __version__
 from .metrics import Metrics
@@ -42,7 +43,7 @@ def _json_safe(value):
 
 def create_app(target, *, model_name: str, default_method: str = "ar", limits: Limits | None = None,
                max_batch_tokens: int | None = None, max_running: int = 16, max_waiting: int = 64,
-               aliases: tuple[str, ...] = ()) -> FastAPI:
+               aliases: tuple[str, ...] = (), prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> FastAPI:
     """The server's app for a loaded ``target``; the decode thread starts and stops with the app."""
     limits = limits or Limits()
     methods = available_methods()
@@ -52,7 +53,7 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
     metrics = Metrics()
     budget = max_batch_tokens or batch_token_budget(target)
     scheduler = Scheduler(target, max_batch_tokens=budget, max_running=max_running, max_waiting=max_waiting,
-                          metrics=metrics)
+                          metrics=metrics, prefix_cache_tokens=prefix_cache_tokens)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

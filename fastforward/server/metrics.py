@@ -57,6 +57,7 @@ class Metrics:
         self.waiting = 0
         self.running = 0
         self.cancelled = 0
+        self.prefix_queries = self.prefix_hits = self.prefix_tokens = 0
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -69,6 +70,11 @@ class Metrics:
             self.forward_rows.observe(rows)
             self.forward_sequences.observe(sequences)
             self.forward_seconds += seconds
+
+    def prefix_cache(self, cache) -> None:
+        """The prefix cache's counters after a prompt was read (prompt tokens looked up, found, kept now)."""
+        with self.lock:
+            self.prefix_queries, self.prefix_hits, self.prefix_tokens = cache.queries, cache.hits, cache.tokens
 
     def queue(self, waiting: int, running: int) -> None:
         with self.lock:
@@ -125,6 +131,13 @@ class Metrics:
                       f"# HELP {p}_target_forward_seconds_total Time in the decode loop's target forwards.",
                       f"# TYPE {p}_target_forward_seconds_total counter",
                       f"{p}_target_forward_seconds_total {self.forward_seconds:.6f}",
+                      f"# HELP {p}_prefix_cache_queries_total Prompt tokens looked up in the prefix cache.",
+                      f"# TYPE {p}_prefix_cache_queries_total counter",
+                      f"{p}_prefix_cache_queries_total {self.prefix_queries}",
+                      f"# HELP {p}_prefix_cache_hits_total Prompt tokens whose KV came from the prefix cache.",
+                      f"# TYPE {p}_prefix_cache_hits_total counter", f"{p}_prefix_cache_hits_total {self.prefix_hits}",
+                      f"# HELP {p}_prefix_cache_tokens Prompt tokens the prefix cache holds now.",
+                      f"# TYPE {p}_prefix_cache_tokens gauge", f"{p}_prefix_cache_tokens {self.prefix_tokens}",
                       f"# HELP {p}_num_requests_waiting Requests queued, not yet decoding.",
                       f"# TYPE {p}_num_requests_waiting gauge", f"{p}_num_requests_waiting {self.waiting}",
                       f"# HELP {p}_num_requests_running Sequences decoding now.",

@@ -24,6 +24,7 @@ import traceback
 
 from ..engine import BatchDecoder, SequenceRun
 from ..errors import UsageError
+from ..model.prefix_cache import prefix_cache_for
 from ..proposers import make_proposer
 from ..stopping import IncrementalDetokenizer, StopMatcher
 from .metrics import Metrics
@@ -78,6 +79,7 @@ class Ticket:
         admit = self.t_admit or now
         return {
             "prompt_tokens": s.prompt_tokens,
+            "cached_prompt_tokens": s.cached_prompt_tokens,
             "completion_tokens": s.new_tokens,
             "target_forwards": s.target_forwards,
             "tau": round(s.tau, 4),
@@ -103,8 +105,11 @@ class Scheduler:
     """The decode thread and its queue (see the module docstring)."""
 
     def __init__(self, target, *, max_batch_tokens: int, max_running: int = 16, max_waiting: int = 64,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, prefix_cache_tokens: int = 0):
         self.target = target
+        # prompts' KV kept for later prompts that start the same way (a chat template's system prompt, earlier
+        # turns): None when the backend cannot reuse prefixes exactly or the size is 0
+        self.prefix_cache = prefix_cache_for(target, prefix_cache_tokens)
         self.max_running, self.max_waiting = max_running, max_waiting
         self.metrics = metrics or Metrics()
         self.batch = BatchDecoder(max_batch_tokens, on_forward=self.metrics.forward)
@@ -191,7 +196,8 @@ class Scheduler:
             ids = g.prompt_ids(target)
             proposer = make_proposer(g.method, target, **g.method_options)
             run = SequenceRun(target, ids, proposer, max_new_tokens=g.max_new_tokens, sampling=g.sampling,
-                              seed=g.seed, stops=g.stops, observers=(ticket.observe,))
+                              seed=g.seed, stops=g.stops, observers=(ticket.observe,),
+                              prefix_cache=self.prefix_cache)
         except UsageError as exc:
             message = str(exc)
             code = "context_length_exceeded" if "context" in message else None
@@ -220,6 +226,8 @@ class Scheduler:
             log.error("prefill failed:\n%s", traceback.format_exc())
             self._fail(ticket, APIError(500, "internal error while reading the prompt (see the server log)"))
             return
+        if self.prefix_cache is not None:
+            self.metrics.prefix_cache(self.prefix_cache)
         self._emit(ticket, tokens, depths=[0])
         if run.finished:
             self._finish(ticket)
@@ -250,7 +258,8 @@ class Scheduler:
         event = {"text": ticket.matcher.final_delta(),
                  "finish_reason": FINISH_REASONS.get(run.reason, run.reason),
                  "usage": {"prompt_tokens": run.stats.prompt_tokens, "completion_tokens": run.stats.new_tokens,
-                           "total_tokens": run.stats.prompt_tokens + run.stats.new_tokens},
+                           "total_tokens": run.stats.prompt_tokens + run.stats.new_tokens,
+                           "prompt_tokens_details": {"cached_tokens": run.stats.cached_prompt_tokens}},
                  "stats": ticket.stats(now), "token_ids": list(run.emitted)}
         if ticket.tracer is not None:
             rest = ticket.tracer.flush()
