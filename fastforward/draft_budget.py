@@ -7,13 +7,15 @@ its rows, one more row costs nearly what one more *sequence* costs, and a draft 
 pay. (With t(1) = 11 ms and t(16) = 45 ms, sixteen roots give a token per 2.8 ms and a 17th row costs ~2.3 ms: a
 draft row pays only when it is accepted ~85% of the time; alone the bar is ~30%.)
 
-:class:`DraftBudget` keeps, for each greedy sequence of a shared step, the depth its draft is cut to so that the
+:class:`DraftBudget` keeps, for each sequence of a shared step, the depth its draft is cut to so that the
 step's expected tokens per millisecond is highest: depth level by level, each level's gain is the probability that
 the sequence accepts a token that deep (its own acceptance history at that depth, with a prior for depths it has not
 tried), its price the rows the level adds on this machine's cost curve (:class:`~fastforward.costs.CostCurve`).
-Cutting a greedy draft never changes the output (verification keeps the target's own tokens whatever was drafted),
-only how many tokens a step gains. Sampled sequences keep their drafts as they are: which random numbers a sampled
-step consumes depends on the draft, and a seeded request must give the same samples however busy the server is.
+Cutting a draft never changes the output, only how many tokens a step gains: greedy verification keeps the
+target's own tokens whatever was drafted, and sampling draws the token of each position with a uniform number keyed
+by (seed, position) (:mod:`fastforward.verify`), so a seeded answer is the same samples at any draft size. The one
+exception keeps its drafts whole: drafts *with* draft probabilities (``sps`` when sampling), whose recursive
+rejection draws from the run's generator as many numbers as the draft asks for.
 """
 
 from __future__ import annotations

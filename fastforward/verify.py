@@ -12,6 +12,13 @@
     if none does, ``y`` is the bonus token. For point-mass drafts this *is* rejection sampling.
 
   Either way every emitted token is distributed exactly as autoregressive sampling would draw it.
+
+**Keyed draws.** Autoregressive sampling and the walk over guesses draw the token at sequence position t by
+inverting ``p``'s cumulative distribution at a uniform number that depends only on (seed, t)
+(:class:`PositionKeyedUniforms`). The token a seeded request gets at t is then the one autoregressive sampling with
+that seed gets, *whatever was drafted*: the same samples for every method without draft probabilities, at any
+draft size -- so a server may cut a sampled sequence's draft to what it is worth in a shared forward without
+changing its answer. Recursive rejection (drafts with probabilities) consumes the run's generator instead.
 """
 
 from __future__ import annotations
@@ -65,11 +72,38 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> int:
-    """The autoregressive choice from one row of logits."""
+_MASK64 = (1 << 64) - 1
+
+
+class PositionKeyedUniforms:
+    """Uniform numbers in [0, 1) keyed by (seed, sequence position): splitmix64 of the pair, 53 bits."""
+
+    def __init__(self, seed: int):
+        self.seed = seed & _MASK64
+
+    def at(self, position: int) -> float:
+        z = (self.seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+        return (z >> 11) / float(1 << 53)
+
+
+def sample_at(probs: torch.Tensor, u: float) -> int:
+    """The token where the cumulative distribution ``probs`` first exceeds ``u`` (in [0, 1)) of its total."""
+    cdf = probs.double().cumsum(0)
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    return min(index, probs.numel() - 1)
+
+
+def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
+               keyed: PositionKeyedUniforms | None = None, position: int = 0) -> int:
+    """The autoregressive choice from one row of logits (the token at sequence ``position``: with ``keyed``
+    uniforms, drawn with the one of that position)."""
     if cfg.greedy:
         return int(logits.argmax())
-    return sample(target_probs(logits, cfg), generator)
+    probs = target_probs(logits, cfg)
+    return sample(probs, generator) if keyed is None else sample_at(probs, keyed.at(position))
 
 
 @dataclass
@@ -102,22 +136,32 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
 
 
 def verify_sampling(
-    tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None
+    tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
+    keyed: PositionKeyedUniforms | None = None, root_position: int = 0,
 ) -> Verdict:
-    """Lossless speculative sampling over a tree (see the module docstring)."""
+    """Lossless speculative sampling over a tree (see the module docstring). With ``keyed`` uniforms, a tree
+    without draft probabilities draws the token after a node of depth d with the uniform of position
+    ``root_position + d + 1``."""
     shape = tree.shape
     path = [0]
     node = 0
     p_cache: dict[int, torch.Tensor] = {}
+    guesses = tree.draft_probs is None
+
+    def draw(p: torch.Tensor) -> int:
+        if keyed is not None and guesses:
+            return sample_at(p, keyed.at(root_position + len(path)))
+        return sample(p, generator)
+
     while True:
         p = p_cache.get(node)
         if p is None:
             p = target_probs(logits[node], cfg)
         kids = shape.children(node)
         if kids.numel() == 0:
-            return Verdict(path, sample(p, generator))
-        if tree.draft_probs is None:
-            y = sample(p, generator)
+            return Verdict(path, draw(p))
+        if guesses:
+            y = draw(p)
             match = (tree.tokens[kids] == y).nonzero()
             if match.numel() == 0:
                 return Verdict(path, y)
@@ -146,7 +190,8 @@ def verify_sampling(
         path.append(node)
 
 
-def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator=None) -> Verdict:
+def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator=None,
+           keyed: PositionKeyedUniforms | None = None, root_position: int = 0) -> Verdict:
     if cfg.greedy:
         return verify_greedy(tree, logits)
-    return verify_sampling(tree, logits, cfg, generator)
+    return verify_sampling(tree, logits, cfg, generator, keyed, root_position)

@@ -131,13 +131,32 @@ def test_flat_curve_keeps_drafts_as_proposed(packed):
         assert a.stats.proposal_tokens == b.stats.proposal_tokens
 
 
-def test_sampled_runs_keep_their_drafts_and_their_samples(packed):
+def test_sampled_runs_are_cut_and_keep_their_samples(packed):
     sampling = SamplingConfig(temperature=1.0)
     methods = ["jacobi", "tr-jacobi", "jacobi", "lookahead"]
     expensive = DraftBudget(CostCurve({1: 1.0, 64: 64.0}), 64)
     shared = _decode(packed, methods, expensive, sampling=sampling, seed=3)
     for p, m, run in zip(PROMPTS, methods, shared, strict=True):
         alone = ff.generate(packed, p, m, max_new_tokens=20, temperature=1.0, seed=3)
+        ar = ff.generate(packed, p, "ar", max_new_tokens=20, temperature=1.0, seed=3)
+        assert run.emitted == alone.token_ids == ar.token_ids  # keyed draws: the same samples at any draft size
+        assert run.stats.proposal_tokens == run.stats.target_forwards - 1  # cut to the root: no draft pays
+        assert alone.stats.proposal_tokens > alone.stats.target_forwards - 1  # alone, they drafted
+
+
+def test_drafts_with_probabilities_are_never_cut(packed):
+    draft = packed  # the target as its own draft model: every draft carries its probabilities when sampling
+    runs = [SequenceRun(packed, p, make_proposer("sps", packed, draft=draft, k=3), max_new_tokens=12,
+                        sampling=SamplingConfig(temperature=1.0), seed=5) for p in PROMPTS[:2]]
+    batch = BatchDecoder(64)
+    batch.budget = DraftBudget(CostCurve({1: 1.0, 64: 64.0}), 64)
+    for run in runs:
+        batch.add(run)
+    while len(batch):
+        batch.step()
+    for p, run in zip(PROMPTS, runs, strict=False):
+        alone = ff.generate(packed, p, "sps", max_new_tokens=12, temperature=1.0, seed=5,
+                            method_options={"draft": draft, "k": 3})
         assert run.emitted == alone.token_ids
         assert run.stats.proposal_tokens == alone.stats.proposal_tokens
 

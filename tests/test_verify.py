@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 import fastforward as ff
 from fastforward import DraftTree, Proposal, Proposer, SamplingConfig, TreeShape, UsageError
 from fastforward.testing import tiny_target
-from fastforward.verify import Verdict, target_probs, verify, verify_greedy, verify_sampling
+from fastforward.verify import (
+    PositionKeyedUniforms,
+    Verdict,
+    sample_at,
+    target_probs,
+    verify,
+    verify_greedy,
+    verify_sampling,
+)
 
 ALPHA = 1e-3  # a correct sampler fails one chi-squared test in a thousand seeds; these seeds are fixed
 VOCAB = 8
@@ -429,10 +437,12 @@ class IIDDraftProposer(Proposer):
     """Two siblings sampled i.i.d. from a fixed q (with draft probabilities), each with one child from q."""
 
     name = "test-iid"
+    drafts_with_probabilities = True
 
     def __init__(self, q, seed=0):
         self.q = q
-        self.g = torch.Generator().manual_seed(seed)
+        # a stream of its own: seeded like the run's generator, its draws would be the verifier's acceptance tests
+        self.g = torch.Generator().manual_seed(seed * 7919 + 17)
 
     def max_proposal_size(self):
         return 5
@@ -477,3 +487,26 @@ def test_engine_second_token_distribution(tiny8, kind):
         drafted += r.stats.target_forwards == 2
     assert drafted == n_runs  # the second token always came from a drafted (tree) step
     assert chi2_pvalue(counts, expected) > ALPHA
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),
+       method=st.sampled_from(["pld", "jacobi", "lookahead", "tr-jacobi"]), seed=st.integers(0, 2**40),
+       temperature=st.sampled_from([0.7, 1.0, 1.5]))
+def test_keyed_draws_give_every_guessing_method_the_samples_of_ar(tiny8, prompt, method, seed, temperature):
+    """The token at each position is drawn with that position's keyed uniform, so a seeded answer does not depend
+    on what was drafted: every method whose drafts are guesses returns exactly ``ar``'s samples."""
+    ar = ff.generate(tiny8, prompt, "ar", max_new_tokens=12, temperature=temperature, seed=seed)
+    other = ff.generate(tiny8, prompt, method, max_new_tokens=12, temperature=temperature, seed=seed)
+    assert other.token_ids == ar.token_ids
+
+
+def test_keyed_uniforms_are_uniform_and_position_specific():
+    keyed = PositionKeyedUniforms(123)
+    u = torch.tensor([keyed.at(t) for t in range(20000)], dtype=torch.float64)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert chi2_pvalue(counts.unsqueeze(0), torch.full((1, 10), 0.1, dtype=torch.float64)) > ALPHA
+    assert keyed.at(5) == PositionKeyedUniforms(123).at(5) != PositionKeyedUniforms(124).at(5)
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75])
+    assert [sample_at(probs, x) for x in (0.0, 0.2499, 0.25, 0.9999)] == [1, 1, 3, 3]

@@ -128,7 +128,8 @@ class PastaRun(SequenceRun):
         self._t_start = time.perf_counter()
         capacity = min(target.max_context, n_prompt + self.max_new_tokens + 2)
         self.cache = target.new_cache(capacity)
-        out = _prefill(target, self.ids[:n_prompt], self.cache, (), self.on_prefill)
+        out, stats.cached_prompt_tokens = _prefill(target, self.ids[:n_prompt], self.cache, (), self.on_prefill,
+                                                   self.prefix_cache)
         self.schedule = PastaSchedule(self.proposer.vocab, n_prompt, capacity - n_prompt, target.eos_token_ids,
                                       self.proposer.max_forks)
         self.settler = Settler(self.schedule)
@@ -184,7 +185,10 @@ class PastaRun(SequenceRun):
                     logits = logits.index_fill(0, ids, float("-inf"))
                 else:
                     logits = torch.full_like(logits, float("-inf")).index_copy_(0, ids, logits.index_select(0, ids))
-            token = next_token(logits, self.sampling, self.state.generator)
+            # keyed by the thread's own token index (the main thread's, as for AR: a plain answer samples like ar);
+            # threads apart by 2**32 positions, so no two tokens of a run share a uniform
+            key = self.state.prompt_length + len(thread.tokens) + (thread.index << 32)
+            token = next_token(logits, self.sampling, self.state.generator, self.state.keyed, key)
         self.schedule.choose(thread, int(token))
 
     def _plain(self, tokens: list[int]) -> list[int]:

@@ -129,6 +129,7 @@ class DraftModelProposer(Proposer):
     """Each step: a chain of ``k`` tokens from the draft model, with their draft probabilities when sampling."""
 
     name = "sps"
+    drafts_with_probabilities = True
 
     def __init__(self, draft: TargetModel, k: int | None = None):
         self.draft = draft
