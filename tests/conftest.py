@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fastforward.testing import tiny_target
+from fastforward.testing import tiny_gguf_target, tiny_target
 
 torch.set_num_threads(1)
 
@@ -24,3 +24,12 @@ def default_model():
     import fastforward as ff
 
     return ff.load()
+
+
+@pytest.fixture(scope="session")
+def packed(tmp_path_factory):
+    """A tiny GGUF target on the packed path (native kernels): every row of a shared forward computed as alone."""
+    target, _ = tiny_gguf_target(tmp_path_factory.mktemp("packed") / "tiny.gguf", seed=5)
+    if target.batch_rows_limit() <= 0:
+        pytest.skip("the native kernels are not available: no row-exact shared forward to test")
+    return target

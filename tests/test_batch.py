@@ -14,17 +14,8 @@ from hypothesis import strategies as st
 import fastforward as ff
 from fastforward.errors import UsageError
 from fastforward.model import LeanLlama
-from fastforward.testing import tiny_gguf_target
 
 METHODS = ["ar", "pld", "jacobi", "lookahead", "tr-jacobi"]
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    target, _ = tiny_gguf_target(tmp_path_factory.mktemp("batch") / "tiny.gguf", seed=5)
-    if target.batch_rows_limit() <= 0:
-        pytest.skip("the native kernels are not available: no shared forward to test")
-    return target
 
 
 @pytest.fixture

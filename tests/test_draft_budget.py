@@ -13,7 +13,6 @@ from fastforward.draft_budget import PRIOR, DraftBudget, DraftLevels, cut_to_dep
 from fastforward.engine import BatchDecoder, Proposer, SequenceRun
 from fastforward.errors import InputTypeError
 from fastforward.proposers import make_proposer
-from fastforward.testing import tiny_gguf_target
 from fastforward.tree import DraftTree
 from fastforward.verify import SamplingConfig
 
@@ -83,14 +82,6 @@ def test_more_company_never_means_deeper_drafts(gains, others):
 
 
 # -- the engine --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    target, _ = tiny_gguf_target(tmp_path_factory.mktemp("budget") / "tiny.gguf", seed=7)
-    if target.batch_rows_limit() <= 0:
-        pytest.skip("the native kernels are not available: no shared forward to test")
-    return target
 
 
 PROMPTS = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [3, 1, 4, 1, 5, 9, 2, 6], [20, 21, 20, 21, 22]]

@@ -15,16 +15,7 @@ from fastforward.engine import SequenceRun, _prefill, _run_steps
 from fastforward.model.kv import StaticKVCache
 from fastforward.model.prefix_cache import PrefixCache, prefix_cache_for
 from fastforward.proposers import make_proposer
-from fastforward.testing import tiny_gguf_target
 from fastforward.verify import SamplingConfig
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    target, _ = tiny_gguf_target(tmp_path_factory.mktemp("prefix") / "tiny.gguf", seed=11)
-    if target.batch_rows_limit() <= 0:
-        pytest.skip("the native kernels are not available: prefixes cannot be reused exactly")
-    return target
 
 
 def _filled(tokens: list[int]) -> StaticKVCache:
