@@ -183,3 +183,12 @@ def test_shipped_pasta_model_decodes_with_forks_and_valid_annotations(default_mo
         forks += got.stats.method_stats["forks"]
         assert got.text.strip()
     assert forks > 0  # the shipped model does write promises on list-shaped prompts
+
+
+@pytest.mark.parametrize("method", ["pld", "lookahead", "eagle"])
+def test_seeded_sampling_gives_ar_tokens_on_default_model(default_model, method):
+    """Keyed draws: with a seed, a method whose drafts are guesses samples exactly AR's tokens on the real model."""
+    ids = default_model.encode(PROMPTS[0])
+    want = ff.generate(default_model, ids, "ar", max_new_tokens=40, temperature=0.8, seed=3)
+    got = ff.generate(default_model, ids, method, max_new_tokens=40, temperature=0.8, seed=3)
+    assert got.token_ids == want.token_ids
