@@ -96,7 +96,7 @@ class DraftBudget:
         and tokens that are not negotiable (roots, sampled sequences' drafts). Greedy: add the level that raises
         the rate most while one does."""
         depth = [0] * len(drafts)
-        rows = fixed_rows + 0
+        rows = fixed_rows
         tokens = fixed_tokens
         rate = tokens / self.cost(rows)
         while True:
