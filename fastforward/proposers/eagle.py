@@ -22,7 +22,9 @@ Each step:
    from the target at each node and walk to the child holding the sample). Top-k candidates are not i.i.d. samples
    of the drafter's distribution, so recursive rejection with the drafter's probabilities would not be exact.
 4. **Commit.** The target's features of the accepted path (tapped in the verification forward itself) and the
-   accepted tokens become committed drafter rows; the last row's output drafts the next step.
+   accepted tokens become committed drafter rows; the last row's output drafts the next step. Rows wait until the
+   drafter next drafts and go through it together, so steps that draft nothing (a shared forward where no draft of
+   this sequence pays, ``DecodeState.max_draft_depth`` = 0) cost no drafter pass.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class EagleProposer(Proposer):
         self.topk, self.depth, self.nodes, self.max_nodes, self.min_prob = topk, depth, nodes, max_nodes, min_prob
         self.runner: Eagle3Runner | None = None
         self.last_h: torch.Tensor | None = None
+        # accepted rows not yet given to the drafter: committed together when it next drafts, so a step that
+        # drafts nothing (a shared forward where no draft pays) costs no drafter pass
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.curve_ms: torch.Tensor | None = None
         self._n = {"steps": 0, "draft_rows": 0, "draft_calls": 0, "nodes": 0}
 
@@ -68,6 +73,7 @@ class EagleProposer(Proposer):
     def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
         n = state.prompt_length
         self.runner = self.shared.fresh(n + state.max_new_tokens + self.depth + 8)
+        self.pending.clear()
         if not self.nodes:
             curve = machine_cost_curve(state.target)
             self.curve_ms = torch.tensor([curve.t(q) for q in range(1, self.max_nodes + 1)], dtype=torch.float64)
@@ -79,10 +85,16 @@ class EagleProposer(Proposer):
         path = step.verdict.path
         r = len(path)
         root_pos = state.length - len(step.new_tokens) - 1
-        feat = self.runner.fuse(self._taps(step.hidden, torch.as_tensor(path)))
         tokens = state.ids[root_pos + 1 : root_pos + 1 + r]
-        h = self.runner.commit(feat, tokens, torch.arange(root_pos, root_pos + r))
-        self.last_h = h[-1:]
+        self.pending.append((self._taps(step.hidden, torch.as_tensor(path)), tokens.clone(),
+                             torch.arange(root_pos, root_pos + r)))
+
+    def _catch_up(self) -> None:
+        """Give the drafter the accepted rows that wait (one pass over all of them)."""
+        if self.pending:
+            taps, tokens, positions = (torch.cat(parts) for parts in zip(*self.pending, strict=True))
+            self.pending.clear()
+            self.last_h = self.runner.commit(self.runner.fuse(taps), tokens, positions)[-1:]
 
     def propose(self, state: DecodeState) -> Proposal | None:
         run, k = self.runner, self.topk
@@ -92,6 +104,7 @@ class EagleProposer(Proposer):
             self._n["steps"] += 1
             self._n["nodes"] += 1
             return None
+        self._catch_up()
         lp = run.log_probs(self.last_h)[0]  # [draft_vocab]
         top = lp.topk(k)
         cand_tok = [top.indices]  # per depth: draft ids [c_d]
