@@ -202,6 +202,28 @@ def test_concurrent_requests_equal_solo(client, target, folder):
     assert got == refs
 
 
+def test_pasta_plain_through_the_server_beside_other_requests(client, target):
+    """A PASTA run (its own run class: threads over one KV pool) shares the decode loop with other requests: its
+    plain answer (main thread only) is ar's, greedy and seeded, while a pld request decodes beside it."""
+    pasta = {"fastforward": {"method": "pasta", "options": {"plain": True}, "token_ids": True}}
+    other = {"fastforward": {"method": "pld", "token_ids": True}}
+    ref = ff.generate(target, MESSAGES, "ar", max_new_tokens=24)
+    sampled = ff.generate(target, MESSAGES, "ar", max_new_tokens=24, temperature=0.9, seed=4)
+
+    def ask(i):
+        body, kw = (pasta, {}) if i < 2 else (other, {})
+        if i == 1:
+            kw = {"temperature": 0.9, "seed": 4}
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24,
+                                           **({"temperature": 0} | kw), extra_body=body)
+        return r.model_extra["fastforward"]["token_ids"]
+
+    with ThreadPoolExecutor(3) as pool:
+        greedy, seeded, beside = pool.map(ask, range(3))
+    assert greedy == ref.token_ids == beside
+    assert seeded == sampled.token_ids
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Bad input
 # ------------------------------------------------------------------------------------------------------------------
