@@ -139,6 +139,7 @@ CASES = [
     (BENCH + ["--repeats", "0"], "--repeats"),
     (BENCH + ["--warmup", "-1"], "--warmup"),
     (BENCH + ["--batch", "2", "--batch-tokens", "0"], "--batch-tokens"),
+    (BENCH + ["--no-cut-drafts"], "apply to --batch"),
     (BENCH + ["--categories", "\udcff"], "not valid UTF-8"),
     (BENCH + ["--model", "{hfonly}"], "has no tokenizer"),
     (BENCH + ["--out", "{foreign}"], "did not write"),
@@ -196,6 +197,7 @@ CASES = [
     (["generate", "--prompts", "{dir}/no-such-file.txt", "--model", "{tiny}"], "cannot read --prompts"),
     (["generate", "hi", "--prompts", "{q}", "--model", "{tiny}"], "one of them"),
     (["generate", "--prompts", "{q}", "--model", "{tiny}", "--batch-tokens", "0"], "--batch-tokens"),
+    (["generate", "hi", "--model", "{tiny}", "--no-cut-drafts"], "apply to --prompts"),
     # methods, and the command line itself
     (["methods", "--bogus"], "unrecognized arguments"),
     (["methods", "extra"], "unrecognized arguments"),

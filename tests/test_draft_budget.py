@@ -186,3 +186,20 @@ def test_generate_batch_checks_cut_drafts(packed):
     out = ff.generate_batch(packed, [[1, 2, 3], [4, 5, 6]], "jacobi", max_new_tokens=6, cut_drafts=False)
     assert [r.token_ids for r in out] == [ff.generate(packed, p, "ar", max_new_tokens=6).token_ids
                                           for p in ([1, 2, 3], [4, 5, 6])]
+
+
+def test_generate_prompts_cli_with_and_without_cut_drafts(packed, tmp_path, monkeypatch, capsys):
+    import json
+
+    from fastforward import cli
+
+    monkeypatch.setattr(ff, "load", lambda *a, **k: packed)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [5, 6, 7, 5, 6, 7, 5][: 3 + i]}) + "\n" for i in range(3)))
+    outputs = []
+    for extra in ([], ["--no-cut-drafts"]):
+        rc = cli.main(["generate", "--prompts", str(prompts), "--model", "tiny", "--method", "jacobi",
+                       "--max-new-tokens", "6", "--json", "--no-stream", *extra])
+        assert rc == 0
+        outputs.append([json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines() if line])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 3

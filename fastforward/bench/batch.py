@@ -32,8 +32,10 @@ class BatchRow:
 
 
 def run_batch_throughput(target, prompts: list[list[int]], methods: list[str], batch_sizes: list[int],
-                         max_new_tokens: int, max_batch_tokens: int | None = None, progress=None) -> list[BatchRow]:
-    """One row per (method, batch size); ``prompts`` are token ids. AR at B = 1 runs first: the reference."""
+                         max_new_tokens: int, max_batch_tokens: int | None = None, progress=None,
+                         cut_drafts: bool = True) -> list[BatchRow]:
+    """One row per (method, batch size); ``prompts`` are token ids. AR at B = 1 runs first: the reference.
+    ``cut_drafts``: see :func:`fastforward.generate_batch`."""
     rows = []
     reference: list[list[int]] | None = None
     methods = ["ar"] + [m for m in methods if m != "ar"]
@@ -41,7 +43,7 @@ def run_batch_throughput(target, prompts: list[list[int]], methods: list[str], b
         for b in sorted(set(batch_sizes) | {1}):
             t0 = time.perf_counter()
             results = generate_batch(target, prompts, method, max_new_tokens=max_new_tokens,
-                                     max_batch_tokens=max_batch_tokens, max_active=b)
+                                     max_batch_tokens=max_batch_tokens, max_active=b, cut_drafts=cut_drafts)
             wall = time.perf_counter() - t0
             outputs = [r.token_ids for r in results]
             latencies = [r.stats.wall_time for r in results]

@@ -77,6 +77,9 @@ def add_arguments(p, name: str) -> None:
                         "writes DIR/batch.md and DIR/batch.json")
     p.add_argument("--batch-tokens", type=positive_int, default=None, metavar="N",
                    help="with --batch: rows per shared forward (default: sized from the machine's cost curve)")
+    p.add_argument("--no-cut-drafts", action="store_true",
+                   help="with --batch: keep every draft as the method proposes it alone (default: cut each to what it "
+                        "is worth in the shared forward; outputs are the same)")
 
 
 def _split(values: list[str] | None) -> list[str]:
@@ -140,6 +143,8 @@ def run(args, name: str) -> int:
         return 0
 
     # Everything that can be wrong with the input is checked before the (slow) model load.
+    if args.batch is None and (args.no_cut_drafts or args.batch_tokens is not None):
+        raise UsageError("--no-cut-drafts and --batch-tokens apply to --batch (several sequences per forward)")
     if not args.questions:
         raise UsageError("give at least one --questions file")
     if args.compare_ar and not (Path(args.compare_ar) / "results.jsonl").is_file():
@@ -219,9 +224,10 @@ def _run_batch_mode(args, specs, questions, out_dir: Path) -> int:
               file=sys.stderr)
 
     rows = run_batch_throughput(target, prompts, [s.method for s in specs], sizes, args.max_new_tokens,
-                                args.batch_tokens, progress=progress)
+                                args.batch_tokens, progress=progress, cut_drafts=not args.no_cut_drafts)
     meta = {"command": shlex.join(["fastforward", "bench", *sys.argv[2:]]) if len(sys.argv) > 1 else "",
             "model": args.model, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+            "cut_drafts": not args.no_cut_drafts,
             "questions": [q.question_id for q in questions], "matmul": getattr(target.backend, "matmul_kernel", "")}
     path = write_batch_results(rows, out_dir, meta)
     print(format_batch_table(rows))

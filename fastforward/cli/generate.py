@@ -38,6 +38,9 @@ def add_arguments(p, name: str) -> None:
                    "(one per line, or JSON lines: a string or {\"prompt\": ...}); each output equals its solo output")
     p.add_argument("--batch-tokens", type=positive_int, default=None, metavar="N",
                    help="with --prompts: rows per shared forward (default: sized from this machine's cost curve)")
+    p.add_argument("--no-cut-drafts", action="store_true",
+                   help="with --prompts: keep every draft as the method proposes it alone (default: cut each to what "
+                        "it is worth in the shared forward; outputs are the same)")
     p.add_argument("--method", default="ar", help="decoding method, see 'fastforward methods' (default: ar)")
     add_method_option_argument(p)
     add_model_arguments(p)
@@ -69,6 +72,8 @@ def run(args, name: str) -> int:
 
     if (args.prompt is None) == (args.prompts is None):
         raise UsageError("give a prompt or --prompts FILE (one of them)")
+    if args.prompts is None and (args.no_cut_drafts or args.batch_tokens is not None):
+        raise UsageError("--no-cut-drafts and --batch-tokens apply to --prompts FILE (several sequences per forward)")
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, stop=args.stop, chat=not args.no_chat, system=args.system,
@@ -182,7 +187,8 @@ def _run_batch(target, requests, args):
         partial.setdefault(i, []).extend(tokens)
 
     try:
-        results = ff.generate_batch(target, requests, max_batch_tokens=args.batch_tokens, on_tokens=collect)
+        results = ff.generate_batch(target, requests, max_batch_tokens=args.batch_tokens, on_tokens=collect,
+                                    cut_drafts=not args.no_cut_drafts)
     except KeyboardInterrupt:
         for i in range(len(requests)):  # keep what each sequence had produced
             text = target.decode(partial.get(i, []))
