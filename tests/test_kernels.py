@@ -94,3 +94,43 @@ def test_lean_forward_with_and_without_the_kernel(skinny):
         lean.kernel_max_q = limit
     for a, b in zip(with_kernel, without, strict=True):
         assert (a - b).abs().max().item() < 1e-4
+
+
+def test_isa_choice_by_environment(monkeypatch, capsys):
+    avx2 = {"avx2", "fma"}
+    assert kernels.pick_isa(avx2 | {"avx512f"}, requested="") == "avx512"
+    assert kernels.pick_isa(avx2 | {"avx512f"}, requested="avx2") == "avx2"
+    assert kernels.pick_isa(avx2, requested="avx512-emulated") == "avx512-emulated"
+    # a build the CPU cannot run, or a name that is not a build, is reported and the CPU's best is used
+    assert kernels.pick_isa(avx2, requested="avx512") == "avx2"
+    assert kernels.pick_isa(avx2, requested="sse9") == "avx2"
+    err = capsys.readouterr().err
+    assert "needs avx512f" in err and "is not one of avx512, avx2, avx512-emulated" in err
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    assert kernels.pick_isa(avx2 | {"avx512f"}) == "avx2"
+
+
+KERNEL_TESTS = ["tests/test_quant.py", "tests/test_layer_ops.py", "tests/test_kernels.py"]
+
+
+@pytest.mark.skipif("avx512f" in kernels.cpu_flags(), reason="this CPU runs the AVX-512 build natively")
+@pytest.mark.skipif(not {"avx2", "fma"} <= kernels.cpu_flags(), reason="no AVX2 CPU to emulate AVX-512 on")
+@pytest.mark.skipif(not __import__("pathlib").Path("/usr/include/simde/x86/avx512.h").is_file(),
+                    reason="SIMDe's headers (Debian: libsimde-dev) are not installed, so the AVX-512 build cannot "
+                           "be emulated here")
+def test_avx512_code_path_under_emulation():
+    """On a CPU without AVX-512 the AVX-512 source would otherwise never run: build it against SIMDe's portable
+    intrinsics and run the kernel tests (exact block decoding, bitwise row and thread independence, tree
+    attention rows equal alone, agreement with the dequantised models) on that build."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **{kernels.ISA_ENV: "avx512-emulated"})
+    isa = subprocess.run([sys.executable, "-c", "from fastforward import kernels; print(kernels.load_native().isa)"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert isa.stdout.strip() == "avx512-emulated", isa.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS,
+                          "-k", "not under_emulation"], env=env, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert " passed" in run.stdout, run.stdout[-500:]

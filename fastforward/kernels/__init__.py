@@ -9,6 +9,10 @@ The kernel reads every weight once whatever ``M`` is, and accumulates every outp
 The build (``torch.utils.cpp_extension``, 10-40 s, once) lands in ``$FASTFORWARD_CACHE/kernels/<hash>``, the
 hash covering the source, the compiler flags, the CPU's flags and the torch/Python versions, so a binary is never
 reused on a machine it was not built for.
+
+The build is for the best ISA the CPU has; ``FASTFORWARD_KERNEL_ISA=avx2`` picks the AVX2 build on an AVX-512 CPU
+(to compare), and ``FASTFORWARD_KERNEL_ISA=avx512-emulated`` builds the AVX-512 source against SIMDe's portable
+intrinsics so that its code path runs, slowly, on an AVX2 CPU (testing only: ``tests/test_kernels.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ HEADERS = [HERE / "isa.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-DFF_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DFF_ISA_AVX2"],
+    # Testing only: the AVX-512 source on an AVX2 CPU, its intrinsics from SIMDe's portable headers (slow).
+    "avx512-emulated": ["-mavx2", "-mfma", "-mf16c", "-DFF_ISA_AVX512", "-DFF_ISA_EMULATED"],
 }
+# FASTFORWARD_KERNEL_ISA: build for this ISA instead of the best the CPU has ("avx2" on an AVX-512 machine, to
+# compare; "avx512-emulated" to run the AVX-512 code path on a CPU without it).
+ISA_ENV = "FASTFORWARD_KERNEL_ISA"
 # Without OpenMP, at::parallel_for runs on one thread; no contraction of a*b+c into fma beyond the explicit ones,
 # so that weights decode to exactly the values the reference dequantisation gives.
 BASE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
@@ -52,11 +61,24 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def pick_isa(flags: set[str] | None = None) -> str | None:
-    """'avx512', 'avx2' or None (no build for this CPU)."""
+def pick_isa(flags: set[str] | None = None, requested: str | None = None) -> str | None:
+    """'avx512', 'avx2', 'avx512-emulated' (only when requested) or None (no build for this CPU). ``requested``
+    (default: ``$FASTFORWARD_KERNEL_ISA``) is honoured when the CPU can run it, else reported and ignored."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     flags = cpu_flags() if flags is None else flags
+    requested = os.environ.get(ISA_ENV, "") if requested is None else requested
+    if requested:
+        needs = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"},
+                 "avx512-emulated": {"avx2", "fma"}}.get(requested)
+        if needs is None:
+            print(f"fastforward: {ISA_ENV}={requested} is not one of {', '.join(ISA_FLAGS)}; ignored",
+                  file=sys.stderr)
+        elif flags and not needs <= flags:
+            print(f"fastforward: {ISA_ENV}={requested} needs {', '.join(sorted(needs - flags))}, which this CPU "
+                  "lacks; ignored", file=sys.stderr)
+        else:
+            return requested
     if not flags:  # no /proc/cpuinfo: trust what torch dispatches to
         cap = torch.backends.cpu.get_cpu_capability()
         return {"AVX512": "avx512", "AVX2": "avx2"}.get(cap)
@@ -76,7 +98,7 @@ def _build_id(isa: str, flags: list[str]) -> tuple[str, str]:
     h.update(" ".join(sorted(cpu_flags())).encode())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}".encode())
     digest = h.hexdigest()[:16]
-    return f"ff_native_{isa}_{digest}", digest
+    return f"ff_native_{isa.replace('-', '_')}_{digest}", digest
 
 
 def _import_built(name: str, directory: Path):
@@ -154,6 +176,6 @@ def load_kernel():
 
 
 def kernel_name() -> str | None:
-    """'skinny-avx512' / 'skinny-avx2' once the native module loads, else None."""
+    """'skinny-avx512' / 'skinny-avx2' (or 'skinny-avx512-emulated') once the native module loads, else None."""
     module = load_native()
     return None if module is None else f"skinny-{module.isa}"

@@ -2,13 +2,61 @@
 // build (fastforward/kernels/__init__.py). `Isa` wraps the handful of float-vector operations the kernels use.
 #pragma once
 #include <immintrin.h>
+#if defined(FF_ISA_EMULATED)
+// For testing on CPUs without AVX-512 only: the AVX-512 source built against SIMDe's portable versions of the
+// AVX-512 intrinsics (header-only, e.g. Debian's libsimde-dev), so that code path can run and be checked here.
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+
+#include <cstring>
+// The intrinsics the kernels use that SIMDe 0.7 does not provide, lane by lane (masked-off lanes are neither read
+// nor written, as on the hardware).
+namespace ff_emulated {
+template <typename To, typename From, typename V>
+inline simde__m512i widen16(V a) {
+  From in[16];
+  std::memcpy(in, &a, sizeof in);
+  To out[16];
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<To>(in[i]);
+  return simde_mm512_loadu_si512(out);
+}
+inline simde__m512 cvtepi32_ps(simde__m512i a) {
+  int32_t in[16];
+  std::memcpy(in, &a, sizeof in);
+  float out[16];
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(in[i]);
+  return simde_mm512_loadu_ps(out);
+}
+inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* p) {
+  float out[16];
+  for (int i = 0; i < 16; ++i) out[i] = (k >> i) & 1 ? static_cast<const float*>(p)[i] : 0.0f;
+  return simde_mm512_loadu_ps(out);
+}
+inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
+  float in[16];
+  std::memcpy(in, &a, sizeof in);
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) static_cast<float*>(p)[i] = in[i];
+}
+}  // namespace ff_emulated
+#define _mm512_cvtepi32_ps ff_emulated::cvtepi32_ps
+#define _mm512_cvtepi8_epi32 ff_emulated::widen16<int32_t, int8_t>
+#define _mm512_cvtepu8_epi32 ff_emulated::widen16<int32_t, uint8_t>
+#define _mm512_cvtepu16_epi32 ff_emulated::widen16<int32_t, uint16_t>
+#define _mm512_maskz_loadu_ps ff_emulated::maskz_loadu_ps
+#define _mm512_mask_storeu_ps ff_emulated::mask_storeu_ps
+#endif
 
 #include <cstdint>
 
 namespace ff {
 
 #if defined(FF_ISA_AVX512)
+#if defined(FF_ISA_EMULATED)
+constexpr const char* kIsaName = "avx512-emulated";
+#else
 constexpr const char* kIsaName = "avx512";
+#endif
 struct Isa {
   using Reg = __m512;
   using Mask = __mmask16;
