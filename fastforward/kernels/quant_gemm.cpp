@@ -11,7 +11,7 @@
 //   error near a BLAS's): per chunk one vector accumulator of kLanes lanes starts at 0 and takes
 //   fma(x[k + lane], w[k + lane], acc) for k = chunk start, + kLanes, ... in order; the chunk's vector is added to
 //   the running total of the earlier chunks; at the end the total's lanes are reduced by a fixed tree (Isa::hsum).
-//   Tiling over rows and columns, threading and the choice between decoding in registers (one or two rows) or
+//   Tiling over rows and columns, threading and the choice between decoding in registers (up to four rows) or
 //   into an L1 scratch (more rows) never change that arithmetic.
 //
 // Formats (QK = weights per block, bytes per block): Q4_0 (32, 18), Q4_1 (32, 20), Q8_0 (32, 34),
@@ -290,14 +290,16 @@ inline void scratch_tile(const float* x, int64_t K, const float* wf, float* out,
 // One activation row: one weight row at a time, two chunks side by side. Measured on the AVX2 EPYC (default model,
 // 2 threads, three alternating runs) against two weight rows x one chunk: the Q8_0 head 2.1 -> 1.3 ms (its cheap
 // decode left the lone fma chain as the limit), the Q4_1 layers unchanged at ~6.4 ms; 2 x 2 and 1 x 3 no better.
-// Two activation rows already give four chains with two weight rows x one chunk, which measured best there.
+// Two activation rows already give four chains with two weight rows x one chunk, which measured best there; three
+// and four rows take one weight row at a time (layers at 3 rows 11.5-13.3 -> 9.0-9.2 ms, at 4 rows 11.4-16.7 ->
+// 9.8-9.9 ms against the scratch path; from 6 rows on the scratch path, which decodes each row once, is as fast).
 constexpr int kOneRowChunks = 2;
 #if defined(FF_ISA_AVX512)
-constexpr int kDirectRows = 2;  // up to this many activation rows: decode in registers
+constexpr int kDirectRows = 4;  // up to this many activation rows: decode in registers
 constexpr int kTileRows = 6;    // scratch path: 6 activation rows x 4 weight rows = 24 accumulators
 constexpr int kTileCols = 4;
 #else
-constexpr int kDirectRows = 2;
+constexpr int kDirectRows = 4;
 constexpr int kTileRows = 4;  // 4 x 3 accumulators + 3 weights + 1 activation = 16 ymm
 constexpr int kTileCols = 3;
 #endif
@@ -342,9 +344,13 @@ void run_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t ro
       int64_t n = n0;
       if (M == 1) {
         for (; n < n1; ++n) direct_rows<F, 1, 1, kOneRowChunks>(x, K, w, row_bytes, out, N, n);
-      } else {
+      } else if (M == 2) {
         for (; n + 2 <= n1; n += 2) direct_rows<F, 2, 2, 1>(x, K, w, row_bytes, out, N, n);
         for (; n < n1; ++n) direct_rows<F, 2, 1, 1>(x, K, w, row_bytes, out, N, n);
+      } else if (M == 3) {
+        for (; n < n1; ++n) direct_rows<F, 3, 1, 1>(x, K, w, row_bytes, out, N, n);
+      } else {
+        for (; n < n1; ++n) direct_rows<F, 4, 1, 1>(x, K, w, row_bytes, out, N, n);
       }
       return;
     }
