@@ -13,18 +13,20 @@
 // nor written, as on the hardware).
 namespace ff_emulated {
 template <typename To, typename From, typename V>
-inline simde__m512i widen16(V a) {
+inline void convert16(V a, To out[16]) {  // the 16 lanes of a, as From, converted to To
   From in[16];
   std::memcpy(in, &a, sizeof in);
-  To out[16];
   for (int i = 0; i < 16; ++i) out[i] = static_cast<To>(in[i]);
+}
+template <typename To, typename From, typename V>
+inline simde__m512i widen16(V a) {
+  To out[16];
+  convert16<To, From>(a, out);
   return simde_mm512_loadu_si512(out);
 }
 inline simde__m512 cvtepi32_ps(simde__m512i a) {
-  int32_t in[16];
-  std::memcpy(in, &a, sizeof in);
   float out[16];
-  for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(in[i]);
+  convert16<float, int32_t>(a, out);
   return simde_mm512_loadu_ps(out);
 }
 inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* p) {
