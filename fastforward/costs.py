@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .errors import UsageError
 from .model import _full_mask
 from .paths import costs_dir
@@ -146,8 +147,9 @@ def plausible_curve(ms: dict) -> bool:
 def _curve_path(target):
     backend = target.backend
     kernel = getattr(backend, "matmul_kernel", "mkl") if target.backend_name == "lean" else "hf"
+    build = kernels.build_digest() if target.backend_name == "lean" else None  # a new kernel build measures anew
     key = "-".join(
-        str(x) for x in (target.name, target.backend_name, kernel, torch.get_num_threads(), torch.__version__)
+        str(x) for x in (target.name, target.backend_name, kernel, build, torch.get_num_threads(), torch.__version__)
     )
     safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in key)
     return costs_dir() / f"{safe}.json"

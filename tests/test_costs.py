@@ -78,3 +78,13 @@ def test_a_curve_distorted_by_load_is_neither_trusted_nor_cached(tiny, tmp_path,
     tiny._cost_curve = None
     monkeypatch.setattr(costs, "measure_forward_costs", lambda target, qs, kv, repeats: {1: 10.0, 2: 13.0, 4: 17.0})
     assert costs.machine_cost_curve(tiny).ms[2] == 13.0 and '"2": 13.0' in path.read_text()
+
+
+def test_a_new_kernel_build_does_not_reuse_the_old_builds_curve(tiny, tmp_path, monkeypatch):
+    from fastforward import costs, kernels
+
+    monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "build_digest", lambda: "aaaa")
+    before = costs._curve_path(tiny)
+    monkeypatch.setattr(kernels, "build_digest", lambda: "bbbb")
+    assert costs._curve_path(tiny) != before

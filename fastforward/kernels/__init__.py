@@ -166,7 +166,14 @@ def load_native():
                   "using torch matmuls", file=sys.stderr)
             return None
         _state["module"] = module
+        _state["digest"] = digest
         return module
+
+
+def build_digest() -> str | None:
+    """The loaded native build's digest (source, flags, CPU, torch/Python), or None without one: what a cached
+    measurement of the kernels' speed must be keyed by."""
+    return _state.get("digest") if load_native() is not None else None
 
 
 def load_kernel():
