@@ -11,7 +11,7 @@
 //   error near a BLAS's): per chunk one vector accumulator of kLanes lanes starts at 0 and takes
 //   fma(x[k + lane], w[k + lane], acc) for k = chunk start, + kLanes, ... in order; the chunk's vector is added to
 //   the running total of the earlier chunks; at the end the total's lanes are reduced by a fixed tree (Isa::hsum).
-//   Tiling over rows and columns, threading and the choice between decoding in registers (up to four rows) or
+//   Tiling over rows and columns, threading and the choice between decoding in registers (up to seven rows) or
 //   into an L1 scratch (more rows) never change that arithmetic.
 //
 // Formats (QK = weights per block, bytes per block): Q4_0 (32, 18), Q4_1 (32, 20), Q8_0 (32, 34),
@@ -291,15 +291,18 @@ inline void scratch_tile(const float* x, int64_t K, const float* wf, float* out,
 // 2 threads, three alternating runs) against two weight rows x one chunk: the Q8_0 head 2.1 -> 1.3 ms (its cheap
 // decode left the lone fma chain as the limit), the Q4_1 layers unchanged at ~6.4 ms; 2 x 2 and 1 x 3 no better.
 // Two activation rows already give four chains with two weight rows x one chunk, which measured best there; three
-// and four rows take one weight row at a time (layers at 3 rows 11.5-13.3 -> 9.0-9.2 ms, at 4 rows 11.4-16.7 ->
-// 9.8-9.9 ms against the scratch path; from 6 rows on the scratch path, which decodes each row once, is as fast).
+// to seven rows take one weight row at a time, all rows in registers, instead of the scratch path's decoded rows
+// written to L1 and read back (the 30 layers' matmuls, three alternating runs each: 3 rows 11.5-13.3 -> 9.0-9.2
+// ms, 4 rows 11.4-16.7 -> 9.8-9.9, 5 rows 14.7-17.6 -> 12.8-13.4, 6 rows 15.6-17.5 -> 13.8-15.3, 7 rows
+// 18.8-20.1 -> 13.9-16.4; at 8 rows 17.4-18.8 -> 19.0-20.0: from there the scratch path, which decodes each
+// weight row once for all rows, is faster).
 constexpr int kOneRowChunks = 2;
 #if defined(FF_ISA_AVX512)
-constexpr int kDirectRows = 4;  // up to this many activation rows: decode in registers
+constexpr int kDirectRows = 7;  // up to this many activation rows: decode in registers
 constexpr int kTileRows = 6;    // scratch path: 6 activation rows x 4 weight rows = 24 accumulators
 constexpr int kTileCols = 4;
 #else
-constexpr int kDirectRows = 4;
+constexpr int kDirectRows = 7;
 constexpr int kTileRows = 4;  // 4 x 3 accumulators + 3 weights + 1 activation = 16 ymm
 constexpr int kTileCols = 3;
 #endif
@@ -332,6 +335,19 @@ inline void direct_rows(const float* x, int64_t K, const uint8_t* w, int64_t row
   direct_tile<F, MR, NR, NC>(x, K, rows, out, N, n);
 }
 
+// 3..kDirectRows activation rows, one weight row.
+template <int F>
+inline void direct_rows_one_weight_row(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                                       float* out, int64_t N, int64_t n) {
+  switch (M) {
+    case 3: direct_rows<F, 3, 1, 1>(x, K, w, row_bytes, out, N, n); break;
+    case 4: direct_rows<F, 4, 1, 1>(x, K, w, row_bytes, out, N, n); break;
+    case 5: direct_rows<F, 5, 1, 1>(x, K, w, row_bytes, out, N, n); break;
+    case 6: direct_rows<F, 6, 1, 1>(x, K, w, row_bytes, out, N, n); break;
+    default: direct_rows<F, 7, 1, 1>(x, K, w, row_bytes, out, N, n); break;
+  }
+}
+
 template <int F>
 void run_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out) {
   // Equal runs of weight rows per thread (multiples of 4, so that tiles stay whole); a share should be worth
@@ -347,10 +363,8 @@ void run_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t ro
       } else if (M == 2) {
         for (; n + 2 <= n1; n += 2) direct_rows<F, 2, 2, 1>(x, K, w, row_bytes, out, N, n);
         for (; n < n1; ++n) direct_rows<F, 2, 1, 1>(x, K, w, row_bytes, out, N, n);
-      } else if (M == 3) {
-        for (; n < n1; ++n) direct_rows<F, 3, 1, 1>(x, K, w, row_bytes, out, N, n);
       } else {
-        for (; n < n1; ++n) direct_rows<F, 4, 1, 1>(x, K, w, row_bytes, out, N, n);
+        for (; n < n1; ++n) direct_rows_one_weight_row<F>(x, M, K, w, row_bytes, out, N, n);
       }
       return;
     }
