@@ -212,9 +212,20 @@ constexpr int64_t kChunk = 128;  // weights per partial sum (blocked summation),
 // instead of one per output element: a lone activation row is otherwise bound by the fma latency). Each chunk
 // still starts from zero and takes its blocks in order, and the chunks are added to the total in order: the
 // arithmetic of every output element is the one described at the top, whatever NC is.
+// Block b of weight rows [0, NR), decoded in registers, times rows [0, MR) of x, added into one chunk's acc.
+template <int F, int MR, int NR>
+inline void add_block(const float* x, int64_t K, const uint8_t* const* wrows, int64_t b, Reg (&acc)[MR][NR]) {
+  Reg w[NR][kSlots];
+  for (int r = 0; r < NR; ++r) Decoder<F>::decode(wrows[r], b, w[r]);
+  for (int s = 0; s < kSlots; ++s)
+    for (int i = 0; i < MR; ++i) {
+      const Reg xv = Isa::load(x + i * K + b * 32 + s * kLanes);
+      for (int r = 0; r < NR; ++r) acc[i][r] = Isa::fma(xv, w[r][s], acc[i][r]);
+    }
+}
+
 template <int F, int MR, int NR, int NC>
 inline void direct_tile(const float* x, int64_t K, const uint8_t* const* wrows, float* out, int64_t N, int64_t n) {
-  using D = Decoder<F>;
   constexpr int64_t kBlocks = kChunk / 32;  // blocks per chunk
   Reg tot[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -226,16 +237,7 @@ inline void direct_tile(const float* x, int64_t K, const uint8_t* const* wrows, 
       for (int i = 0; i < MR; ++i)
         for (int r = 0; r < NR; ++r) acc[c][i][r] = Isa::zero();
     for (int64_t j = 0; j < kBlocks; ++j)
-      for (int c = 0; c < NC; ++c) {
-        const int64_t b = k0 / 32 + c * kBlocks + j;
-        Reg w[NR][kSlots];
-        for (int r = 0; r < NR; ++r) D::decode(wrows[r], b, w[r]);
-        for (int s = 0; s < kSlots; ++s)
-          for (int i = 0; i < MR; ++i) {
-            const Reg xv = Isa::load(x + i * K + b * 32 + s * kLanes);
-            for (int r = 0; r < NR; ++r) acc[c][i][r] = Isa::fma(xv, w[r][s], acc[c][i][r]);
-          }
-      }
+      for (int c = 0; c < NC; ++c) add_block<F, MR, NR>(x, K, wrows, k0 / 32 + c * kBlocks + j, acc[c]);
     for (int c = 0; c < NC; ++c)
       for (int i = 0; i < MR; ++i)
         for (int r = 0; r < NR; ++r) tot[i][r] = Isa::add(tot[i][r], acc[c][i][r]);
@@ -245,15 +247,7 @@ inline void direct_tile(const float* x, int64_t K, const uint8_t* const* wrows, 
     for (int i = 0; i < MR; ++i)
       for (int r = 0; r < NR; ++r) acc[i][r] = Isa::zero();
     const int64_t b1 = std::min(K, k0 + kChunk) / 32;
-    for (int64_t b = k0 / 32; b < b1; ++b) {
-      Reg w[NR][kSlots];
-      for (int r = 0; r < NR; ++r) D::decode(wrows[r], b, w[r]);
-      for (int s = 0; s < kSlots; ++s)
-        for (int i = 0; i < MR; ++i) {
-          const Reg xv = Isa::load(x + i * K + b * 32 + s * kLanes);
-          for (int r = 0; r < NR; ++r) acc[i][r] = Isa::fma(xv, w[r][s], acc[i][r]);
-        }
-    }
+    for (int64_t b = k0 / 32; b < b1; ++b) add_block<F, MR, NR>(x, K, wrows, b, acc);
     for (int i = 0; i < MR; ++i)
       for (int r = 0; r < NR; ++r) tot[i][r] = Isa::add(tot[i][r], acc[i][r]);
   }
