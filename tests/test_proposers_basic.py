@@ -403,7 +403,7 @@ def test_sampling_same_seed_same_tokens_as_ar(tiny, method, options):
     ("pld", {"max_ngram": 0}, "max_ngram"),
     ("pld", {"min_ngram": 4}, "min_ngram"),
     ("pld", {"num_pred_tokens": 0}, "num_pred_tokens"),
-    ("lookahead", {"window": 0}, "window"),
+    ("lookahead", {"window": -1}, "window"),
     ("lookahead", {"ngram": 1}, "ngram"),
     ("lookahead", {"guesses": 2.5}, "guesses"),
     ("lookahead", {"level": 5}, "level"),
@@ -420,4 +420,23 @@ def test_methods_registered_with_defaults():
     assert methods["jacobi"].options() == {"n_tokens": 16, "init": "prompt", "blocks": True,
                                            "record_trajectory": False}
     assert methods["pld"].options() == {"max_ngram": 3, "num_pred_tokens": 10, "min_ngram": 1, "adaptive": True}
-    assert methods["lookahead"].options() == {"window": 7, "ngram": 5, "guesses": 7}
+    assert methods["lookahead"].options() == {"window": 0, "ngram": 0, "guesses": 0}  # 0: sized by the cost curve
+
+
+def test_lookahead_sized_by_the_cost_curve(tiny, monkeypatch):
+    """Options left at 0 follow the machine's cost curve: the papers' 7/5/7 where forwards are nearly free, the
+    smallest window where they are not; options given are kept."""
+    from fastforward.costs import CostCurve
+    from fastforward.proposers.lookahead import SIZE_LADDER, size_for_curve
+
+    steep = CostCurve({1: 10.0, 8: 26.0, 16: 45.0, 64: 150.0})  # a CPU's (t(8) = 2.6 t(1))
+    assert size_for_curve(CostCurve.flat()) == (7, 5, 7)
+    assert size_for_curve(steep) == SIZE_LADDER[-1]
+    assert size_for_curve(CostCurve({1: 10.0, 32: 12.5, 64: 20.0})) == (5, 4, 5)  # 30 rows nearly free, 56 not
+    monkeypatch.setattr(tiny, "_cost_curve", steep, raising=False)
+    prop = make_proposer("lookahead", tiny)
+    assert (prop.W, prop.N, prop.G) == SIZE_LADDER[-1] and prop.stats()["sized_by_cost_curve"]
+    prop = make_proposer("lookahead", tiny, guesses=5)
+    assert (prop.W, prop.N, prop.G) == (1, 3, 5)
+    prop = make_proposer("lookahead", tiny, window=7, ngram=5, guesses=7)
+    assert (prop.W, prop.N, prop.G) == (7, 5, 7) and not prop.stats()["sized_by_cost_curve"]

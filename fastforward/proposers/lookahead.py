@@ -17,21 +17,44 @@ Every step runs two branches in one target forward:
   prefixes. The verifier accepts the longest matching path (greedy) or samples it losslessly (point-mass drafts).
 
 The pool is seeded with the prompt's N-grams and, after each step, with the N-grams ending at the newly emitted
-tokens (as Lookahead's ``POOL_FROM_PROMPT``), besides the lookahead branch's N-grams. Defaults are Spec-Bench's
-``W=7, N=5, G=7``: 27 lookahead tokens + up to 28 verification tokens per forward.
+tokens (as Lookahead's ``POOL_FROM_PROMPT``), besides the lookahead branch's N-grams.
+
+**Size.** Spec-Bench's ``W=7, N=5, G=7`` puts up to 60 tokens in every forward (27 lookahead + 28 verification + the
+root): nearly free on a GPU, where a forward over 60 tokens costs about what one over a single token costs, but not
+on a CPU, where it costs several single-token forwards while the tokens gained per step rise only slowly with the
+size (measured on SmolLM2-135M, AVX2, 2 cores: tau 1.83 at 7/5/7 against 1.40 at 1/3/2, and 0.23x against 0.86x
+the speed of autoregressive decoding; ``docs/methods.md``). So options left at 0 are sized from this machine's cost
+curve (:func:`size_for_curve`): the largest of :data:`SIZE_LADDER` whose largest forward costs at most
+:data:`FLAT_ENOUGH` times a single-token forward, else the smallest. Options given explicitly are kept as given.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..costs import CostCurve, machine_cost_curve
 from ..engine import DecodeState, Proposal, Proposer, StepResult
+from ..errors import UsageError
 from ..tree import DraftTree, TreeShape
 from . import register
 from ._options import check_int
 from .jacobi import init_tokens
 
 _SHAPE_CACHE_MAX = 4096
+
+#: (window, ngram, guesses) from the papers' setting down to the smallest window that still iterates an N-gram of 3
+SIZE_LADDER = ((7, 5, 7), (5, 4, 5), (3, 4, 3), (2, 3, 2), (1, 3, 2))
+#: a forward of q tokens counts as nearly free when it costs at most this many single-token forwards
+FLAT_ENOUGH = 1.3
+
+
+def size_for_curve(curve: CostCurve) -> tuple[int, int, int]:
+    """The largest (window, ngram, guesses) of :data:`SIZE_LADDER` whose largest forward the cost curve prices at
+    most :data:`FLAT_ENOUGH` single-token forwards; the smallest when none is (a CPU)."""
+    for size in SIZE_LADDER:
+        if curve.ratio(LookaheadProposer(*size).max_proposal_size()) <= FLAT_ENOUGH:
+            return size
+    return SIZE_LADDER[-1]
 
 
 def window_layout(width: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +81,9 @@ class LookaheadProposer(Proposer):
 
     name = "lookahead"
 
-    def __init__(self, window: int = 7, ngram: int = 5, guesses: int = 7):
+    def __init__(self, window: int = 7, ngram: int = 5, guesses: int = 7, sized_by_curve: bool = False):
         self.W, self.N, self.G = window, ngram, guesses
+        self.sized_by_curve = sized_by_curve
         self._masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._shapes: dict[tuple, TreeShape] = {}
         self.pool: dict[int, list[tuple[int, ...]]] = {}
@@ -177,6 +201,7 @@ class LookaheadProposer(Proposer):
             "window": self.W,
             "ngram": self.N,
             "guesses": self.G,
+            "sized_by_cost_curve": self.sized_by_curve,
             "steps": self.steps,
             "steps_with_candidates": self.verify_steps,
             "steps_accepting": self.hit_steps,
@@ -188,12 +213,19 @@ class LookaheadProposer(Proposer):
 @register(
     "lookahead",
     "lookahead decoding: a Jacobi window feeds an n-gram pool whose candidates are verified in the same forward",
-    source="Fu et al. 2024 (arXiv 2402.02057); defaults W=7 N=5 G=7 as Spec-Bench",
+    source="Fu et al. 2024 (arXiv 2402.02057); Spec-Bench's W=7 N=5 G=7 where forwards are nearly free",
 )
-def lookahead(target, *, window: int = 7, ngram: int = 5, guesses: int = 7) -> LookaheadProposer:
+def lookahead(target, *, window: int = 0, ngram: int = 0, guesses: int = 0) -> LookaheadProposer:
     """``window`` W: Jacobi window columns; ``ngram`` N: n-gram size (N-1 window levels, drafts of N-1 tokens);
-    ``guesses`` G: n-grams kept per first token and verified per step."""
-    check_int("lookahead", "window", window, 1)
-    check_int("lookahead", "ngram", ngram, 2)
-    check_int("lookahead", "guesses", guesses, 1)
-    return LookaheadProposer(window, ngram, guesses)
+    ``guesses`` G: n-grams kept per first token and verified per step. 0 (the default): sized from this machine's
+    cost curve (:func:`size_for_curve`; 7 / 5 / 7 where forwards are nearly free)."""
+    check_int("lookahead", "window", window, 0)
+    check_int("lookahead", "ngram", ngram, 0)
+    if ngram == 1:
+        raise UsageError("lookahead: option ngram must be 0 (sized from the cost curve) or an integer >= 2, got 1")
+    check_int("lookahead", "guesses", guesses, 0)
+    sized = not (window and ngram and guesses)
+    if sized:
+        auto_w, auto_n, auto_g = size_for_curve(machine_cost_curve(target))
+        window, ngram, guesses = window or auto_w, ngram or auto_n, guesses or auto_g
+    return LookaheadProposer(window, ngram, guesses, sized_by_curve=sized)
