@@ -14,6 +14,7 @@ import fastforward as ff
 from fastforward.drafters.checkpoint import load_eagle3, save_eagle3
 from fastforward.drafters.eagle import Eagle3Drafter, Eagle3Runner, target_embedding_rows
 from fastforward.drafters.features import compute_features, default_aux_layers, engine_layers
+from fastforward.proposers import make_proposer
 from fastforward.drafters.vocab import DraftVocab
 from fastforward.errors import UsageError
 from fastforward.testing import tiny_target
@@ -51,13 +52,32 @@ def test_aux_layers_follow_the_serving_engines_default():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), topk=st.integers(1, 4),
-       depth=st.integers(1, 5), nodes=st.sampled_from([0, 0, 3, 9]))
-def test_eagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, nodes):
+       depth=st.integers(1, 5), nodes=st.sampled_from([0, 0, 3, 9]), backoff=st.sampled_from([0, 1, 8]))
+def test_eagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, nodes, backoff):
     ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
     out = ff.generate(target, prompt, "eagle", max_new_tokens=24,
                       method_options=dict(drafter=str(drafter_dir), topk=topk, depth=depth, nodes=nodes,
-                                          min_prob=0.0))
+                                          min_prob=0.0, backoff=backoff))
     assert out.token_ids == ar
+
+
+def test_eagle_backs_off_when_nothing_is_drafted(target, tmp_path, monkeypatch):
+    """A drafter that never pays (uniform distributions, on a cost curve where a token more costs as much as one)
+    looks at fewer steps with back-off than without; both decode AR's tokens."""
+    from fastforward.costs import CostCurve
+
+    monkeypatch.setattr(target, "_cost_curve", CostCurve({1: 1.0, 64: 64.0}), raising=False)
+    flat = _drafter(target)
+    with torch.no_grad():
+        flat.lm_head.weight.zero_()
+    save_eagle3(flat, tmp_path, dtype="float32")
+    outs = {}
+    for backoff in (0, 8):
+        prop = make_proposer("eagle", target, drafter=str(tmp_path), backoff=backoff)
+        res = ff.generate(target, [3, 1, 4, 1, 5], prop, max_new_tokens=40)
+        outs[backoff] = (res.token_ids, prop.stats()["steps_backed_off"])
+    assert outs[0][0] == outs[8][0] == ff.generate(target, [3, 1, 4, 1, 5], "ar", max_new_tokens=40).token_ids
+    assert outs[0][1] == 0 and outs[8][1] > 20
 
 
 def test_eagle_accepts_a_perfect_draft_and_batch_equals_solo(target, drafter_dir):

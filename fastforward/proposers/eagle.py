@@ -25,6 +25,12 @@ Each step:
    accepted tokens become committed drafter rows; the last row's output drafts the next step. Rows wait until the
    drafter next drafts and go through it together, so steps that draft nothing (a shared forward where no draft of
    this sequence pays, ``DecodeState.max_draft_depth`` = 0) cost no drafter pass.
+
+**Back-off** (``backoff``, default 8; 0 = off; as ``fasteagle`` and ``falcon``): a look costs a drafter pass to commit
+the accepted rows plus one over the root's distribution, which a step whose best tree is the root alone does not earn
+back. After such a look the proposer skips looking for 1, 2, 4, ... up to ``backoff`` steps (their accepted rows wait
+and are committed in one pass at the next look); a look that drafts resets it. Only which steps draft changes, never
+the output.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from ..drafters.features import engine_layers
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from . import register
+from ._backoff import BackOff
 from ._options import check_choice, check_int
 from ._rerank import best_size, build_tree, rank
 from ._runners import shared_runner
@@ -52,7 +59,7 @@ class EagleProposer(Proposer):
     name = "eagle"
 
     def __init__(self, runner: Eagle3Runner, *, topk: int, depth: int, nodes: int, max_nodes: int,
-                 min_prob: float):
+                 min_prob: float, backoff: int = 0):
         self.shared = runner
         self.hidden_layers = engine_layers(runner.cfg.aux_layers)
         self.topk, self.depth, self.nodes, self.max_nodes, self.min_prob = topk, depth, nodes, max_nodes, min_prob
@@ -62,7 +69,9 @@ class EagleProposer(Proposer):
         # drafts nothing (a shared forward where no draft pays) costs no drafter pass
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.curve_ms: torch.Tensor | None = None
-        self._n = {"steps": 0, "draft_rows": 0, "draft_calls": 0, "nodes": 0}
+        self.backoff = 0 if nodes else backoff  # a fixed tree size always drafts
+        self.back_off = BackOff(self.backoff)
+        self._n = {"steps": 0, "draft_rows": 0, "draft_calls": 0, "nodes": 0, "skipped": 0}
 
     def max_proposal_size(self) -> int:
         return self.nodes or self.max_nodes
@@ -74,6 +83,7 @@ class EagleProposer(Proposer):
         n = state.prompt_length
         self.runner = self.shared.fresh(n + state.max_new_tokens + self.depth + 8)
         self.pending.clear()
+        self.back_off = BackOff(self.backoff)
         if not self.nodes:
             curve = machine_cost_curve(state.target)
             self.curve_ms = torch.tensor([curve.t(q) for q in range(1, self.max_nodes + 1)], dtype=torch.float64)
@@ -100,9 +110,10 @@ class EagleProposer(Proposer):
         run, k = self.runner, self.topk
         root_pos = state.root_position
         depth = self.depth if state.max_draft_depth is None else min(self.depth, state.max_draft_depth)
-        if depth < 1:  # sharing a forward where no draft of this sequence is worth its rows
+        if depth < 1 or self.back_off.skipping():  # no draft worth its rows in a shared forward, or backing off
             self._n["steps"] += 1
             self._n["nodes"] += 1
+            self._n["skipped"] += depth >= 1
             return None
         self._catch_up()
         lp = run.log_probs(self.last_h)[0]  # [draft_vocab]
@@ -161,25 +172,29 @@ class EagleProposer(Proposer):
         self._n["steps"] += 1
         self._n["nodes"] += n
         if n == 1:
+            self.back_off.drafted_nothing()
             return None
+        self.back_off.drafted()
         return Proposal(build_tree(order[: n - 1], tokens, parents, depths, state.root))
 
     def stats(self) -> dict:
         steps = max(self._n["steps"], 1)
         return {"draft_calls_per_step": self._n["draft_calls"] / steps, "draft_rows": self._n["draft_rows"],
-                "mean_tree_nodes": self._n["nodes"] / steps}
+                "mean_tree_nodes": self._n["nodes"] / steps, "steps_backed_off": self._n["skipped"]}
 
 
 @register("eagle", "EAGLE-3-style drafter over the target's features, dynamic tree (EAGLE-2)",
           source="Li et al. 2024/2025, EAGLE-2 / EAGLE-3")
 def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
-          min_prob: float = 0.05, weights: str = "auto") -> Proposer:
+          min_prob: float = 0.05, backoff: int = 8, weights: str = "auto") -> Proposer:
     check_int("eagle", "topk", topk, 1, 16)
     check_int("eagle", "depth", depth, 1, 16)
     check_int("eagle", "nodes", nodes, 0, 256)
     check_int("eagle", "max_nodes", max_nodes, 2, 256)
+    check_int("eagle", "backoff", backoff, 0, 1024)
     check_choice("eagle", "weights", weights, ("auto", "q8_0", "fp32"))
     if not isinstance(min_prob, (int, float)) or isinstance(min_prob, bool) or not 0 <= min_prob < 1:
         raise UsageError(f"eagle: option min_prob must be a number in [0, 1), got {min_prob!r}")
     runner = drafter_runner(target, drafter, weights)
-    return EagleProposer(runner, topk=topk, depth=depth, nodes=nodes, max_nodes=max_nodes, min_prob=float(min_prob))
+    return EagleProposer(runner, topk=topk, depth=depth, nodes=nodes, max_nodes=max_nodes, min_prob=float(min_prob),
+                         backoff=backoff)
