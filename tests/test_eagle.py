@@ -228,3 +228,31 @@ def test_training_time_test_skips_prompt_rows_exactly(target):
         part = drafter.ttt_logits(taps, ids, embed, 3, select, first_row=5)
     for a, b in zip(full, part, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_native_layer_ops_give_the_torch_rows(target):
+    """The runner's rows through the native layer ops equal the plain torch ops on the same weights (commit, a
+    tree of draft rows after earlier draft rows, causal rows after unseen slots), up to summation order."""
+    import copy
+
+    drafter = _drafter(target, seed=8).float()
+    native = Eagle3Runner(drafter, target, capacity=8, weights="auto")  # grows on the way
+    if native.ops is None:
+        pytest.skip("the native kernels did not build on this machine")
+    plain = copy.copy(native)
+    plain.ops = None
+    plain.k, plain.v = native.k.clone(), native.v.clone()
+    g = torch.Generator().manual_seed(1)
+    taps = torch.randn(11, 3, drafter.cfg.target_hidden_size, generator=g)
+    toks = torch.randint(0, VOCAB, (14,), generator=g)
+    vis = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    for run in (native, plain):
+        h = run.commit(run.fuse(taps), toks[:11], torch.arange(11))
+        d1 = run.rows(h[-2:], toks[11:13], torch.tensor([11, 11]), run.length, torch.eye(2, dtype=torch.bool))
+        d2 = run.rows(d1[:1].expand(3, -1).contiguous(), toks[11:14], torch.tensor([12, 12, 13]), run.length + 2,
+                      torch.cat([torch.tensor([[1, 0]] * 3, dtype=torch.bool), vis], dim=1))
+        d3 = run.rows(h[-1:], toks[13:14], torch.tensor([12]), run.length + 5, None)
+        run.out = (h, d1, d2, d3, run.log_probs(d2))
+    for a, b in zip(native.out, plain.out, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(native.k[:, :16], plain.k[:, :16], atol=1e-5)

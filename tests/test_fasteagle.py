@@ -247,3 +247,26 @@ def test_train_fasteagle_bad_input(train_setup, tmp_path, capsys):
     base = ["train", "fasteagle", "--model", model, "--data", data, "--out", tmp_path / "o"]
     assert "--layers" in assert_one_line_error(capsys, *base, "--layers", 0)
     assert "feature-weight" in assert_one_line_error(capsys, *base, "--ce-weight", 0, "--feature-weight", 0)
+
+
+@pytest.mark.parametrize("cascade", [True, False])
+def test_native_layer_ops_give_the_torch_rows(target, cascade):
+    """Commits through the native layer ops equal the plain torch ops on the same weights (up to summation order)."""
+    import copy
+
+    drafter = _drafter(target, seed=9, cascade=cascade)
+    native = FastEagleRunner(drafter, target, capacity=4, weights="auto")
+    if native.ops is None:
+        pytest.skip("the native kernels did not build on this machine")
+    plain = copy.copy(native)
+    plain.ops = None
+    feats = compute_features(target, torch.tensor([1, 5, 2, 8, 3, 9, 4]))
+    ids = torch.tensor([5, 2, 8, 3, 9, 4])
+    outs = []
+    for run in (native, plain):
+        run = run.fresh(4)  # grows on the way
+        a = run.commit(feats["taps"][:3], ids[:3], torch.arange(3))
+        b = run.commit(feats["taps"][3:6], ids[3:6], torch.arange(3, 6))
+        outs.append((a, b, run.probs(b)))
+    for x, y in zip(*outs, strict=True):
+        assert torch.allclose(x, y, atol=1e-4, rtol=1e-4)

@@ -254,6 +254,7 @@ class FastEagleRunner:
         cfg = drafter.cfg
         self.cfg, self.target = cfg, target
         linear = decode_linear_factory(weights)
+        self.ops = linear.layer_ops  # the target's native layer ops, or None: plain torch ops
         self.fc = linear(drafter.fc.weight)
         self.fc_in = linear(drafter.fc_in.weight)
         self.fc_in_bias = drafter.fc_in.bias.detach().float()
@@ -317,6 +318,8 @@ class FastEagleRunner:
         e = target_embedding_rows(self.target, tokens)
         x = torch.cat([rms_norm(e, self.e_norm, self.eps), rms_norm(g, self.g_norm, self.eps)], dim=-1)
         x = self.fc_in(x.contiguous()) + self.fc_in_bias
+        if self.ops is not None:
+            return self._layers_native(x, positions, start, end)
         cos, sin = self.cos[positions], self.sin[positions]
         causal = torch.ones(r, end, dtype=torch.bool).tril(start)  # [r, end]: committed rows + causal new rows
         last = []
@@ -335,6 +338,25 @@ class FastEagleRunner:
             hh = src + w["o"](o.transpose(0, 1).reshape(r, nh * hd).contiguous())
             gate, up = w["gate_up"](rms_norm(hh, w["post_norm"], self.eps)).chunk(2, dim=-1)
             h = hh + w["down"]((F.silu(gate) * up).contiguous())
+            if i == 0:
+                first = h
+            last.append(h[-1])
+        self.length = end
+        return torch.stack(last)
+
+    def _layers_native(self, x: torch.Tensor, positions: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The N layers of :meth:`_rows` through the native layer ops (causal over the new rows after the committed
+        ones): the last row's outputs h_1..h_N [N, d]."""
+        ops, cfg, eps = self.ops, self.cfg, self.eps
+        positions = positions.to(torch.long).contiguous()
+        last, h, first = [], x.contiguous(), None
+        for i, w in enumerate(self.layers):
+            src = h if (cfg.cascade or i <= 1) else first
+            qkv = w["qkv"](ops.rms_norm(src, w["in_norm"], eps)).contiguous()
+            o = ops.attention(qkv, self.cos, self.sin, positions, self.k[i], self.v[i], start, None,
+                              cfg.num_attention_heads, cfg.num_key_value_heads, None)
+            hh = src + w["o"](o)
+            h = hh + w["down"](ops.silu_mul(w["gate_up"](ops.rms_norm(hh, w["post_norm"], eps))))
             if i == 0:
                 first = h
             last.append(h[-1])
