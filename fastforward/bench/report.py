@@ -68,6 +68,8 @@ def _per_question(rows: list[dict]) -> dict[tuple[str, str], dict]:
             "repeats": len(rs),
             "steps": sum(r["decoding_steps"] for r in rs),
             "tokens": sum(r["new_tokens"] for r in rs),
+            "draft_time": sum(r.get("draft_time") or 0.0 for r in rs),
+            "verify_time": sum(r.get("verify_time") or 0.0 for r in rs),
             "attempts": [r.get("depth_attempts", []) for r in rs],
             "accepts": [r.get("depth_accepts", []) for r in rs],
             "checked": bool(checked),
@@ -126,6 +128,9 @@ def _stats(label: str, qids: list[str], pq: dict, ref_label: str | None = BASELI
         "wall_time": wall,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "tau": sum(m["tokens"] for m in mine) / steps if steps else 0.0,
+        # per decoding step (one target forward), over every repeat: what drafting and verifying cost
+        "draft_ms_per_step": 1e3 * sum(m["draft_time"] for m in mine) / steps if steps else None,
+        "verify_ms_per_step": 1e3 * sum(m["verify_time"] for m in mine) / steps if steps else None,
         "acceptance_by_depth": [c / a if a else 0.0 for a, c in zip(attempts, accepts, strict=False)],
         "checked": sum(m["checked"] for m in mine),
         "mismatches": sum(m["mismatch"] for m in mine),
@@ -284,6 +289,10 @@ def _ms(x) -> str:
     return "–" if x is None else f"{1000 * x:.0f}"
 
 
+def _step_ms(m: dict, key: str) -> str:
+    return "–" if m["kind"] == "peer" or m.get(key) is None else _f(m[key], 2)
+
+
 def _opts(entry: dict) -> str:
     opts = entry.get("options") or {}
     return ", ".join(f"{k}={v}" for k, v in opts.items()) or "–"
@@ -315,7 +324,8 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
     out += ["", "## Overall", ""]
     depth_n = min(4, max((len(m["acceptance_by_depth"]) for m in methods.values()), default=0))
     header = ["method", "options", "questions", "tokens/s", "speedup geomean", "speedup arith. mean",
-              "speedup total", "τ"] + [f"α{d + 1}" for d in range(depth_n)] + ["mismatches"]
+              "speedup total", "τ"] + [f"α{d + 1}" for d in range(depth_n)] + [
+                  "drafting ms / step", "verify ms / step", "mismatches"]
     rows = []
     for label, m in methods.items():
         alpha = [_f(m["acceptance_by_depth"][d]) if d < len(m["acceptance_by_depth"]) else "–"
@@ -327,7 +337,8 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
         name = f"`{label}`" + (" (peer)" if m["kind"] == "peer" else "")
         rows.append([name, _opts(m), str(m["questions"]), _f(m["tokens_per_s"], 1),
                      _f(m["speedup_geomean"], 2, "×"), _f(m["speedup_arith"], 2, "×"),
-                     _f(m["speedup_total"], 2, "×"), _f(m["tau"])] + alpha + [mism])
+                     _f(m["speedup_total"], 2, "×"), _f(m["tau"])] + alpha + [
+                        _step_ms(m, "draft_ms_per_step"), _step_ms(m, "verify_ms_per_step"), mism])
     out.append(_table(header, rows, left=2))
     out += [
         "",
@@ -335,7 +346,8 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
         "per-question ratios (the headline number); *arith. mean*: their arithmetic mean; *total*: ratio of total "
         "throughputs (all tokens / all time). Spec-Bench's own figure (mean tokens/s ÷ mean AR tokens/s) is "
         "`speedup_specbench` in summary.json. τ: tokens per target forward (AR = 1.00). αd: acceptance rate at "
-        "draft depth d. Mismatches: questions whose output differs from AR's (near-tie: the target's logit gap at "
+        "draft depth d. Drafting / verify ms per step: the method's drafting and target-forward time over its "
+        "decoding steps (peers: –). Mismatches: questions whose output differs from AR's (near-tie: the target's logit gap at "
         "the first divergence is within 0.01, i.e. floating-point rounding rather than a bug).",
     ]
     for title, key, nd, suffix in (("Speedup per category (geometric mean)", "speedup_geomean", 2, "×"),
