@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
+from ..model.lean import LlamaLayer
 from .features import default_aux_layers
 from .vocab import DraftVocab
 
@@ -422,13 +423,16 @@ class Eagle3Runner:
         m = drafter.midlayer
         a = m.self_attn
         self.fc = linear(drafter.fc.weight)
-        self.qkv = linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-        self.o = linear(a.o_proj.weight)
-        self.gate_up = linear(torch.cat([m.mlp.gate_proj.weight, m.mlp.up_proj.weight]))
-        self.down = linear(m.mlp.down_proj.weight)
-        self.head = linear(drafter.lm_head.weight)
         self.norms = {n: getattr(m, n).weight.detach().float() for n in
                       ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
+        # the target's layer pieces (its in_norm is unused: this layer norms its two halves itself)
+        self.layer = LlamaLayer(in_norm=self.norms["input_layernorm"],
+                                post_norm=self.norms["post_attention_layernorm"],
+                                qkv=linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                                o=linear(a.o_proj.weight),
+                                gate_up=linear(torch.cat([m.mlp.gate_proj.weight, m.mlp.up_proj.weight])),
+                                down=linear(m.mlp.down_proj.weight))
+        self.head = linear(drafter.lm_head.weight)
         self.final_norm = drafter.norm.weight.detach().float()
         self.d2t = drafter.d2t.clone()
         self.eps = cfg.rms_norm_eps
@@ -470,7 +474,7 @@ class Eagle3Runner:
         emb = target_embedding_rows(self.target, tokens)
         x = torch.cat([rms_norm(emb, self.norms["input_layernorm"], self.eps),
                        rms_norm(feat, self.norms["hidden_norm"], self.eps)], dim=-1)
-        qkv = self.qkv(x.contiguous())
+        qkv = self.layer.qkv(x.contiguous())
         end = slot + r
         if end > self.capacity or int(positions.max()) >= self.cos.shape[0]:
             self._grow(max(end, int(positions.max()) + 1))
@@ -487,9 +491,9 @@ class Eagle3Runner:
         mask = torch.cat([torch.ones(r, self.length, dtype=torch.bool), visible], dim=1)  # [r, end]
         o = F.scaled_dot_product_attention(q.unsqueeze(0), self.k[:, :end].unsqueeze(0), self.v[:, :end].unsqueeze(0),
                                            attn_mask=mask, enable_gqa=nh != nkv)[0]
-        h = feat + self.o(o.transpose(0, 1).reshape(r, nh * hd).contiguous())
-        gate, up = self.gate_up(rms_norm(h, self.norms["post_attention_layernorm"], self.eps)).chunk(2, dim=-1)
-        return h + self.down((F.silu(gate) * up).contiguous())
+        h = feat + self.layer.o(o.transpose(0, 1).reshape(r, nh * hd).contiguous())
+        gate, up = self.layer.gate_up(rms_norm(h, self.norms["post_attention_layernorm"], self.eps)).chunk(2, dim=-1)
+        return h + self.layer.down((F.silu(gate) * up).contiguous())
 
     def _rows_native(self, feat, tokens, positions, slot, visible) -> torch.Tensor:
         """:meth:`rows` through the native layer ops (same computation, the target's kernels)."""
@@ -502,7 +506,7 @@ class Eagle3Runner:
         feat = feat.float().contiguous()
         x = torch.cat([ops.rms_norm(emb, self.norms["input_layernorm"], eps),
                        ops.rms_norm(feat, self.norms["hidden_norm"], eps)], dim=-1)  # [r, 2d]
-        qkv = self.qkv(x).contiguous()
+        qkv = self.layer.qkv(x).contiguous()
         write = None
         if visible is None and slot != self.length:  # causal over the r rows, after slots it does not see
             visible = torch.cat([torch.zeros(r, slot - self.length, dtype=torch.bool),
@@ -512,9 +516,10 @@ class Eagle3Runner:
             write = torch.arange(slot, end)
         o = ops.attention(qkv, self.cos, self.sin, positions.to(torch.long).contiguous(), self.k, self.v,
                           self.length, visible, cfg.num_attention_heads, cfg.num_key_value_heads, write)
-        h = feat + self.o(o)
-        gu = self.gate_up(ops.rms_norm(h, self.norms["post_attention_layernorm"], eps))
-        return h + self.down(ops.silu_mul(gu))
+        h = feat.clone()  # the residual stream (the fused feature), updated in place as the target's forward does
+        h_norm = ops.add_rms_norm(h, self.layer.attention_output(o), self.layer.post_norm, eps)
+        h += self.layer.mlp(h_norm, ops)
+        return h
 
     def commit(self, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append committed rows (in chunks, causal); returns their outputs h [r, d]."""

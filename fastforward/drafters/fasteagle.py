@@ -51,6 +51,7 @@ from .eagle import (
     target_head_rows,
     target_layer_shape,
 )
+from ..model.lean import LlamaLayer
 from .features import default_aux_layers
 from .vocab import DraftVocab
 
@@ -263,14 +264,13 @@ class FastEagleRunner:
         self.layers = []
         for layer in drafter.layers:
             a, m = layer.self_attn, layer.mlp
-            self.layers.append({
-                "qkv": linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-                "o": linear(a.o_proj.weight),
-                "gate_up": linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
-                "down": linear(m.down_proj.weight),
-                "in_norm": layer.input_layernorm.weight.detach().float(),
-                "post_norm": layer.post_attention_layernorm.weight.detach().float(),
-            })
+            self.layers.append(LlamaLayer(  # the target's layer pieces: weights as linears, its half-steps
+                in_norm=layer.input_layernorm.weight.detach().float(),
+                post_norm=layer.post_attention_layernorm.weight.detach().float(),
+                qkv=linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                o=linear(a.o_proj.weight),
+                gate_up=linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                down=linear(m.down_proj.weight)))
         self.head = linear(drafter.lm_head.weight)
         self.d2t = drafter.d2t.clone()
         self.eps = cfg.rms_norm_eps
@@ -327,17 +327,17 @@ class FastEagleRunner:
         first = None
         for i, w in enumerate(self.layers):
             src = h if (cfg.cascade or i <= 1) else first
-            y = rms_norm(src, w["in_norm"], self.eps)
-            qkv = w["qkv"](y.contiguous())
+            y = rms_norm(src, w.in_norm, self.eps)
+            qkv = w.qkv(y.contiguous())
             q = rotate(qkv[:, : nh * hd].view(r, nh, hd).transpose(0, 1), cos, sin)  # [nh, r, hd]
             self.k[i, :, start:end] = rotate(qkv[:, nh * hd : (nh + nkv) * hd].view(r, nkv, hd).transpose(0, 1),
                                              cos, sin)
             self.v[i, :, start:end] = qkv[:, (nh + nkv) * hd :].view(r, nkv, hd).transpose(0, 1)
             o = F.scaled_dot_product_attention(q.unsqueeze(0), self.k[i : i + 1, :, :end], self.v[i : i + 1, :, :end],
                                                attn_mask=causal, enable_gqa=nh != nkv)[0]
-            hh = src + w["o"](o.transpose(0, 1).reshape(r, nh * hd).contiguous())
-            gate, up = w["gate_up"](rms_norm(hh, w["post_norm"], self.eps)).chunk(2, dim=-1)
-            h = hh + w["down"]((F.silu(gate) * up).contiguous())
+            hh = src + w.o(o.transpose(0, 1).reshape(r, nh * hd).contiguous())
+            gate, up = w.gate_up(rms_norm(hh, w.post_norm, self.eps)).chunk(2, dim=-1)
+            h = hh + w.down((F.silu(gate) * up).contiguous())
             if i == 0:
                 first = h
             last.append(h[-1])
@@ -352,11 +352,12 @@ class FastEagleRunner:
         last, h, first = [], x.contiguous(), None
         for i, w in enumerate(self.layers):
             src = h if (cfg.cascade or i <= 1) else first
-            qkv = w["qkv"](ops.rms_norm(src, w["in_norm"], eps)).contiguous()
+            qkv = w.project_qkv(ops.rms_norm(src, w.in_norm, eps)).contiguous()
             o = ops.attention(qkv, self.cos, self.sin, positions, self.k[i], self.v[i], start, None,
                               cfg.num_attention_heads, cfg.num_key_value_heads, None)
-            hh = src + w["o"](o)
-            h = hh + w["down"](ops.silu_mul(w["gate_up"](ops.rms_norm(hh, w["post_norm"], eps))))
+            h = src.clone()  # the residual stream, updated in place as the target's forward does
+            h_norm = ops.add_rms_norm(h, w.attention_output(o), w.post_norm, eps)
+            h += w.mlp(h_norm, ops)
             if i == 0:
                 first = h
             last.append(h[-1])
