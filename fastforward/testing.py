@@ -269,3 +269,17 @@ def pooled_chi2(exact: dict[tuple, float], counts: dict[tuple, int]) -> tuple[fl
             df += 1
     chi2 += (other_o - other_e) ** 2 / max(other_e, 1e-9)
     return chi2, df
+
+
+def backoff_outcomes(target, method: str, drafter_dir, stat: str, prompt=(3, 1, 4, 1, 5), max_new_tokens: int = 40):
+    """For a drafter method with a ``backoff`` option: ``{backoff: (token ids, proposer stats[stat])}`` at back-off 0
+    and 8, plus AR's token ids under ``"ar"`` -- what the back-off tests compare."""
+    from . import api
+    from .proposers import make_proposer
+
+    outs = {"ar": api.generate(target, list(prompt), "ar", max_new_tokens=max_new_tokens).token_ids}
+    for backoff in (0, 8):
+        prop = make_proposer(method, target, drafter=str(drafter_dir), backoff=backoff)
+        res = api.generate(target, list(prompt), prop, max_new_tokens=max_new_tokens)
+        outs[backoff] = (res.token_ids, prop.stats()[stat])
+    return outs

@@ -14,10 +14,9 @@ import fastforward as ff
 from fastforward.drafters.checkpoint import load_eagle3, save_eagle3
 from fastforward.drafters.eagle import Eagle3Drafter, Eagle3Runner, target_embedding_rows
 from fastforward.drafters.features import compute_features, default_aux_layers, engine_layers
-from fastforward.proposers import make_proposer
 from fastforward.drafters.vocab import DraftVocab
 from fastforward.errors import UsageError
-from fastforward.testing import tiny_target
+from fastforward.testing import backoff_outcomes, tiny_target
 
 VOCAB = 96
 
@@ -71,12 +70,8 @@ def test_eagle_backs_off_when_nothing_is_drafted(target, tmp_path, monkeypatch):
     with torch.no_grad():
         flat.lm_head.weight.zero_()
     save_eagle3(flat, tmp_path, dtype="float32")
-    outs = {}
-    for backoff in (0, 8):
-        prop = make_proposer("eagle", target, drafter=str(tmp_path), backoff=backoff)
-        res = ff.generate(target, [3, 1, 4, 1, 5], prop, max_new_tokens=40)
-        outs[backoff] = (res.token_ids, prop.stats()["steps_backed_off"])
-    assert outs[0][0] == outs[8][0] == ff.generate(target, [3, 1, 4, 1, 5], "ar", max_new_tokens=40).token_ids
+    outs = backoff_outcomes(target, "eagle", tmp_path, "steps_backed_off")
+    assert outs[0][0] == outs[8][0] == outs["ar"]
     assert outs[0][1] == 0 and outs[8][1] > 20
 
 

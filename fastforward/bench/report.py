@@ -347,8 +347,8 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
         "throughputs (all tokens / all time). Spec-Bench's own figure (mean tokens/s ÷ mean AR tokens/s) is "
         "`speedup_specbench` in summary.json. τ: tokens per target forward (AR = 1.00). αd: acceptance rate at "
         "draft depth d. Drafting / verify ms per step: the method's drafting and target-forward time over its "
-        "decoding steps (peers: –). Mismatches: questions whose output differs from AR's (near-tie: the target's logit gap at "
-        "the first divergence is within 0.01, i.e. floating-point rounding rather than a bug).",
+        "decoding steps (peers: –). Mismatches: questions whose output differs from AR's (near-tie: the target's "
+        "logit gap at the first divergence is within 0.01, i.e. floating-point rounding rather than a bug).",
     ]
     for title, key, nd, suffix in (("Speedup per category (geometric mean)", "speedup_geomean", 2, "×"),
                                    ("τ per category", "tau", 2, ""),

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
+from ..model.lean import LlamaLayer
 from .checkpoint import load_headless, write_folder
 from .eagle import (
     _MLP,
@@ -51,7 +52,6 @@ from .eagle import (
     target_head_rows,
     target_layer_shape,
 )
-from ..model.lean import LlamaLayer
 from .features import default_aux_layers
 from .vocab import DraftVocab
 
