@@ -23,6 +23,13 @@ class StaticKVCache:
         self.capacity = capacity
 
     def keep(self, indices) -> None:
+        if isinstance(indices, list) and indices and indices[-1] == len(indices) - 1:
+            # ascending from >= 0 and ending at n - 1: exactly 0..n-1, already in place (every AR step, every chain
+            # accepted whole): no tensor work
+            if self.length + len(indices) > self.capacity:
+                raise UsageError("KV cache capacity exceeded")
+            self.length += len(indices)
+            return
         idx = torch.as_tensor(indices, dtype=torch.long)
         n = idx.numel()
         if n == 0:
