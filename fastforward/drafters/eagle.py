@@ -485,15 +485,20 @@ class Eagle3Runner:
         self.k[:, slot:end] = k
         self.v[:, slot:end] = v
         if visible is None:
-            local = torch.ones(r, r, dtype=torch.bool).tril()
-            visible = local if slot == self.length else torch.cat(
-                [torch.zeros(r, slot - self.length, dtype=torch.bool), local], dim=1)
+            visible = self._causal_visible(r, slot)
         mask = torch.cat([torch.ones(r, self.length, dtype=torch.bool), visible], dim=1)  # [r, end]
         o = F.scaled_dot_product_attention(q.unsqueeze(0), self.k[:, :end].unsqueeze(0), self.v[:, :end].unsqueeze(0),
                                            attn_mask=mask, enable_gqa=nh != nkv)[0]
         h = feat + self.layer.o(o.transpose(0, 1).reshape(r, nh * hd).contiguous())
         gate, up = self.layer.gate_up(rms_norm(h, self.norms["post_attention_layernorm"], self.eps)).chunk(2, dim=-1)
         return h + self.layer.down((F.silu(gate) * up).contiguous())
+
+    def _causal_visible(self, r: int, slot: int) -> torch.Tensor:
+        """[r, slot + r - length]: r rows at ``slot..`` causal among themselves, blind to slots ``length..slot-1``."""
+        local = torch.ones(r, r, dtype=torch.bool).tril()
+        if slot == self.length:
+            return local
+        return torch.cat([torch.zeros(r, slot - self.length, dtype=torch.bool), local], dim=1)
 
     def _rows_native(self, feat, tokens, positions, slot, visible) -> torch.Tensor:
         """:meth:`rows` through the native layer ops (same computation, the target's kernels)."""
@@ -508,9 +513,8 @@ class Eagle3Runner:
                        ops.rms_norm(feat, self.norms["hidden_norm"], eps)], dim=-1)  # [r, 2d]
         qkv = self.layer.qkv(x).contiguous()
         write = None
-        if visible is None and slot != self.length:  # causal over the r rows, after slots it does not see
-            visible = torch.cat([torch.zeros(r, slot - self.length, dtype=torch.bool),
-                                 torch.ones(r, r, dtype=torch.bool).tril()], dim=1)
+        if visible is None and slot != self.length:  # causal after slots it does not see (the kernel's default
+            visible = self._causal_visible(r, slot)  # is causal right after the committed rows)
         if visible is not None:
             visible = visible.contiguous()
             write = torch.arange(slot, end)

@@ -19,8 +19,8 @@ Every step runs two branches in one target forward:
 The pool is seeded with the prompt's N-grams and, after each step, with the N-grams ending at the newly emitted
 tokens (as Lookahead's ``POOL_FROM_PROMPT``), besides the lookahead branch's N-grams.
 
-**Size.** Spec-Bench's ``W=7, N=5, G=7`` puts up to 60 tokens in every forward (27 lookahead + 28 verification + the
-root): nearly free on a GPU, where a forward over 60 tokens costs about what one over a single token costs, but not
+**Size.** Spec-Bench's ``W=7, N=5, G=7`` puts up to 56 tokens in every forward (27 lookahead + 28 verification + the
+root): nearly free on a GPU, where a forward over 56 tokens costs about what one over a single token costs, but not
 on a CPU, where it costs several single-token forwards while the tokens gained per step rise only slowly with the
 size (measured on SmolLM2-135M, AVX2, 2 cores: tau 1.83 at 7/5/7 against 1.40 at 1/3/2, and 0.23x against 0.86x
 the speed of autoregressive decoding; ``docs/methods.md``). So options left at 0 are sized from this machine's cost
