@@ -212,7 +212,8 @@ class LookaheadProposer(Proposer):
 
 @register(
     "lookahead",
-    "lookahead decoding: a Jacobi window feeds an n-gram pool whose candidates are verified in the same forward",
+    "lookahead decoding: a Jacobi window feeds an n-gram pool whose candidates are verified in the same forward "
+    "(options at 0: sized from this machine's cost curve)",
     source="Fu et al. 2024 (arXiv 2402.02057); Spec-Bench's W=7 N=5 G=7 where forwards are nearly free",
 )
 def lookahead(target, *, window: int = 0, ngram: int = 0, guesses: int = 0) -> LookaheadProposer:
