@@ -120,16 +120,18 @@ def canonical_command(args, specs, peers) -> str:
 
 
 def _print_overall(summary: dict, out_dir: Path) -> None:
-    print(f"{'method':<20} {'tok/s':>8} {'geomean':>8} {'arith':>8} {'total':>8} {'tau':>6} {'mismatch':>8}")
+    print(f"{'method':<20} {'tok/s':>8} {'geomean':>8} {'arith':>8} {'total':>8} {'tau':>6} {'draft ms':>8} "
+          f"{'mismatch':>8}")
     for label, m in summary["methods"].items():
         def f(x, nd=2):
             return "-" if x is None else f"{x:.{nd}f}"
 
+        draft_ms = "-" if m["kind"] == "peer" else f(m.get("draft_ms_per_step"))  # drafting per decoding step
         mism = "n/a" if not m["checked"] else str(m["mismatches"])
         if not m["checked"] and m.get("agreement"):  # a peer with other arithmetic: its agreement with AR
             mism = f"~{m['agreement']['identical_prefix_fraction']:.0%}"
         print(f"{label:<20} {f(m['tokens_per_s'], 1):>8} {f(m['speedup_geomean']):>8} {f(m['speedup_arith']):>8} "
-              f"{f(m['speedup_total']):>8} {f(m['tau']):>6} {mism:>8}")
+              f"{f(m['speedup_total']):>8} {f(m['tau']):>6} {draft_ms:>8} {mism:>8}")
     print(f"report: {out_dir / 'report.md'}")
 
 
