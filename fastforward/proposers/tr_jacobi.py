@@ -43,7 +43,7 @@ from ..paths import trees_dir
 from ..tree import DraftTree, TreeShape, load_choices, read_tree_file, tree_from_choices
 from . import register
 from .jacobi import INIT_MODES, init_tokens
-from .pld import prompt_lookup
+from .pld import NgramIndex
 
 
 def builtin_choices(depth: int = 2, width: int = 2) -> list[list[int]]:
@@ -185,6 +185,7 @@ class TRJacobiProposer(Proposer):
         self._dk = template.depth * template.width
         self._buf = torch.zeros(1 + self._dk + template.retrieval_len, dtype=torch.long)
         self._k = template.width
+        self.index = NgramIndex(ngram, min_ngram)  # the lookup, updated with new tokens only (as pld's)
         self._reset_stats()
 
     def _reset_stats(self):
@@ -200,6 +201,8 @@ class TRJacobiProposer(Proposer):
     def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
         self._reset_stats()
         self._k = min(self.t.width, state.target.vocab_size)
+        self.index.reset()
+        self.index.sync(state.tokens)
         if self._dk:
             self.cand = self._noise(state, self.t.depth, self.t.width)
 
@@ -208,7 +211,8 @@ class TRJacobiProposer(Proposer):
         retrieved = None
         m = 0
         if t.retrieval_len:
-            retrieved = prompt_lookup(state.tokens, self.ngram, t.retrieval_len, self.min_ngram)
+            self.index.sync(state.tokens)  # reads only the tokens accepted since the last step
+            retrieved = self.index.match(state.tokens, t.retrieval_len)[0]
             m = retrieved.numel()
         buf = self._buf
         buf[0] = state.root
