@@ -198,3 +198,42 @@ def test_default_model_packed_matches_dequantised_fp32(default_model):
     hf = fp32.hf_model.model.layers[0].self_attn
     qkv = torch.cat([hf.q_proj.weight, hf.k_proj.weight, hf.v_proj.weight])
     assert torch.equal(default_model.backend.layers[0].qkv.dense(), qkv)
+
+
+def test_fused_packed_layer_is_bitwise_the_per_op_forward(tiny_packed):
+    """One sequence over packed layers runs each layer as one native call (``ops.packed_layer``): logits, hidden
+    states and the KV cache written are bitwise those of the per-op calls, for a prompt and for a tree step with
+    its own write slots."""
+    packed, _ = tiny_packed
+    backend = packed.backend
+    if backend.ops is None or not hasattr(backend.ops, "packed_layer"):
+        pytest.skip("no native layer ops here")
+    assert all(layer.packed_weights() is not None for layer in backend.layers)
+
+    class PerOp:  # the same native ops without the fused call
+        def __init__(self, ops):
+            self.ops = ops
+
+        def __getattr__(self, name):
+            if name == "packed_layer":
+                raise AttributeError(name)
+            return getattr(self.ops, name)
+
+    prompt = torch.tensor([3, 17, 42, 8, 91, 5, 60])
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    tokens, positions = torch.tensor([14, 7, 33, 2]), torch.tensor([7, 8, 8, 9])
+    runs, native = [], backend.ops
+    try:
+        for ops in (native, PerOp(native)):
+            backend.ops = ops
+            cache = packed.new_cache(32)
+            first = packed.forward(prompt, torch.arange(7), cache, hidden_layers=(0, 1, -1))
+            cache.keep(range(7))
+            step = packed.forward(tokens, positions, cache, tree, write_slots=torch.tensor([7, 9, 8, 10]))
+            runs.append((first, step, cache.k.clone(), cache.v.clone()))
+    finally:
+        backend.ops = native
+    (f1, s1, k1, v1), (f2, s2, k2, v2) = runs
+    assert torch.equal(f1.logits, f2.logits) and torch.equal(s1.logits, s2.logits)
+    assert all(torch.equal(f1.hidden[i], f2.hidden[i]) for i in (0, 1, -1))
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -52,6 +52,8 @@
 
 #include "isa.h"
 
+at::Tensor ff_quant_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K);  // quant_gemm.cpp
+
 namespace {
 
 using ff::Isa;
@@ -713,6 +715,30 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   return out;
 }
 
+// One decoder layer of one sequence whose four linears are packed GGUF weights, in a single call: the same
+// calls the Python forward makes per layer (qkv, attention, o, add_rms_norm, gate|up, silu_mul, down,
+// add_rms_norm), so every value is bitwise the same, without ~8 Python-level calls and tensor views per layer.
+// x [q, hidden] is the residual stream (updated in place), h its normed input; returns the next normed input.
+at::Tensor packed_layer(at::Tensor& x, const at::Tensor& h, const at::Tensor& w_qkv, int64_t f_qkv,
+                        const at::Tensor& w_o, int64_t f_o, const at::Tensor& w_gu, int64_t f_gu,
+                        const at::Tensor& w_down, int64_t f_down, const at::Tensor& post_norm,
+                        const at::Tensor& next_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& positions, at::Tensor& k_all, at::Tensor& v_all, int64_t layer,
+                        int64_t start, const std::optional<at::Tensor>& visible, int64_t n_heads, int64_t n_kv_heads,
+                        const std::optional<at::Tensor>& write_slots) {
+  TORCH_CHECK(k_all.dim() == 4 && v_all.dim() == 4 && layer >= 0 && layer < k_all.size(0),
+              "packed_layer: k_all and v_all must be [layers, n_kv_heads, capacity, head_dim] and layer in range");
+  at::Tensor k_cache = k_all.select(0, layer), v_cache = v_all.select(0, layer);
+  const at::Tensor qkv = ff_quant_mm(h, w_qkv, f_qkv, h.size(1));
+  const at::Tensor attn = attention(qkv, cos, sin, positions, k_cache, v_cache, start, visible, n_heads, n_kv_heads,
+                                    write_slots);
+  const at::Tensor o = ff_quant_mm(attn, w_o, f_o, attn.size(1));
+  const at::Tensor h2 = add_rms_norm(x, o, post_norm, eps);
+  const at::Tensor act = silu_mul(ff_quant_mm(h2, w_gu, f_gu, h2.size(1)));
+  const at::Tensor down = ff_quant_mm(act, w_down, f_down, act.size(1));
+  return add_rms_norm(x, down, next_norm, eps);
+}
+
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
@@ -721,6 +747,15 @@ void register_layer_ops(pybind11::module& m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place), then return rms_norm(x, w, eps)", pybind11::arg("x"),
         pybind11::arg("delta"), pybind11::arg("w"), pybind11::arg("eps"));
   m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:] for gu [q, 2I] (fp32)", pybind11::arg("gu"));
+  m.def("packed_layer", &packed_layer,
+        "one decoder layer with packed weights: x += attention and MLP outputs in place, returns the next normed "
+        "input", pybind11::arg("x"), pybind11::arg("h"), pybind11::arg("w_qkv"), pybind11::arg("f_qkv"),
+        pybind11::arg("w_o"), pybind11::arg("f_o"), pybind11::arg("w_gu"), pybind11::arg("f_gu"),
+        pybind11::arg("w_down"), pybind11::arg("f_down"), pybind11::arg("post_norm"), pybind11::arg("next_norm"),
+        pybind11::arg("eps"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"),
+        pybind11::arg("k_all"), pybind11::arg("v_all"), pybind11::arg("layer"), pybind11::arg("start"),
+        pybind11::arg("visible"), pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"),
+        pybind11::arg("write_slots"));
   m.def("attention", &attention,
         "RoPE, KV-cache write and GQA attention of q new tokens over a prefix of `start` cached tokens plus the "
         "slots after it each row sees (visible [q, W] bool: row i sees slot start+j where visible[i, j]; None = "

@@ -565,6 +565,9 @@ at::Tensor quant_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Ten
 
 }  // namespace
 
+// For the other sources of the module (layer_ops.cpp's fused layer): the same product.
+at::Tensor ff_quant_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) { return quant_mm(x, w, fmt, K); }
+
 void register_quant_gemm(pybind11::module& m) {
   m.def("quant_mm", &quant_mm, "out[M, N] = x[M, K] @ dequantize(w)^T for a packed GGUF weight w [N, row_bytes]",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("fmt"), pybind11::arg("k"));

@@ -50,6 +50,19 @@ class LlamaLayer:
         """[T, hidden] normed states -> [T, hidden]: down(silu(gate) * up)."""
         return self.down(ops.silu_mul(self.gate_up(h)))
 
+    def packed_weights(self) -> tuple | None:
+        """(data, fmt) of qkv, o, gate|up and down, flattened, when all four are packed GGUF weights on the native
+        kernel and the layer has no biases (what ``ops.packed_layer`` runs in one call); else None."""
+        linears = (self.qkv, self.o, self.gate_up, self.down)
+        cached = self.__dict__.get("_packed")
+        if cached is not None and all(a is b for a, b in zip(cached[0], linears, strict=True)):
+            return cached[1]
+        ok = self.bqkv is None and self.bo is None and all(
+            isinstance(lin, PackedLinear) and lin.data is not None for lin in linears)
+        args = tuple(v for lin in linears for v in (lin.data, lin.fmt)) if ok else None
+        self.__dict__["_packed"] = (linears, args)
+        return args
+
 
 def rope_tables(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[max_positions, head_dim]`` of the default (unscaled) rotary embedding, computed exactly as
@@ -304,7 +317,8 @@ class LeanLlama:
     def _forward_native(self, requests: list[ForwardRequest], hidden_layers, last_only):
         """The forward in native layer ops: per layer RMSNorm (fused with the residual add), qkv, attention (RoPE, KV
         write, tree attention; per sequence), o, RMSNorm, gate|up, SiLU*mul, down. Rows of all sequences are
-        stacked ([T, hidden], T = total new tokens) for the matmuls and the row-wise ops."""
+        stacked ([T, hidden], T = total new tokens) for the matmuls and the row-wise ops. One sequence over packed
+        layers runs each layer as one native call (``ops.packed_layer``: the same ops in the same order)."""
         ops, eps = self.ops, self.eps
         bounds, row = [], 0
         for r in requests:
@@ -318,7 +332,18 @@ class LeanLlama:
         ids = requests[0].ids if len(requests) == 1 else torch.cat([r.ids for r in requests])
         x = self.embed.rows(ids)  # [T, hidden], the residual stream (updated in place by add_rms_norm)
         h = ops.rms_norm(x, self.layers[0].in_norm, eps)
+        fused = len(requests) == 1 and hasattr(ops, "packed_layer")
         for i, layer in enumerate(self.layers):
+            last = i + 1 == len(self.layers)
+            packed = layer.packed_weights() if fused else None
+            if packed is not None:  # the whole layer in one native call, bitwise the same as the calls below
+                r = requests[0]
+                h = ops.packed_layer(x, h, *packed, layer.post_norm, self.norm if last else self.layers[i + 1].in_norm,
+                                     eps, self.cos, self.sin, positions[0], r.cache.k, r.cache.v, i, starts[0],
+                                     visible[0], self.n_heads, self.n_kv_heads, r.write_slots)
+                if i in wanted:
+                    hidden[i] = x.clone()
+                continue
             qkv = layer.project_qkv(h)  # [T, (nh + 2 nkv) d]
             parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
                                    requests[j].cache.v[i], starts[j], visible[j], self.n_heads, self.n_kv_heads,
@@ -327,7 +352,6 @@ class LeanLlama:
             o = layer.attention_output(parts[0] if len(parts) == 1 else torch.cat(parts))  # [T, hidden]
             h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output
             down = layer.mlp(h, ops)  # [T, hidden]
-            last = i + 1 == len(self.layers)
             h = ops.add_rms_norm(x, down, self.norm if last else self.layers[i + 1].in_norm, eps)  # x += mlp output
             if i in wanted:
                 hidden[i] = x.clone()
