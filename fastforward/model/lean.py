@@ -334,25 +334,23 @@ class LeanLlama:
         h = ops.rms_norm(x, self.layers[0].in_norm, eps)
         fused = len(requests) == 1 and hasattr(ops, "packed_layer")
         for i, layer in enumerate(self.layers):
-            last = i + 1 == len(self.layers)
+            next_norm = self.norm if i + 1 == len(self.layers) else self.layers[i + 1].in_norm
             packed = layer.packed_weights() if fused else None
             if packed is not None:  # the whole layer in one native call, bitwise the same as the calls below
                 r = requests[0]
-                h = ops.packed_layer(x, h, *packed, layer.post_norm, self.norm if last else self.layers[i + 1].in_norm,
-                                     eps, self.cos, self.sin, positions[0], r.cache.k, r.cache.v, i, starts[0],
-                                     visible[0], self.n_heads, self.n_kv_heads, r.write_slots)
-                if i in wanted:
-                    hidden[i] = x.clone()
-                continue
-            qkv = layer.project_qkv(h)  # [T, (nh + 2 nkv) d]
-            parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
-                                   requests[j].cache.v[i], starts[j], visible[j], self.n_heads, self.n_kv_heads,
-                                   requests[j].write_slots)
-                     for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]: every sequence over its own cache
-            o = layer.attention_output(parts[0] if len(parts) == 1 else torch.cat(parts))  # [T, hidden]
-            h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output
-            down = layer.mlp(h, ops)  # [T, hidden]
-            h = ops.add_rms_norm(x, down, self.norm if last else self.layers[i + 1].in_norm, eps)  # x += mlp output
+                h = ops.packed_layer(x, h, *packed, layer.post_norm, next_norm, eps, self.cos, self.sin, positions[0],
+                                     r.cache.k, r.cache.v, i, starts[0], visible[0], self.n_heads, self.n_kv_heads,
+                                     r.write_slots)
+            else:
+                qkv = layer.project_qkv(h)  # [T, (nh + 2 nkv) d]
+                parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
+                                       requests[j].cache.v[i], starts[j], visible[j], self.n_heads, self.n_kv_heads,
+                                       requests[j].write_slots)
+                         for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]: every sequence over its own cache
+                o = layer.attention_output(parts[0] if len(parts) == 1 else torch.cat(parts))  # [T, hidden]
+                h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output
+                down = layer.mlp(h, ops)  # [T, hidden]
+                h = ops.add_rms_norm(x, down, next_norm, eps)  # x += mlp output
             if i in wanted:
                 hidden[i] = x.clone()
         if -1 in wanted:  # the final normed states of every new token, like the other layers' (and HF's)
