@@ -50,8 +50,6 @@ inline float fp16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
-
 // 32 unsigned bytes -> slot s of int32 lanes (element s*kLanes + lane).
 #if defined(FF_ISA_AVX512)
 using IReg = __m512i;
@@ -83,21 +81,17 @@ inline Reg bf16_to_float(const uint8_t* p) {
 }
 #endif
 
+#if !defined(FF_ISA_AVX512)
 // The 4-bit values of 32 weights whose low nibbles are elements 0..15 of 16 bytes and high nibbles 16..31
-// (Q4_0 / Q4_1 layout), slot by slot.
+// (Q4_0 / Q4_1 layout), slot by slot (8 lanes; with 16 lanes these blocks decode by `nibble_lookup`).
 inline void nibbles_split16(const uint8_t* qs, IReg q[kSlots]) {
-#if defined(FF_ISA_AVX512)
-  const IReg b = widen_u8(qs);
-  q[0] = iand(b, 0xF);
-  q[1] = isrl(b, 4);
-#else
   const IReg b0 = widen_u8(qs), b1 = widen_u8(qs + 8);
   q[0] = iand(b0, 0xF);
   q[1] = iand(b1, 0xF);
   q[2] = isrl(b0, 4);
   q[3] = isrl(b1, 4);
-#endif
 }
+#endif
 
 inline int load_u32(const uint8_t* p) {
   int v;
