@@ -172,7 +172,7 @@ def linear_from_tensor(t: GGUFTensor, *, native, permute_heads: int | None = Non
     if t.type_id in PACKED_FORMATS and native is not None and in_features % PACKED_FORMATS[t.type_id][1] == 0:
         data = t.read()
         data = data.index_select(0, order) if order is not None else data
-        return PackedLinear(data, t.type_id, in_features, native=native)
+        return PackedLinear(data, t.type_id, in_features, native=native, owned=True)
     if t.type_id in (0, 1):  # F32, F16
         dense = _values(t).reshape(out_features, in_features)
     else:

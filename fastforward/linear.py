@@ -2,10 +2,11 @@
 
 * :class:`DenseLinear` -- fp32 weights (HF folders): fastforward's skinny-GEMM kernel for up to ``kernel_max_q``
   rows, MKL beyond. Kept in the two layouts those want (``[in, out]`` and ``[out, in]``).
-* :class:`PackedLinear` -- a GGUF block-quantised weight kept packed as the file stores it (``[out, row_bytes]``
-  uint8) and multiplied by the native ``quant_mm`` kernel with fp32 activations: the product of the dequantised
-  model, reading 4.5-8.5 bits per weight. Without the native kernels it is dequantised once to fp32 (the plain
-  PyTorch path).
+* :class:`PackedLinear` -- a GGUF block-quantised weight kept packed (``[out, row_bytes]`` uint8, the file's bytes;
+  for Q4_0 / Q4_1 / Q8_0 each row's fp16 block scales regrouped in front of its quants, which the kernel converts
+  eight at a time) and multiplied by the native ``quant_mm`` kernel with fp32 activations: the product of the
+  dequantised model, reading 4.5-8.5 bits per weight. Without the native kernels it is dequantised once to fp32
+  (the plain PyTorch path).
 
 Both compute each output row independently of the other rows in the call (bitwise), which is what makes a tree
 verification give exactly the logits of decoding its path token by token.
@@ -70,9 +71,13 @@ class DenseLinear:
 
 
 class PackedLinear:
-    """A GGUF block-quantised ``W [out, in]`` kept packed (``data [out, row_bytes]`` uint8, GGML type ``fmt``)."""
+    """A GGUF block-quantised ``W [out, in]`` kept packed: ``data [out, row_bytes]`` uint8 of GGML type ``fmt``, in
+    the kernel's layout (see the module docstring). ``data`` comes in the file's layout and is regrouped into a
+    copy, or in place when ``owned`` (the caller hands it over: no second copy of a large weight at load);
+    ``kernel_layout=True`` says it already is in the kernel's (a concatenation of such weights)."""
 
-    def __init__(self, data: torch.Tensor, fmt: int, in_features: int, *, native=None):
+    def __init__(self, data: torch.Tensor, fmt: int, in_features: int, *, native=None, kernel_layout: bool = False,
+                 owned: bool = False):
         name, qk, nb = PACKED_FORMATS[fmt]
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != in_features // qk * nb:
             raise ValueError(f"a {name} weight with {in_features} inputs needs [out, {in_features // qk * nb}] uint8")
@@ -80,7 +85,11 @@ class PackedLinear:
         self.out_features, self.in_features = data.shape[0], in_features
         self.native = native
         if native is not None:
-            self.data = data.contiguous()
+            if kernel_layout:
+                self.data = data.contiguous()
+            else:
+                self.data = data.contiguous() if owned else data.clone(memory_format=torch.contiguous_format)
+                native.regroup_block_scales_(self.data, fmt, in_features, True)
             self._dense = None
         else:  # the plain PyTorch path: dequantise once
             self.data = None
@@ -101,7 +110,11 @@ class PackedLinear:
         """All of W as fp32 (for tests and conversions; not used by the forward)."""
         if self._dense is not None:
             return self._dense.dense()
-        return dequantize(self.data, self.fmt, self.in_features)
+        return dequantize(self.file_layout(), self.fmt, self.in_features)
+
+    def file_layout(self) -> torch.Tensor:
+        """A copy of ``data`` with the file's (GGUF) layout."""
+        return self.native.regroup_block_scales_(self.data.clone(), self.fmt, self.in_features, False)
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +128,8 @@ class PackedLinear:
         if first.data is None or any(p.fmt != first.fmt or p.in_features != first.in_features or p.data is None
                                      for p in parts):
             return None
-        return PackedLinear(torch.cat([p.data for p in parts]), first.fmt, first.in_features, native=first.native)
+        return PackedLinear(torch.cat([p.data for p in parts]), first.fmt, first.in_features, native=first.native,
+                            kernel_layout=True)
 
 
 def quantize(w: torch.Tensor, format_name: str) -> torch.Tensor:

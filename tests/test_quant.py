@@ -38,8 +38,21 @@ FORMATS = sorted(PACKED_FORMATS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=[PACKED_FORMATS[f][0] for f in FORMATS])
 def test_rows_decode_to_exactly_the_reference_dequantisation(fmt):
     data = random_blocks(fmt, 37, 512)
-    native = kernels.load_native()
-    assert torch.equal(native.quant_rows(data, fmt, 512, torch.arange(37)), dequantize(data, fmt, 512))
+    before = data.clone()
+    lin = PackedLinear(data, fmt, 512, native=kernels.load_native())
+    assert torch.equal(data, before)  # the caller's bytes are left alone (regrouped into a copy)
+    assert torch.equal(lin.rows(torch.arange(37)), dequantize(data, fmt, 512))
+    assert torch.equal(lin.file_layout(), data)  # the kernel's layout holds the same bytes, regrouped
+
+
+def test_the_kernel_layout_puts_each_rows_block_scales_first():
+    """Q4_1 rows (d, m, 16 quant bytes per block) in the kernel's layout: all of a row's (d, m) pairs, then all of
+    its quant bytes, block by block."""
+    data = random_blocks(3, 5, 96)  # 3 blocks of 20 bytes per row
+    kernel = kernels.load_native().regroup_block_scales_(data.clone(), 3, 96, True)
+    blocks = data.view(5, 3, 20)
+    assert torch.equal(kernel[:, :12], blocks[:, :, :4].reshape(5, 12))
+    assert torch.equal(kernel[:, 12:], blocks[:, :, 4:].reshape(5, 48))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=[PACKED_FORMATS[f][0] for f in FORMATS])

@@ -284,7 +284,8 @@ def _pack_layers(backend, fmt: str = "Q8_0") -> None:
     for layer in backend.layers:
         for name in ("qkv", "o", "gate_up", "down"):
             w = getattr(layer, name).dense()
-            setattr(layer, name, PackedLinear(quantize(w, fmt), FORMAT_IDS[fmt], w.shape[1], native=native))
+            packed = PackedLinear(quantize(w, fmt), FORMAT_IDS[fmt], w.shape[1], native=native, owned=True)
+            setattr(layer, name, packed)
     backend.matmul_kernel = f"quant-{native.isa} ({fmt} layers)"
 
 

@@ -401,7 +401,7 @@ def decode_linear_factory(weights: str):
     def linear(w: torch.Tensor):
         w = w.detach().float().contiguous()
         if native is not None and w.shape[1] % 32 == 0:
-            return PackedLinear(quantize(w, "Q8_0"), 8, w.shape[1], native=native)
+            return PackedLinear(quantize(w, "Q8_0"), 8, w.shape[1], native=native, owned=True)
         return DenseLinear(w)
 
     linear.layer_ops = native if native is not None and hasattr(native, "attention") else None

@@ -15,8 +15,9 @@
 //   into an L1 scratch (more rows) never change that arithmetic.
 //
 // With 16 lanes, a Q4_0 / Q4_1 block's 16 possible weight values are computed that way once and its 32 nibbles
-// looked up among them (vpermps), which gives the same values with a third of the vector work. Each row's fp16
-// block scales are converted once per row (`prepare_row`), and every block prefetches the bytes 4 KB ahead.
+// looked up among them (vpermps), which gives the same values with a third of the vector work. Q4_0 / Q4_1 / Q8_0
+// rows are kept with their fp16 block scales regrouped in front of the quants (`regroup_block_scales_`, same
+// bytes), converted once per row (`prepare_row`), and every block prefetches the bytes 4 KB ahead.
 //
 // Formats (QK = weights per block, bytes per block): Q4_0 (32, 18), Q4_1 (32, 20), Q8_0 (32, 34),
 // Q4_K (256, 144), Q6_K (256, 210), and BF16 (32, 64). Any other GGUF type is dequantised at load by the Python
@@ -93,11 +94,6 @@ inline void nibbles_split16(const uint8_t* qs, IReg q[kSlots]) {
 }
 #endif
 
-inline int load_u32(const uint8_t* p) {
-  int v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
 #if defined(FF_ISA_AVX512)
 // 0, 1, ..., 15: the values of a nibble.
 inline IReg nibble_values() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
@@ -119,12 +115,13 @@ inline void nibbles32(const uint8_t* qs, bool hi, IReg q[kSlots]) {
   }
 }
 
-// A weight row as the decoders read it: its bytes and, for the formats with one or two fp16 scales per 32-weight
-// block (Q4_0, Q8_0: d; Q4_1: d, m), those scales already converted to fp32 (`prepare_row`), kScales per block.
-// Converting them once per row instead of inside every block's decode takes the conversion and the broadcasts
-// off the shuffle port, where the decode of a lone activation row is bound (the scales then broadcast from memory).
+// A weight row as the decoders read it: its quants (K-quants, BF16: all its bytes) and, for the formats with one
+// or two fp16 scales per 32-weight block (Q4_0, Q8_0: d; Q4_1: d, m), those scales already converted to fp32
+// (`prepare_row`), kScales per block. Converting them once per row instead of inside every block's decode takes
+// the conversion and the broadcasts off the shuffle port, where the decode of a lone activation row is bound (the
+// scales then broadcast from memory).
 struct WRow {
-  const uint8_t* p;
+  const uint8_t* q;
   const float* s;
 };
 
@@ -134,18 +131,17 @@ struct Decoder;
 
 template <>
 struct Decoder<kQ4_0> {
-  static constexpr int64_t kQK = 32, kBytes = 18;
+  static constexpr int64_t kQK = 32, kBytes = 18, kQBytes = 16;
   static constexpr int kScales = 1;
-  static inline void scales(const uint8_t* blk, float* s) { s[0] = fp16(blk); }
   static inline void decode(const WRow& row, int64_t b, Reg w[kSlots]) {
-    const uint8_t* blk = row.p + b * kBytes;
+    const uint8_t* blk = row.q + b * kQBytes;
     const Reg d = Isa::bcast(row.s + b);
 #if defined(FF_ISA_AVX512)
     // The 16 values a nibble can stand for, computed as below, then looked up (the same fp32 values).
-    nibble_lookup(Isa::mul(d, tofloat(isub(nibble_values(), 8))), blk + 2, w);
+    nibble_lookup(Isa::mul(d, tofloat(isub(nibble_values(), 8))), blk, w);
 #else
     IReg q[kSlots];
-    nibbles_split16(blk + 2, q);
+    nibbles_split16(blk, q);
     for (int s = 0; s < kSlots; ++s) w[s] = Isa::mul(d, tofloat(isub(q[s], 8)));
 #endif
   }
@@ -153,20 +149,17 @@ struct Decoder<kQ4_0> {
 
 template <>
 struct Decoder<kQ4_1> {
-  static constexpr int64_t kQK = 32, kBytes = 20;
+  static constexpr int64_t kQK = 32, kBytes = 20, kQBytes = 16;
   static constexpr int kScales = 2;
-  static inline void scales(const uint8_t* blk, float* s) {  // d and m, converted together
-    _mm_storel_pi(reinterpret_cast<__m64*>(s), _mm_cvtph_ps(_mm_cvtsi32_si128(load_u32(blk))));
-  }
   static inline void decode(const WRow& row, int64_t b, Reg w[kSlots]) {
-    const uint8_t* blk = row.p + b * kBytes;
+    const uint8_t* blk = row.q + b * kQBytes;
     const Reg d = Isa::bcast(row.s + 2 * b), m = Isa::bcast(row.s + 2 * b + 1);
 #if defined(FF_ISA_AVX512)
     // The 16 values a nibble can stand for, computed as below, then looked up (the same fp32 values).
-    nibble_lookup(Isa::add(Isa::mul(d, tofloat(nibble_values())), m), blk + 4, w);
+    nibble_lookup(Isa::add(Isa::mul(d, tofloat(nibble_values())), m), blk, w);
 #else
     IReg q[kSlots];
-    nibbles_split16(blk + 4, q);
+    nibbles_split16(blk, q);
     for (int s = 0; s < kSlots; ++s) w[s] = Isa::add(Isa::mul(d, tofloat(q[s])), m);
 #endif
   }
@@ -174,13 +167,12 @@ struct Decoder<kQ4_1> {
 
 template <>
 struct Decoder<kQ8_0> {
-  static constexpr int64_t kQK = 32, kBytes = 34;
+  static constexpr int64_t kQK = 32, kBytes = 34, kQBytes = 32;
   static constexpr int kScales = 1;
-  static inline void scales(const uint8_t* blk, float* s) { s[0] = fp16(blk); }
   static inline void decode(const WRow& row, int64_t b, Reg w[kSlots]) {
-    const uint8_t* blk = row.p + b * kBytes;
+    const uint8_t* blk = row.q + b * kQBytes;
     const Reg d = Isa::bcast(row.s + b);
-    for (int s = 0; s < kSlots; ++s) w[s] = Isa::mul(d, tofloat(widen_s8(blk + 2 + s * kLanes)));
+    for (int s = 0; s < kSlots; ++s) w[s] = Isa::mul(d, tofloat(widen_s8(blk + s * kLanes)));
   }
 };
 
@@ -188,11 +180,10 @@ struct Decoder<kQ8_0> {
 // of nibbles (64-weight chunks: low nibbles first 32, high nibbles next 32). w = (d * sc) * q - (dmin * m).
 template <>
 struct Decoder<kQ4_K> {
-  static constexpr int64_t kQK = 256, kBytes = 144;
+  static constexpr int64_t kQK = 256, kBytes = 144, kQBytes = kBytes / 8;  // kQBytes: per 32 weights
   static constexpr int kScales = 0;
-  static inline void scales(const uint8_t*, float*) {}
   static inline void decode(const WRow& wrow, int64_t b, Reg w[kSlots]) {
-    const uint8_t* row = wrow.p;
+    const uint8_t* row = wrow.q;
     const uint8_t* blk = row + (b >> 3) * kBytes;
     const int j = static_cast<int>(b & 7);
     const uint8_t* sc6 = blk + 4;
@@ -218,11 +209,10 @@ struct Decoder<kQ4_K> {
 // (qh[e % 32] >> 2*(e / 32)) & 3. w = (d * scale) * (q - 32).
 template <>
 struct Decoder<kQ6_K> {
-  static constexpr int64_t kQK = 256, kBytes = 210;
+  static constexpr int64_t kQK = 256, kBytes = 210, kQBytes = kBytes / 8;  // kQBytes: about, per 32 weights
   static constexpr int kScales = 0;
-  static inline void scales(const uint8_t*, float*) {}
   static inline void decode(const WRow& wrow, int64_t b, Reg w[kSlots]) {
-    const uint8_t* row = wrow.p;
+    const uint8_t* row = wrow.q;
     const uint8_t* blk = row + (b >> 3) * kBytes;
     const int j = static_cast<int>(b & 7);
     const int half = j >> 2, e0 = (j & 3) * 32;
@@ -247,31 +237,42 @@ struct Decoder<kQ6_K> {
 // BF16: plain bfloat16 weights (the upper halves of fp32s), read 32 at a time.
 template <>
 struct Decoder<kBF16> {
-  static constexpr int64_t kQK = 32, kBytes = 64;
+  static constexpr int64_t kQK = 32, kBytes = 64, kQBytes = kBytes;
   static constexpr int kScales = 0;
-  static inline void scales(const uint8_t*, float*) {}
   static inline void decode(const WRow& wrow, int64_t b, Reg w[kSlots]) {
-    const uint8_t* row = wrow.p;
+    const uint8_t* row = wrow.q;
     const uint8_t* blk = row + b * kBytes;
     for (int s = 0; s < kSlots; ++s) w[s] = bf16_to_float(blk + s * kLanes * 2);
   }
 };
 
-// Row p (K weights) ready to decode: its per-block scales converted into `buf` (room for K / 32 * 2 floats).
+// The kernel's layout of a row of a format with fp16 block scales (Q4_0, Q4_1, Q8_0): the row's scales first,
+// kScales per block in block order (2 * kScales * K/32 bytes), then its blocks' quants (kQBytes each) -- the GGUF
+// row's bytes regrouped, same size (`split_block_scales_`). The scales then convert to fp32 eight at a time and the
+// quants load at a fixed stride. (Converting them from the GGUF layout, four bytes at a 20-byte stride, cost a
+// fifth of a lone activation row's product, even gathered.) K-quants and BF16 rows are used as the file has them.
+template <int F>
+constexpr int64_t scale_bytes(int64_t K) { return K / 32 * 2 * Decoder<F>::kScales; }
+
+// Row p (K weights, kernel layout) ready to decode: its scales converted into buf (room for scale_room(K) floats;
+// the last group of eight reads up to 14 bytes into the row's quants and fills the padding with values nobody
+// uses -- a conversion, which cannot fault).
+inline int64_t scale_room(int64_t K) { return (K / 32 * 2 + 7) / 8 * 8; }
 template <int F>
 inline WRow prepare_row(const uint8_t* p, int64_t K, float* buf) {
-  using D = Decoder<F>;
-  if constexpr (D::kScales > 0) {
-    const int64_t blocks = K / 32;
-    for (int64_t b = 0; b < blocks; ++b) D::scales(p + b * D::kBytes, buf + b * D::kScales);
+  constexpr int kS = Decoder<F>::kScales;
+  if constexpr (kS > 0) {
+    const int64_t n = K / 32 * kS;
+    for (int64_t i = 0; i < n; i += 8)
+      _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
   }
-  return WRow{p, buf};
+  return WRow{p + scale_bytes<F>(K), buf};
 }
 
 // A thread's scratch for the converted scales of `rows` weight rows of K weights.
-inline float* scale_scratch(int rows, int64_t K) {
+inline float* scale_scratch(int64_t rows, int64_t K) {
   thread_local std::vector<float> buf;
-  const size_t need = static_cast<size_t>(rows) * static_cast<size_t>(K / 32 * 2);
+  const size_t need = static_cast<size_t>(rows) * static_cast<size_t>(scale_room(K));
   if (buf.size() < need) buf.resize(need);
   return buf.data();
 }
@@ -296,7 +297,7 @@ constexpr int64_t kChunk = 128;  // weights per partial sum (blocked summation),
 template <int F, int MR, int NR>
 inline void add_block(const float* x, int64_t K, const WRow* wrows, int64_t b, Reg (&acc)[MR][NR]) {
   Reg w[NR][kSlots];
-  for (int r = 0; r < NR; ++r) prefetch_ahead(wrows[r].p + b * Decoder<F>::kBytes);
+  for (int r = 0; r < NR; ++r) prefetch_ahead(wrows[r].q + b * Decoder<F>::kQBytes);
   for (int r = 0; r < NR; ++r) Decoder<F>::decode(wrows[r], b, w[r]);
   for (int s = 0; s < kSlots; ++s)
     for (int i = 0; i < MR; ++i) {
@@ -400,38 +401,29 @@ inline void scratch_rows(const float* x, int64_t M, int64_t K, const float* wf, 
   if (m0 < M) scratch_tile<1, NR>(x + m0 * K, K, wf, out + m0 * N, N, n);
 }
 
+// Weight row `wrow` (K weights, scales converted) decoded into wf[0..K).
 template <int F>
-void decode_row(const uint8_t* p, int64_t K, float* wf) {
+void decode_row(const WRow& wrow, int64_t K, float* wf) {
   using D = Decoder<F>;
-  const WRow wrow = prepare_row<F>(p, K, scale_scratch(1, K));
   const int64_t blocks = K / 32;
   for (int64_t b = 0; b < blocks; ++b) {
     Reg w[kSlots];
-    prefetch_ahead(p + b * D::kBytes);
+    prefetch_ahead(wrow.q + b * D::kQBytes);
     D::decode(wrow, b, w);
     for (int s = 0; s < kSlots; ++s) Isa::store(wf + b * 32 + s * kLanes, w[s]);
   }
 }
 
-template <int F, int MR, int NR, int NC>
-inline void direct_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* out, int64_t N,
-                        int64_t n) {
-  float* scales = scale_scratch(NR, K);
-  WRow rows[NR];
-  for (int r = 0; r < NR; ++r) rows[r] = prepare_row<F>(w + (n + r) * row_bytes, K, scales + r * (K / 32 * 2));
-  direct_tile<F, MR, NR, NC>(x, K, rows, out, N, n);
-}
-
 // 3..kDirectRows activation rows, one weight row.
 template <int F>
-inline void direct_rows_one_weight_row(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
-                                       float* out, int64_t N, int64_t n) {
+inline void direct_rows_one_weight_row(const float* x, int64_t M, int64_t K, const WRow* row, float* out, int64_t N,
+                                       int64_t n) {
   switch (M) {
-    case 3: direct_rows<F, 3, 1, kFewRowChunks>(x, K, w, row_bytes, out, N, n); break;
-    case 4: direct_rows<F, 4, 1, kFewRowChunks>(x, K, w, row_bytes, out, N, n); break;
-    case 5: direct_rows<F, 5, 1, 1>(x, K, w, row_bytes, out, N, n); break;
-    case 6: direct_rows<F, 6, 1, 1>(x, K, w, row_bytes, out, N, n); break;
-    default: direct_rows<F, 7, 1, 1>(x, K, w, row_bytes, out, N, n); break;
+    case 3: direct_tile<F, 3, 1, kFewRowChunks>(x, K, row, out, N, n); break;
+    case 4: direct_tile<F, 4, 1, kFewRowChunks>(x, K, row, out, N, n); break;
+    case 5: direct_tile<F, 5, 1, 1>(x, K, row, out, N, n); break;
+    case 6: direct_tile<F, 6, 1, 1>(x, K, row, out, N, n); break;
+    default: direct_tile<F, 7, 1, 1>(x, K, row, out, N, n); break;
   }
 }
 
@@ -443,29 +435,41 @@ void run_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t ro
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K * M));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * 4, n1 = std::min(N, g1 * 4);
-    if (M <= kDirectRows) {
-      int64_t n = n0;
-      if (M == 1) {
-        for (; n < n1; ++n) direct_rows<F, 1, 1, kOneRowChunks>(x, K, w, row_bytes, out, N, n);
-      } else if (M == 2) {
-        for (; n + 2 <= n1; n += 2) direct_rows<F, 2, 2, kTwoRowChunks>(x, K, w, row_bytes, out, N, n);
-        for (; n < n1; ++n) direct_rows<F, 2, 1, kTwoRowChunks>(x, K, w, row_bytes, out, N, n);
-      } else {
-        for (; n < n1; ++n) direct_rows_one_weight_row<F>(x, M, K, w, row_bytes, out, N, n);
-      }
-      return;
-    }
-    thread_local std::vector<float> buf;
-    if (static_cast<int64_t>(buf.size()) < kTileCols * K) buf.resize(kTileCols * K);
-    float* wf = buf.data();
+    float* scales = scale_scratch(kTileCols, K);
+    // Weight row n ready to decode, its scales in slot t of the scratch.
+    auto row = [&](int64_t n, int t) { return prepare_row<F>(w + n * row_bytes, K, scales + t * scale_room(K)); };
     int64_t n = n0;
-    for (; n + kTileCols <= n1; n += kTileCols) {
-      for (int r = 0; r < kTileCols; ++r) decode_row<F>(w + (n + r) * row_bytes, K, wf + r * K);
-      scratch_rows<kTileCols>(x, M, K, wf, out, N, n);
-    }
-    for (; n < n1; ++n) {
-      decode_row<F>(w + n * row_bytes, K, wf);
-      scratch_rows<1>(x, M, K, wf, out, N, n);
+    if (M == 1) {
+      for (; n < n1; ++n) {
+        const WRow r[1] = {row(n, 0)};
+        direct_tile<F, 1, 1, kOneRowChunks>(x, K, r, out, N, n);
+      }
+    } else if (M == 2) {
+      for (; n + 2 <= n1; n += 2) {
+        const WRow r[2] = {row(n, 0), row(n + 1, 1)};
+        direct_tile<F, 2, 2, kTwoRowChunks>(x, K, r, out, N, n);
+      }
+      for (; n < n1; ++n) {
+        const WRow r[1] = {row(n, 0)};
+        direct_tile<F, 2, 1, kTwoRowChunks>(x, K, r, out, N, n);
+      }
+    } else if (M <= kDirectRows) {
+      for (; n < n1; ++n) {
+        const WRow r[1] = {row(n, 0)};
+        direct_rows_one_weight_row<F>(x, M, K, r, out, N, n);
+      }
+    } else {
+      thread_local std::vector<float> buf;  // decoded weight rows
+      if (static_cast<int64_t>(buf.size()) < kTileCols * K) buf.resize(kTileCols * K);
+      float* wf = buf.data();
+      for (; n + kTileCols <= n1; n += kTileCols) {
+        for (int t = 0; t < kTileCols; ++t) decode_row<F>(row(n + t, t), K, wf + t * K);
+        scratch_rows<kTileCols>(x, M, K, wf, out, N, n);
+      }
+      for (; n < n1; ++n) {
+        decode_row<F>(row(n, 0), K, wf);
+        scratch_rows<1>(x, M, K, wf, out, N, n);
+      }
     }
   });
 }
@@ -552,9 +556,44 @@ at::Tensor quant_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Ten
   float* op = out.data_ptr<float>();
   const int64_t rb = w.size(1);
   dispatch(static_cast<int>(fmt), [&](auto f) {
-    for (int64_t r = 0; r < R; ++r) decode_row<decltype(f)::value>(wp + idp[r] * rb, K, op + r * K);
+    constexpr int F = decltype(f)::value;
+    float* scales = scale_scratch(1, K);
+    for (int64_t r = 0; r < R; ++r) decode_row<F>(prepare_row<F>(wp + idp[r] * rb, K, scales), K, op + r * K);
   });
   return out;
+}
+
+// In place: GGUF rows of a format with fp16 block scales <-> the kernel's layout (`scale_bytes`): split = true
+// moves every row's block scales to its front, false puts them back. Other formats are left as they are.
+at::Tensor regroup_block_scales_(at::Tensor& w, int64_t fmt, int64_t K, bool split) {
+  check_weight(w, static_cast<int>(fmt), K);
+  dispatch(static_cast<int>(fmt), [&](auto f) {
+    using D = Decoder<decltype(f)::value>;
+    if constexpr (D::kScales > 0) {
+      const int64_t blocks = K / 32, sb = 2 * D::kScales, rb = w.size(1);
+      uint8_t* base = w.data_ptr<uint8_t>();
+      at::parallel_for(0, w.size(0), 64, [&](int64_t r0, int64_t r1) {
+        std::vector<uint8_t> tmp(rb);
+        for (int64_t r = r0; r < r1; ++r) {
+          uint8_t* row = base + r * rb;
+          std::memcpy(tmp.data(), row, rb);
+          for (int64_t b = 0; b < blocks; ++b) {
+            uint8_t* gguf = (split ? tmp.data() : row) + b * D::kBytes;  // the block in the GGUF layout
+            uint8_t* scale = (split ? row : tmp.data()) + b * sb;        // its scales in the kernel layout
+            uint8_t* quant = (split ? row : tmp.data()) + blocks * sb + b * D::kQBytes;
+            if (split) {
+              std::memcpy(scale, gguf, sb);
+              std::memcpy(quant, gguf + sb, D::kQBytes);
+            } else {
+              std::memcpy(gguf, scale, sb);
+              std::memcpy(gguf + sb, quant, D::kQBytes);
+            }
+          }
+        }
+      });
+    }
+  });
+  return w;
 }
 
 }  // namespace
@@ -563,8 +602,14 @@ at::Tensor quant_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Ten
 at::Tensor ff_quant_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) { return quant_mm(x, w, fmt, K); }
 
 void register_quant_gemm(pybind11::module& m) {
-  m.def("quant_mm", &quant_mm, "out[M, N] = x[M, K] @ dequantize(w)^T for a packed GGUF weight w [N, row_bytes]",
+  m.def("regroup_block_scales_", &regroup_block_scales_,
+        "in place: GGUF rows [N, row_bytes] <-> the kernel's layout (each row's fp16 block scales first, then its "
+        "quants) for Q4_0 / Q4_1 / Q8_0; split=True to the kernel's layout, False back; other formats unchanged",
+        pybind11::arg("w"), pybind11::arg("fmt"), pybind11::arg("K"), pybind11::arg("split"));
+  m.def("quant_mm", &quant_mm,
+        "out[M, N] = x[M, K] @ dequantize(w)^T for a packed GGUF weight w [N, row_bytes] in the kernel's layout",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("fmt"), pybind11::arg("k"));
-  m.def("quant_rows", &quant_rows, "fp32 rows of a packed GGUF weight (embedding lookup)", pybind11::arg("w"),
+  m.def("quant_rows", &quant_rows, "fp32 rows of a packed GGUF weight in the kernel's layout (embedding lookup)",
+        pybind11::arg("w"),
         pybind11::arg("fmt"), pybind11::arg("k"), pybind11::arg("ids"));
 }

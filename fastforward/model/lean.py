@@ -118,7 +118,8 @@ class LeanLlama:
 
         def dense(w):
             if packed_format is not None:
-                return PackedLinear(quantize(w, packed_format), FORMAT_IDS[packed_format], w.shape[1], native=native)
+                return PackedLinear(quantize(w, packed_format), FORMAT_IDS[packed_format], w.shape[1], native=native,
+                                    owned=True)
             return DenseLinear(w.detach(), native=native, kernel_max_q=kernel_max_q, small_q_max=small_q_max)
 
         layers = []
