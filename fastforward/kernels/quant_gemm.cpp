@@ -392,13 +392,27 @@ constexpr int kTileRows = 4;  // 4 x 3 accumulators + 3 weights + 1 activation =
 constexpr int kTileCols = 3;
 #endif
 
-// All activation rows x NR decoded weight rows: tiles of kTileRows rows, the remainder 2 and 1 at a time.
+// All activation rows x NR decoded weight rows, in ceil(M / kTileRows) tiles of as equal a height as can be (16
+// rows: 6 + 5 + 5, 8 rows: 4 + 4): a short tile is load-bound (two rows x four weight rows: six loads per eight
+// multiply-adds), and 16 rows as 6 + 6 + 2 + 2 spent a third of the tile time in the two short tiles. A tile's
+// height changes no output element's arithmetic.
+template <int MR, int NR>
+inline void scratch_tile_rows(int rows, const float* x, int64_t K, const float* wf, float* out, int64_t N, int64_t n) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return scratch_tile_rows<MR - 1, NR>(rows, x, K, wf, out, N, n);
+  }
+  scratch_tile<MR, NR>(x, K, wf, out, N, n);
+}
+
 template <int NR>
 inline void scratch_rows(const float* x, int64_t M, int64_t K, const float* wf, float* out, int64_t N, int64_t n) {
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   int64_t m0 = 0;
-  for (; m0 + kTileRows <= M; m0 += kTileRows) scratch_tile<kTileRows, NR>(x + m0 * K, K, wf, out + m0 * N, N, n);
-  for (; m0 + 2 <= M; m0 += 2) scratch_tile<2, NR>(x + m0 * K, K, wf, out + m0 * N, N, n);
-  if (m0 < M) scratch_tile<1, NR>(x + m0 * K, K, wf, out + m0 * N, N, n);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int rows = static_cast<int>(M / tiles + (t < M % tiles ? 1 : 0));
+    scratch_tile_rows<kTileRows, NR>(rows, x + m0 * K, K, wf, out + m0 * N, N, n);
+    m0 += rows;
+  }
 }
 
 // Weight row `wrow` (K weights, scales converted) decoded into wf[0..K).
