@@ -248,7 +248,7 @@ struct Decoder<kBF16> {
 
 // The kernel's layout of a row of a format with fp16 block scales (Q4_0, Q4_1, Q8_0): the row's scales first,
 // kScales per block in block order (2 * kScales * K/32 bytes), then its blocks' quants (kQBytes each) -- the GGUF
-// row's bytes regrouped, same size (`split_block_scales_`). The scales then convert to fp32 eight at a time and the
+// row's bytes regrouped, same size (`regroup_block_scales_`). The scales then convert to fp32 eight at a time and the
 // quants load at a fixed stride. (Converting them from the GGUF layout, four bytes at a 20-byte stride, cost a
 // fifth of a lone activation row's product, even gathered.) K-quants and BF16 rows are used as the file has them.
 template <int F>
