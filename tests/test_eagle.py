@@ -209,20 +209,37 @@ def test_training_time_test_step_zero_matches_the_runner(target):
     assert torch.allclose(run2.log_probs(h1)[0], logits[1][0, 0].log_softmax(-1), atol=1e-4)
 
 
-def test_training_time_test_skips_prompt_rows_exactly(target):
-    """Steps >= 1 computed from first_row on give the same logits on the rows the loss reads."""
+def test_training_time_test_windows_give_the_full_rows(target):
+    """Steps >= 1 computed only over each sequence's window of later-selected rows give the full computation's
+    logits on the rows the loss reads (sequences with different prompt and response spans, one selecting nothing
+    after step 0)."""
     drafter = _drafter(target, seed=6).float()
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    taps = torch.randn(2, 12, 3 * drafter.cfg.target_hidden_size)
+    ids = torch.randint(0, VOCAB, (3, 14), generator=torch.Generator().manual_seed(0))
+    taps = torch.randn(3, 14, 3 * drafter.cfg.target_hidden_size)
     embed = target_embedding_rows(target, torch.arange(VOCAB))
-    select = [torch.zeros(2, 12, dtype=torch.bool) for _ in range(3)]
+    select = [torch.zeros(3, 14, dtype=torch.bool) for _ in range(3)]
     for k in range(3):
-        select[k][:, 6:10 - k] = True
+        select[k][0, 6 : 10 - k] = True  # a late response
+        select[k][1, 1 : 12 - k] = True  # an early, long one
+        select[k][1, 4] = False  # a token outside the draft vocabulary
+    select[0][2, 3:5] = True  # step 0 only
     with torch.no_grad():
-        full = drafter.ttt_logits(taps, ids, embed, 3, select)
-        part = drafter.ttt_logits(taps, ids, embed, 3, select, first_row=5)
-    for a, b in zip(full, part, strict=True):
-        assert torch.allclose(a, b, atol=1e-5)
+        full = drafter.ttt_logits(taps, ids, embed, 3)
+        part = drafter.ttt_logits(taps, ids, embed, 3, select)
+    for k in range(3):
+        assert part[k].shape[0] == int(select[k].sum())
+        assert torch.allclose(full[k][select[k]], part[k], atol=1e-5)
+
+
+def test_later_rows_window_covers_each_sequence_without_repeats():
+    from fastforward.drafters.eagle import later_rows_window
+
+    sel = torch.zeros(3, 10, dtype=torch.bool)
+    sel[0, 7:10] = True
+    sel[1, 2:4] = True
+    rows = later_rows_window([sel], 10)
+    assert rows.shape == (3, 3)
+    assert rows[0].tolist() == [7, 8, 9] and rows[1].tolist() == [2, 3, 4] and rows[2].tolist() == [0, 1, 2]
 
 
 def test_native_layer_ops_give_the_torch_rows(target):

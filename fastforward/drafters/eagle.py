@@ -323,18 +323,20 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(h))
 
     # -- training ---------------------------------------------------------------------------------------------------
-    def forward(self, taps, ids, embed, steps, select=None, first_row=0):
-        return self.ttt_logits(taps, ids, embed, steps, select, first_row)
+    def forward(self, taps, ids, embed, steps, select=None):
+        return self.ttt_logits(taps, ids, embed, steps, select)
 
     def ttt_logits(self, taps: torch.Tensor, ids: torch.Tensor, embed: torch.Tensor, steps: int,
-                   select: list[torch.Tensor] | None = None, first_row: int = 0) -> list[torch.Tensor]:
+                   select: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Training-time test over a batch: ``taps`` [B, T, n_taps * d_t], ``ids`` [B, T] (right-padded),
         ``embed`` [vocab, d] (frozen). Returns ``steps`` logits [B, T, draft_vocab]; at step k row j predicts
-        ``x_{j+2+k}`` (rows whose target falls outside the sequence are garbage, masked by the loss). With
-        ``select`` (one [B, T] bool mask per step), step k's logits are only those of the selected rows,
-        [n_k, draft_vocab] -- the head is most of the cost, and prompt rows need none. Steps k >= 1 compute only
-        rows ``first_row ..`` (rows before it may not be selected then): rows whose every later label lies in the
-        prompt feed nothing the loss reads, but step 0 runs every row since all are attention context."""
+        ``x_{j+2+k}`` (rows whose target falls outside the sequence are garbage, masked by the loss).
+
+        With ``select`` (one [B, T] bool mask per step), step k's logits are only those of the selected rows,
+        [n_k, draft_vocab], in row-major order -- the head is most of the cost, and prompt rows need none. Step 0
+        runs every row (all are attention context); steps k >= 1 run, per sequence, only the window of rows that
+        some step >= 1 selects (row j of step k reads row j of step k - 1 and nothing else of it), gathered into
+        [B, W] -- about the response's length instead of the padded sequence's."""
         cfg = self.cfg
         B, T = ids.shape
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -342,45 +344,61 @@ class Eagle3Drafter(nn.Module):
         attn = self.midlayer.self_attn
         feat = self.fc(taps)  # [B, T, d]
         scale = 1.0 / math.sqrt(hd)
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        key_pos = torch.arange(T)
+        rows = key_pos.expand(B, T)  # [B, W]: the sequence row each computed row is (step 0: all of them)
         k0 = v0 = None
         diag_k, diag_v = [], []
         out = []
         for k in range(steps):
-            r0 = 0 if k == 0 else first_row  # rows first_row .. T-1 from step 1 on
-            rows = T - r0
-            if k == 1 and r0:
-                feat = feat[:, r0:]  # step 0's outputs of the rows that go on
-            nxt = torch.zeros(B, rows, dtype=torch.long)
-            avail = max(0, min(rows, T - 1 - k - r0))
-            nxt[:, :avail] = ids[:, r0 + 1 + k : r0 + 1 + k + avail]  # row j reads x_{j+1+k}
-            x = self.layer_input(F.embedding(nxt, embed), feat)  # [B, rows, 2d]
-            cos, sin = rope_cos_sin(hd, cfg.rope_theta, torch.arange(r0, T) + k)  # positions j + k
-            q = rotate(attn.q_proj(x).view(B, rows, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, rows, hd]
-            kk = rotate(attn.k_proj(x).view(B, rows, nkv, hd).transpose(1, 2), cos, sin)  # [B, nkv, rows, hd]
-            vv = attn.v_proj(x).view(B, rows, nkv, hd).transpose(1, 2)
+            if k == 1 and select is not None:
+                rows = later_rows_window(select[1:], T)
+                feat = feat.gather(1, rows.unsqueeze(-1).expand(-1, -1, feat.shape[-1]))  # step 0's outputs there
+            W = rows.shape[1]
+            nxt_at = rows + 1 + k  # row j reads x_{j+1+k}
+            nxt = ids.gather(1, nxt_at.clamp(max=T - 1)).masked_fill(nxt_at >= T, 0)
+            x = self.layer_input(F.embedding(nxt, embed), feat)  # [B, W, 2d]
+            cos, sin = (c.unsqueeze(1) for c in rope_cos_sin(hd, cfg.rope_theta, rows + k))  # positions j + k
+            q = rotate(attn.q_proj(x).view(B, W, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, W, hd]
+            kk = rotate(attn.k_proj(x).view(B, W, nkv, hd).transpose(1, 2), cos, sin)  # [B, nkv, W, hd]
+            vv = attn.v_proj(x).view(B, W, nkv, hd).transpose(1, 2)
             if k == 0:
                 k0, v0 = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1)  # [B, nh, T, hd]
             else:
                 diag_k.append(kk.repeat_interleave(g, 1))
                 diag_v.append(vv.repeat_interleave(g, 1))
-            scores = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, rows, T]: the context of positions <= j
-            scores = scores.masked_fill(~causal[r0:], float("-inf"))
-            extra = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # each [B, nh, rows, 1]: its own path
+            scores = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, W, T]: the context of positions <= j
+            scores = scores.masked_fill((key_pos > rows.unsqueeze(-1)).unsqueeze(1), float("-inf"))
+            extra = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # each [B, nh, W, 1]: its own path
             probs = torch.cat([scores, *extra], dim=-1).softmax(-1)
             o = probs[..., :T] @ v0
             for m, dv in enumerate(diag_v):
                 o = o + probs[..., T + m : T + m + 1] * dv
-            h = self.finish(feat, o.transpose(1, 2).reshape(B, rows, nh * hd))
+            h = self.finish(feat, o.transpose(1, 2).reshape(B, W, nh * hd))
             if select is None:
                 out.append(self.logits(h))
             else:
-                sel = select[k]
-                if r0 and bool(sel[:, :r0].any()):
-                    raise ValueError("rows before first_row cannot be selected after step 0")
-                out.append(self.logits(h[sel[:, r0:]]))
+                sel = select[k].gather(1, rows)
+                if k and int(sel.sum()) != int(select[k].sum()):
+                    raise ValueError("a selected row lies outside the window of rows computed after step 0")
+                out.append(self.logits(h[sel]))
             feat = h  # the next step reads this step's output at the same row
         return out
+
+
+def later_rows_window(later_selects: list[torch.Tensor], T: int) -> torch.Tensor:
+    """[B, W] row indices: per sequence, the contiguous rows from the first to the last one any of
+    ``later_selects`` ([B, T] bool each) selects, left-aligned; W is the widest such window (>= 1). A narrower
+    sequence's window runs on past its last selected row (clamped to T - 1 only where it would leave the
+    sequence: then it starts earlier), so no row repeats inside a window."""
+    need = torch.stack(later_selects).any(0)
+    B = need.shape[0]
+    any_row = need.any(1)
+    pos = torch.arange(T).expand(B, T)
+    first = torch.where(need, pos, T).min(1).values
+    last = torch.where(need, pos, -1).max(1).values
+    W = int((last - first + 1)[any_row].max()) if bool(any_row.any()) else 1
+    start = torch.where(any_row, first, 0).clamp(max=T - W)
+    return start.unsqueeze(1) + torch.arange(W)
 
 
 def decode_linear_factory(weights: str):

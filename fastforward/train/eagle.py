@@ -41,22 +41,27 @@ class EagleTraining(DrafterMethod):
         inner = getattr(drafter, "module", drafter)
         head = inner.lm_head.weight  # frozen rows of the target's head
         steps = min(self.ttt_steps, T - 2)
+        # labels: response tokens inside the draft vocabulary; the target's distribution for the token at p comes
+        # from its final state at p - 1, computed once for every label (each step reads it at another row)
+        draft_ids = self.vocab.to_draft(ids)  # [B, T], -1 outside the draft vocabulary
+        label_ok = response & (draft_ids >= 0)
+        label_ok[:, :2] = False
+        teacher = (batch["final"][:, :-1][label_ok[:, 1:]] @ head.t()).softmax(-1)  # [n_labels, draft_vocab]
+        where = torch.full((B, T), -1, dtype=torch.long)
+        where[label_ok] = torch.arange(teacher.shape[0])
         selects, targets, labels = [], [], []
         for k in range(steps):
-            shift = 2 + k
+            shift = 2 + k  # at step k row j predicts x_{j+2+k}
             sel = torch.zeros(B, T, dtype=torch.bool)
+            sel[:, : T - shift] = label_ok[:, shift:]
+            at = torch.full((B, T), -1, dtype=torch.long)
+            at[:, : T - shift] = where[:, shift:]
             lab = torch.full((B, T), -1, dtype=torch.long)
-            lab[:, : T - shift] = self.vocab.to_draft(ids[:, shift:])
-            sel[:, : T - shift] = response[:, shift:] & (lab[:, : T - shift] >= 0)
-            # the target's distribution for x_{j+2+k} comes from its final state at j+1+k
-            fin = torch.zeros_like(batch["final"])
-            fin[:, : T - shift] = batch["final"][:, 1 + k : T - 1]
+            lab[:, : T - shift] = draft_ids[:, shift:]
             selects.append(sel)
-            targets.append((fin[sel] @ head.t()).softmax(-1))
+            targets.append(teacher[at[sel]])
             labels.append(lab[sel])
-        # rows whose labels at every step >= 1 lie in the prompt need no step >= 1 (see ttt_logits)
-        first_row = max(0, int(batch["prompt_lens"].min()) - 1 - steps)
-        logits = drafter(batch["taps"], ids, self.embed, steps, selects, first_row)
+        logits = drafter(batch["taps"], ids, self.embed, steps, selects)
         total = torch.zeros(())
         metrics = {}
         for k, (lg, p, lab) in enumerate(zip(logits, targets, labels, strict=True)):
