@@ -56,6 +56,10 @@ def test_train_eagle_smoke(setup, tmp_path, capsys):
     assert [r["step"] for r in log] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in log)
     assert {"acc0", "acc1"} <= set(log[0])
     assert (out / "checkpoints" / "step-000003" / "trainer_state.json").is_file()
+    # scored on the held-out records: per-step top-1 and the chain rates (never above the steps' own)
+    held = json.loads((out / "fastforward_train.json").read_text())["heldout"]
+    assert held["positions"] > 0 and len(held["top1"]) == len(held["chain"]) == 2
+    assert held["chain"][0] == held["top1"][0] and held["chain"][1] <= min(held["top1"])
     # the features were computed on first use and stored with the data
     assert len(list((data / "features").glob("*.safetensors"))) >= 6  # 3 steps x 2 sequences
     # the result drafts for its target, losslessly

@@ -74,3 +74,41 @@ class EagleTraining(DrafterMethod):
 
     def save(self, drafter, folder: Path) -> None:
         save_eagle3(drafter, folder, dtype="float16")
+
+    def evaluate(self, drafter, target, records):
+        drafter.eval()
+        return heldout_agreement(target, drafter, records, self.ttt_steps) if records else None
+
+
+def heldout_agreement(target, drafter: Eagle3Drafter, records: list[dict], steps: int = 3,
+                      max_length: int = 768) -> dict:
+    """Teacher-forced agreement of an EAGLE-3 drafter with the target on ``records`` (e.g. the held-out split of
+    ``make-data``), over response positions: ``top1[k]``, training-time-test step k's top-1 == the target's token
+    (step k drafts depth k + 1 of a chain, reading its own earlier outputs and the path's true tokens); ``chain[k]``,
+    steps 0..k all right at once -- the rate at which a chain draft reaches depth k + 1."""
+    from ..drafters.eagle import target_embedding_rows
+    from ..drafters.features import compute_features
+
+    embed = target_embedding_rows(target, torch.arange(target.vocab_size))
+    hits, joint, total = torch.zeros(steps), torch.zeros(steps), 0
+    for r in records:
+        ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]))[:max_length]
+        P, T = len(r["prompt_ids"]), ids.numel()
+        rows = T - 1 - steps - P + 1  # rows j >= P - 1 whose every step has a label (x_{j+2+k}, k < steps)
+        if rows <= 0:
+            continue
+        taps = compute_features(target, ids)["taps"].reshape(1, T, -1).float()
+        j = torch.arange(P - 1, P - 1 + rows)
+        select = []
+        for _ in range(steps):
+            sel = torch.zeros(1, T, dtype=torch.bool)
+            sel[0, j] = True
+            select.append(sel)
+        with torch.no_grad():
+            logits = drafter.ttt_logits(taps, ids.unsqueeze(0), embed, steps, select)
+        right = torch.stack([drafter.vocab.to_target(lg.argmax(-1)) == ids[j + 2 + k]
+                             for k, lg in enumerate(logits)])  # [steps, rows]
+        hits += right.sum(1)
+        joint += right.int().cumprod(0).sum(1)
+        total += rows
+    return {"positions": total, "top1": (hits / max(total, 1)).tolist(), "chain": (joint / max(total, 1)).tolist()}
