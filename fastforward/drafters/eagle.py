@@ -31,6 +31,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..model.lean import LlamaLayer
+from .calibration import calibration_of
 from .features import default_aux_layers
 from .vocab import DraftVocab
 
@@ -174,6 +175,7 @@ class Eagle3Config:
                     raise UsageError("the drafter names no aux layers and no target to take the default from")
                 aux = default_aux_layers(int(layers))
             vocab = int(cfg["vocab_size"])
+            calibration_of(ff)  # a malformed calibration is refused at load, in one line
             return cls(
                 hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]), num_attention_heads=heads,
                 num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..costs import machine_cost_curve
+from ..drafters.calibration import calibration_of
 from ..drafters.checkpoint import load_eagle3
 from ..drafters.eagle import Eagle3Runner
 from ..drafters.features import engine_layers
@@ -45,7 +46,7 @@ from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from . import register
 from ._backoff import BackOff
-from ._options import check_choice, check_int
+from ._options import check_bool, check_choice, check_int
 from ._rerank import best_size, build_tree, rank
 from ._runners import shared_runner
 
@@ -59,8 +60,11 @@ class EagleProposer(Proposer):
     name = "eagle"
 
     def __init__(self, runner: Eagle3Runner, *, topk: int, depth: int, nodes: int, max_nodes: int,
-                 min_prob: float, backoff: int = 0):
+                 min_prob: float, backoff: int = 0, calibrated: bool = True):
         self.shared = runner
+        # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
+        self.calibration = calibration_of(runner.cfg.fastforward) if calibrated else None
+        self.greedy_map = None
         self.hidden_layers = engine_layers(runner.cfg.aux_layers)
         self.topk, self.depth, self.nodes, self.max_nodes, self.min_prob = topk, depth, nodes, max_nodes, min_prob
         self.runner: Eagle3Runner | None = None
@@ -84,6 +88,7 @@ class EagleProposer(Proposer):
         self.runner = self.shared.fresh(n + state.max_new_tokens + self.depth + 8)
         self.pending.clear()
         self.back_off = BackOff(self.backoff)
+        self.greedy_map = self.calibration if state.sampling.greedy else None
         if not self.nodes:
             curve = machine_cost_curve(state.target)
             self.curve_ms = torch.tensor([curve.t(q) for q in range(1, self.max_nodes + 1)], dtype=torch.float64)
@@ -119,7 +124,7 @@ class EagleProposer(Proposer):
         lp = run.log_probs(self.last_h)[0]  # [draft_vocab]
         top = lp.topk(k)
         cand_tok = [top.indices]  # per depth: draft ids [c_d]
-        cand_score = [top.values]  # cumulative log-probabilities
+        cand_score = [self._chance(top.values, 1)]  # log chance of acceptance of the path
         cand_parent = [torch.full((k,), -1, dtype=torch.long)]  # global candidate index of the parent (-1: root)
         cand_depth = [torch.ones(k, dtype=torch.long)]
         src_h = self.last_h.expand(k, -1)  # the h each depth-1 node's row reads: the root's
@@ -158,7 +163,7 @@ class EagleProposer(Proposer):
             top = lp.topk(k, dim=-1)
             offset += cand_tok[-1].numel()
             cand_tok.append(top.indices.reshape(-1))
-            cand_score.append((best.values.unsqueeze(1) + top.values).reshape(-1))
+            cand_score.append((best.values.unsqueeze(1) + self._chance(top.values, d)).reshape(-1))
             cand_parent.append(glob.repeat_interleave(k))
             cand_depth.append(torch.full((r * k,), d, dtype=torch.long))
             src_h = h.repeat_interleave(k, dim=0)
@@ -177,6 +182,11 @@ class EagleProposer(Proposer):
         self.back_off.drafted()
         return Proposal(build_tree(order[: n - 1], tokens, parents, depths, state.root))
 
+    def _chance(self, log_q: torch.Tensor, depth: int) -> torch.Tensor:
+        """log chance that the target accepts each candidate (given its parent): at temperature 0 the drafter's
+        calibrated greedy-acceptance rate when it has one, else its probability."""
+        return log_q if self.greedy_map is None else self.greedy_map.log_rate(log_q, depth)
+
     def stats(self) -> dict:
         steps = max(self._n["steps"], 1)
         return {"draft_calls_per_step": self._n["draft_calls"] / steps, "draft_rows": self._n["draft_rows"],
@@ -186,15 +196,16 @@ class EagleProposer(Proposer):
 @register("eagle", "EAGLE-3-style drafter over the target's features, dynamic tree (EAGLE-2)",
           source="Li et al. 2024/2025, EAGLE-2 / EAGLE-3")
 def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
-          min_prob: float = 0.05, backoff: int = 8, weights: str = "auto") -> Proposer:
+          min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = True) -> Proposer:
     check_int("eagle", "topk", topk, 1, 16)
     check_int("eagle", "depth", depth, 1, 16)
     check_int("eagle", "nodes", nodes, 0, 256)
     check_int("eagle", "max_nodes", max_nodes, 2, 256)
     check_int("eagle", "backoff", backoff, 0, 1024)
     check_choice("eagle", "weights", weights, ("auto", "q8_0", "fp32"))
+    check_bool("eagle", "calibrated", calibrated)
     if not isinstance(min_prob, (int, float)) or isinstance(min_prob, bool) or not 0 <= min_prob < 1:
         raise UsageError(f"eagle: option min_prob must be a number in [0, 1), got {min_prob!r}")
     runner = drafter_runner(target, drafter, weights)
     return EagleProposer(runner, topk=topk, depth=depth, nodes=nodes, max_nodes=max_nodes, min_prob=float(min_prob),
-                         backoff=backoff)
+                         backoff=backoff, calibrated=calibrated)

@@ -372,12 +372,13 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
                "seconds_this_run": round(seconds, 1), "stopped": stopped, "sequences": len(seqs),
                "config": asdict(cfg)}
     if main:
-        method.save(accelerator.unwrap_model(drafter), out)
         if step == start and (out / SUMMARY_FILE).is_file():  # a finished run re-run: keep its record, re-score
             summary = json.loads((out / SUMMARY_FILE).read_text())
+        # scored before it is saved: a method may keep what the scoring fits with the drafter (eagle's calibration)
         held = method.evaluate(accelerator.unwrap_model(drafter), target, held_recs)
         if held is not None:
             summary["heldout"] = held
+        method.save(accelerator.unwrap_model(drafter), out)
         plot_losses(out / LOG_FILE, out / "loss.png", f"train {method.name}")
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     accelerator.wait_for_everyone()

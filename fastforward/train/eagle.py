@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..drafters.calibration import CONFIG_KEY as CALIBRATION_KEY
 from ..drafters.checkpoint import save_eagle3
 from ..drafters.eagle import Eagle3Drafter
 from ..drafters.vocab import DraftVocab
@@ -76,28 +77,40 @@ class EagleTraining(DrafterMethod):
         save_eagle3(drafter, folder, dtype="float16")
 
     def evaluate(self, drafter, target, records):
+        """Held-out agreement (printed and kept in the run's summary), and the greedy calibration the drafter is
+        saved with (:mod:`fastforward.drafters.calibration`)."""
+        if not records:
+            return None
         drafter.eval()
-        return heldout_agreement(target, drafter, records, self.ttt_steps) if records else None
+        held = heldout_agreement(target, drafter, records, self.ttt_steps)
+        drafter.cfg.fastforward[CALIBRATION_KEY] = held["calibration"]
+        return held
 
 
-def heldout_agreement(target, drafter: Eagle3Drafter, records: list[dict], steps: int = 3,
-                      max_length: int = 768) -> dict:
+def heldout_agreement(target, drafter: Eagle3Drafter, records: list[dict], steps: int = 3, *, store=None,
+                      topk: int = 4, max_length: int = 768) -> dict:
     """Teacher-forced agreement of an EAGLE-3 drafter with the target on ``records`` (e.g. the held-out split of
     ``make-data``), over response positions: ``top1[k]``, training-time-test step k's top-1 == the target's token
     (step k drafts depth k + 1 of a chain, reading its own earlier outputs and the path's true tokens); ``chain[k]``,
-    steps 0..k all right at once -- the rate at which a chain draft reaches depth k + 1."""
+    steps 0..k all right at once -- the rate at which a chain draft reaches depth k + 1; ``calibration``, the
+    :class:`~fastforward.drafters.calibration.GreedyCalibration` of each step's top-``topk`` candidates (as a dict).
+    Features come from ``store`` (a :class:`~fastforward.drafters.features.FeatureStore`) or are computed."""
+    from ..drafters.calibration import GreedyCalibration
     from ..drafters.eagle import target_embedding_rows
     from ..drafters.features import compute_features
 
     embed = target_embedding_rows(target, torch.arange(target.vocab_size))
     hits, joint, total = torch.zeros(steps), torch.zeros(steps), 0
+    probs: list[list[torch.Tensor]] = [[] for _ in range(steps)]
+    found: list[list[torch.Tensor]] = [[] for _ in range(steps)]
     for r in records:
         ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]))[:max_length]
         P, T = len(r["prompt_ids"]), ids.numel()
         rows = T - 1 - steps - P + 1  # rows j >= P - 1 whose every step has a label (x_{j+2+k}, k < steps)
         if rows <= 0:
             continue
-        taps = compute_features(target, ids)["taps"].reshape(1, T, -1).float()
+        feats = store.get(r) if store is not None else compute_features(target, ids)
+        taps = feats["taps"][:T].reshape(1, T, -1).float()
         j = torch.arange(P - 1, P - 1 + rows)
         select = []
         for _ in range(steps):
@@ -106,9 +119,45 @@ def heldout_agreement(target, drafter: Eagle3Drafter, records: list[dict], steps
             select.append(sel)
         with torch.no_grad():
             logits = drafter.ttt_logits(taps, ids.unsqueeze(0), embed, steps, select)
-        right = torch.stack([drafter.vocab.to_target(lg.argmax(-1)) == ids[j + 2 + k]
-                             for k, lg in enumerate(logits)])  # [steps, rows]
+        right = []
+        for k, lg in enumerate(logits):
+            top = lg.softmax(-1).topk(min(topk, lg.shape[-1]), dim=-1)
+            hit = drafter.vocab.to_target(top.indices) == ids[j + 2 + k].unsqueeze(1)  # [rows, topk]
+            probs[k].append(top.values.flatten())
+            found[k].append(hit.flatten())
+            right.append(hit[:, 0])
+        right = torch.stack(right)  # [steps, rows]
         hits += right.sum(1)
         joint += right.int().cumprod(0).sum(1)
         total += rows
-    return {"positions": total, "top1": (hits / max(total, 1)).tolist(), "chain": (joint / max(total, 1)).tolist()}
+    calibration = GreedyCalibration.fit([torch.cat(p) for p in probs], [torch.cat(f) for f in found]) if total else None
+    return {"positions": total, "top1": (hits / max(total, 1)).tolist(), "chain": (joint / max(total, 1)).tolist(),
+            "calibration": calibration.as_dict() if calibration else None}
+
+
+def calibrate_folder(folder, target, data, *, limit: int | None = None, steps: int = 3) -> dict:
+    """Fit the greedy calibration of the EAGLE-3 drafter in ``folder`` on the held-out records of the ``make-data``
+    folder ``data`` and write it into the drafter's ``config.json`` (only that file changes, atomically). Returns
+    :func:`heldout_agreement`'s result."""
+    import json
+    import os
+
+    from ..drafters.checkpoint import CONFIG, load_eagle3
+    from ..drafters.features import FeatureStore
+    from ..errors import UsageError
+    from .make_data import read_records
+
+    folder = Path(folder).expanduser()
+    drafter = load_eagle3(folder, target).float().eval()
+    held = [r for r in read_records(data) if r.get("split") != "train"][:limit]
+    if not held:
+        raise UsageError(f"{data}: no held-out records to calibrate on")
+    result = heldout_agreement(target, drafter, held, steps, store=FeatureStore(data, target, write=False))
+    if result["calibration"] is None:
+        raise UsageError(f"{data}: the held-out records have no response positions to calibrate on")
+    raw = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    raw.setdefault("fastforward", {})[CALIBRATION_KEY] = result["calibration"]
+    tmp = folder / f"{CONFIG}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(raw, indent=2) + "\n")
+    os.replace(tmp, folder / CONFIG)
+    return result
