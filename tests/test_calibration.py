@@ -160,3 +160,70 @@ def test_calibrate_command(capsys, tmp_path):
     assert "no config.json" in line
     line = assert_one_line_error(capsys, "calibrate", "--model", model, "--drafter", out, "--data", tmp_path)
     assert "no responses.jsonl" in line
+
+
+def _fasteagle(target, seed=0):
+    from fastforward.drafters.fasteagle import FastEagleDrafter
+
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:64]
+    drafter = FastEagleDrafter.for_target(target, DraftVocab.from_target_ids(ids, VOCAB), 3, True, seed=seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.normal_(0, 0.3)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def fasteagle_folders(target, tmp_path_factory):
+    from fastforward.drafters.fasteagle import save_fasteagle
+
+    plain, eager = tmp_path_factory.mktemp("fe-plain"), tmp_path_factory.mktemp("fe-eager")
+    drafter = _fasteagle(target)
+    save_fasteagle(drafter, plain, dtype="float32")
+    drafter.cfg.fastforward[CONFIG_KEY] = EAGER.as_dict()
+    save_fasteagle(drafter, eager, dtype="float32")
+    return plain, eager
+
+
+def test_calibrated_fasteagle_drafts_more_and_decodes_ar(target, fasteagle_folders, monkeypatch):
+    monkeypatch.setattr(target, "_cost_curve", CostCurve({1: 3.0, 64: 66.0}), raising=False)
+    plain, eager = fasteagle_folders
+    nodes = {}
+    for prompt in ([3, 14, 15, 9, 26], [7], [50, 51, 52, 53, 54, 55, 56, 57]):
+        ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
+        for name, folder, extra in (("plain", plain, {}), ("eager", eager, {}), ("off", eager, {"calibrated": False})):
+            out = ff.generate(target, prompt, "fasteagle", max_new_tokens=24,
+                              method_options=dict(drafter=str(folder), backoff=0, **extra))
+            assert out.token_ids == ar
+            nodes[name] = nodes.get(name, 0) + out.stats.method_stats["mean_tree_nodes"]
+    assert nodes["eager"] > nodes["plain"] and nodes["off"] == nodes["plain"]
+
+
+def test_calibrate_command_on_a_fasteagle_drafter_and_refusals(target, tmp_path, capsys):
+    from fastforward.drafters.fasteagle import FastEagleDrafter, save_fasteagle
+    from fastforward.testing import tiny_hf_folder, write_tiny_make_data
+
+    model = tiny_hf_folder(tmp_path / "model", max_positions=128, layers=4)
+    data = write_tiny_make_data(tmp_path / "data", records=10, vocab=VOCAB)
+    tiny = ff.load(str(model))
+    ids = torch.arange(64)
+    folder = tmp_path / "fe"
+    save_fasteagle(FastEagleDrafter.for_target(tiny, DraftVocab.from_target_ids(ids, tiny.vocab_size), 3, True),
+                   folder, dtype="float32")
+    code, stdout, err = run_cli(capsys, "calibrate", "--model", model, "--drafter", folder, "--data", data,
+                                "--threads", 1)
+    assert code == 0, err
+    assert calibration_of(json.loads((folder / "config.json").read_text())["fastforward"]).depths >= 1
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"architectures": ["FalconDrafter"]}))
+    line = assert_one_line_error(capsys, "calibrate", "--model", model, "--drafter", tmp_path / "other", "--data",
+                                 data)
+    assert "EAGLE-3 and FastEagle" in line
+
+
+def test_siblings_share_at_most_certainty():
+    rates = EAGER.sibling_rates(torch.tensor([[0.5, 0.3, 0.1], [0.01, 0.005, 0.001]], dtype=torch.float64), 1)
+    assert torch.allclose(rates[0], torch.tensor([0.95 + 0.05 * 0.48 / 0.98, 0.05 - 0.05 * 0.48 / 0.98, 0.0],
+                                                 dtype=torch.float64))
+    assert float(rates[0].sum()) == pytest.approx(1.0) and bool((rates[1] < 0.95).all())

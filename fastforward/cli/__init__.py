@@ -30,7 +30,7 @@ COMMANDS = {
     "build-tree": ("fastforward.cli.tree", "measure and build a TR-Jacobi tree sized for this machine"),
     "collect-trajectories": ("fastforward.cli.trajectories", "collect Jacobi trajectories for CLLM training"),
     "make-data": ("fastforward.cli.make_data", "the target's own responses to training prompts, for drafters"),
-    "calibrate": ("fastforward.cli.calibrate", "fit an EAGLE-3 drafter's greedy acceptance map on held-out make-data"),
+    "calibrate": ("fastforward.cli.calibrate", "fit a drafter's greedy acceptance map on held-out make-data records"),
     "pasta": ("fastforward.cli.pasta", "PASTA: annotate answers with PASTA-LANG (pasta annotate IN OUT)"),
     "serve": ("fastforward.cli.serve", "an OpenAI-compatible server: the decoding method per request, shared forwards"),
     "serve-bench": ("fastforward.cli.serve", "a bounded load test of the server: C clients x R requests"),

@@ -1,5 +1,5 @@
-"""``fastforward calibrate``: fit an EAGLE-3 drafter's greedy acceptance map on held-out ``make-data`` records
-(:mod:`fastforward.drafters.calibration`, :func:`fastforward.train.eagle.calibrate_folder`)."""
+"""``fastforward calibrate``: fit a drafter's greedy acceptance map on held-out ``make-data`` records
+(:mod:`fastforward.drafters.calibration`, :func:`fastforward.train.calibrate.calibrate_folder`)."""
 
 from __future__ import annotations
 
@@ -12,20 +12,23 @@ from .options import add_model_arguments, positive_int
 def add_arguments(p, name: str) -> None:
     add_model_arguments(p)
     p.add_argument("--drafter", required=True,
-                   help="an EAGLE-3 drafter folder (ours or one trained elsewhere); its config.json is updated")
+                   help="an EAGLE-3 (ours or one trained elsewhere) or FastEagle drafter folder; its config.json is "
+                        "updated")
     p.add_argument("--data", required=True, help="a 'fastforward make-data' folder: its held-out records are used")
     p.add_argument("--limit", type=positive_int, default=None, help="the first N held-out records only")
-    p.add_argument("--steps", type=positive_int, default=3, help="drafting depths to fit a map for (default: 3)")
+    p.add_argument("--steps", type=positive_int, default=3,
+                   help="depths to fit for an EAGLE-3 drafter (default: 3; FastEagle: one per layer)")
 
 
 def run(args, name: str) -> int:
     import fastforward as ff
 
-    from ..train.eagle import calibrate_folder
+    from ..train.calibrate import calibrate_folder, drafter_kind
 
     for flag, path, what in (("--drafter", args.drafter, "config.json"), ("--data", args.data, "responses.jsonl")):
         if not (Path(path).expanduser() / what).is_file():
             raise UsageError(f"{flag} {path}: no {what} there")
+    drafter_kind(args.drafter)  # refused before the model loads
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     result = calibrate_folder(args.drafter, target, args.data, limit=args.limit, steps=args.steps)
     cal = result["calibration"]

@@ -61,6 +61,13 @@ class GreedyCalibration:
         t = (q - x[lo]) / (x[hi] - x[lo])
         return (y[lo] + t * (y[hi] - y[lo])).clamp(min=FLOOR).log()
 
+    def sibling_rates(self, probs: torch.Tensor, depth: int) -> torch.Tensor:
+        """[..., k] calibrated acceptance chances of k siblings given as their drafter probabilities, best first:
+        each mapped, then capped in rank order at what the better ones leave (siblings exclude each other: at most
+        one of them is the target's token)."""
+        rates = self.log_rate(probs.clamp(min=FLOOR).log(), depth).exp()
+        return rates.cumsum(-1).clamp(max=1.0).diff(dim=-1, prepend=torch.zeros_like(rates[..., :1]))
+
     @classmethod
     def fit(cls, probs: list[torch.Tensor], hits: list[torch.Tensor], width: float = 0.05,
             min_count: int = 40) -> GreedyCalibration:
@@ -129,5 +136,7 @@ def _isotonic(xs: list[float], ys: list[float], ws: list[float]) -> tuple[list[f
 
 def calibration_of(fastforward_section: dict | None) -> GreedyCalibration | None:
     """The calibration stored in a drafter config's ``fastforward`` section, if any."""
-    raw = (fastforward_section or {}).get(CONFIG_KEY)
+    if not isinstance(fastforward_section, dict):
+        return None  # no section (or a malformed one, which the config's own reader refuses)
+    raw = fastforward_section.get(CONFIG_KEY)
     return None if raw is None else GreedyCalibration.from_dict(raw)

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..model.lean import LlamaLayer
+from .calibration import calibration_of
 from .checkpoint import load_headless, write_folder
 from .eagle import (
     _MLP,
@@ -95,6 +96,7 @@ class FastEagleConfig:
         if (raw.get("architectures") or [""])[0] != ARCHITECTURE:
             raise UsageError(f"not a FastEagle drafter: architectures is {raw.get('architectures')!r}, expected "
                              f"[{ARCHITECTURE!r}]")
+        calibration_of(raw.get("fastforward"))  # a malformed calibration is refused at load, in one line
         try:
             return cls(
                 **read_layer_shape(raw), draft_vocab_size=int(raw["draft_vocab_size"]),

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..costs import machine_cost_curve
-from ..drafters.calibration import calibration_of
+from ..drafters.calibration import FLOOR, calibration_of
 from ..drafters.checkpoint import load_eagle3
 from ..drafters.eagle import Eagle3Runner
 from ..drafters.features import engine_layers
@@ -183,9 +183,12 @@ class EagleProposer(Proposer):
         return Proposal(build_tree(order[: n - 1], tokens, parents, depths, state.root))
 
     def _chance(self, log_q: torch.Tensor, depth: int) -> torch.Tensor:
-        """log chance that the target accepts each candidate (given its parent): at temperature 0 the drafter's
-        calibrated greedy-acceptance rate when it has one, else its probability."""
-        return log_q if self.greedy_map is None else self.greedy_map.log_rate(log_q, depth)
+        """log chance that the target accepts each of a node's top-k children (``log_q`` [..., k], best first) given
+        the node: at temperature 0 the drafter's calibrated greedy-acceptance rates when it has a map (siblings
+        capped at what the better ones leave), else its probabilities."""
+        if self.greedy_map is None:
+            return log_q
+        return self.greedy_map.sibling_rates(log_q.exp(), depth).clamp(min=FLOOR).log()
 
     def stats(self) -> dict:
         steps = max(self._n["steps"], 1)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..costs import machine_cost_curve
+from ..drafters.calibration import calibration_of
 from ..drafters.fasteagle import FastEagleRunner, load_fasteagle
 from ..drafters.features import engine_layers
 from ..engine import DecodeState, Proposal, Proposer, StepResult
@@ -69,8 +70,11 @@ class FastEagleProposer(Proposer):
     name = "fasteagle"
 
     def __init__(self, runner: FastEagleRunner, *, topk: int, depth: int, fixed: bool, max_nodes: int,
-                 backoff: int):
+                 backoff: int, calibrated: bool = True):
         self.shared = runner
+        # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
+        self.calibration = calibration_of(runner.cfg.fastforward) if calibrated else None
+        self.greedy_map = None
         self.hidden_layers = engine_layers(runner.cfg.aux_layers)
         self.topk, self.depth, self.fixed, self.max_nodes = topk, min(depth, runner.cfg.num_layers), fixed, max_nodes
         self.backoff = 0 if fixed else backoff
@@ -90,6 +94,7 @@ class FastEagleProposer(Proposer):
     def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
         n = state.prompt_length
         self.runner = self.shared.fresh(n + state.max_new_tokens + 8)
+        self.greedy_map = self.calibration if state.sampling.greedy else None
         if not self.fixed:
             curve = machine_cost_curve(state.target)
             self.curve_ms = torch.tensor([curve.t(q) for q in range(1, self.max_proposal_size() + 1)],
@@ -131,7 +136,7 @@ class FastEagleProposer(Proposer):
             while levels * k + 1 > limit and levels > 1:
                 levels -= 1
         else:
-            gain = expected_tokens(top.values.double())  # [levels, K]
+            gain = expected_tokens(self._chances(top.values.double()))  # [levels, K]
             nodes = (torch.arange(1, room + 1).unsqueeze(1) * torch.arange(1, self.topk + 1)) + 1  # [levels, K]
             rate = torch.where(nodes <= limit, gain / self.curve_ms[(nodes - 1).clamp(max=limit - 1)], -1.0)
             best = int(rate.argmax())
@@ -150,6 +155,14 @@ class FastEagleProposer(Proposer):
         self._n["nodes"] += len(tree)
         return Proposal(tree)
 
+    def _chances(self, top_probs: torch.Tensor) -> torch.Tensor:
+        """[levels, K] chances that the target accepts each candidate given the backbone above it: at temperature 0
+        the drafter's calibrated greedy-acceptance rates when it has a map (in rank order, each at most what the
+        better ones leave: the candidates exclude each other), else its probabilities."""
+        if self.greedy_map is None:
+            return top_probs
+        return torch.stack([self.greedy_map.sibling_rates(row, d) for d, row in enumerate(top_probs, 1)])
+
     def stats(self) -> dict:
         steps = max(self._n["steps"], 1)
         looks = max(self._n["looks"], 1)
@@ -161,12 +174,14 @@ class FastEagleProposer(Proposer):
 @register("fasteagle", "FastEagle: a cascaded drafter drafts the whole tree in one pass (backbone expansion tree)",
           source="FastEagle, arXiv 2509.20416")
 def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int = 16, fixed: bool = False,
-              max_nodes: int = 32, backoff: int = 8, weights: str = "auto") -> Proposer:
+              max_nodes: int = 32, backoff: int = 8, weights: str = "auto", calibrated: bool = True) -> Proposer:
     check_int("fasteagle", "topk", topk, 1, 16)
     check_int("fasteagle", "depth", depth, 1, 64)
     check_bool("fasteagle", "fixed", fixed)
     check_int("fasteagle", "max_nodes", max_nodes, 2, 256)
     check_int("fasteagle", "backoff", backoff, 0, 1024)
     check_choice("fasteagle", "weights", weights, ("auto", "q8_0", "fp32"))
+    check_bool("fasteagle", "calibrated", calibrated)
     runner = fasteagle_runner(target, drafter, weights)
-    return FastEagleProposer(runner, topk=topk, depth=depth, fixed=fixed, max_nodes=max_nodes, backoff=backoff)
+    return FastEagleProposer(runner, topk=topk, depth=depth, fixed=fixed, max_nodes=max_nodes, backoff=backoff,
+                             calibrated=calibrated)

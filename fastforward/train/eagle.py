@@ -134,30 +134,3 @@ def heldout_agreement(target, drafter: Eagle3Drafter, records: list[dict], steps
     return {"positions": total, "top1": (hits / max(total, 1)).tolist(), "chain": (joint / max(total, 1)).tolist(),
             "calibration": calibration.as_dict() if calibration else None}
 
-
-def calibrate_folder(folder, target, data, *, limit: int | None = None, steps: int = 3) -> dict:
-    """Fit the greedy calibration of the EAGLE-3 drafter in ``folder`` on the held-out records of the ``make-data``
-    folder ``data`` and write it into the drafter's ``config.json`` (only that file changes, atomically). Returns
-    :func:`heldout_agreement`'s result."""
-    import json
-    import os
-
-    from ..drafters.checkpoint import CONFIG, load_eagle3
-    from ..drafters.features import FeatureStore
-    from ..errors import UsageError
-    from .make_data import read_records
-
-    folder = Path(folder).expanduser()
-    drafter = load_eagle3(folder, target).float().eval()
-    held = [r for r in read_records(data) if r.get("split") != "train"][:limit]
-    if not held:
-        raise UsageError(f"{data}: no held-out records to calibrate on")
-    result = heldout_agreement(target, drafter, held, steps, store=FeatureStore(data, target, write=False))
-    if result["calibration"] is None:
-        raise UsageError(f"{data}: the held-out records have no response positions to calibrate on")
-    raw = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
-    raw.setdefault("fastforward", {})[CALIBRATION_KEY] = result["calibration"]
-    tmp = folder / f"{CONFIG}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(raw, indent=2) + "\n")
-    os.replace(tmp, folder / CONFIG)
-    return result

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..drafters.calibration import CONFIG_KEY as CALIBRATION_KEY
 from ..drafters.eagle import target_embedding_rows
 from ..drafters.fasteagle import FastEagleDrafter, save_fasteagle
 from ..drafters.vocab import DraftVocab
@@ -78,8 +79,14 @@ class FastEagleTraining(DrafterMethod):
         save_fasteagle(drafter, folder, dtype="float16")
 
     def evaluate(self, drafter, target, records):
+        """Held-out agreement (printed and kept in the run's summary), and the greedy calibration the drafter is
+        saved with (:mod:`fastforward.drafters.calibration`)."""
+        if not records:
+            return None
         drafter.eval()
-        return heldout_agreement(target, drafter, records) if records else None
+        held = heldout_agreement(target, drafter, records)
+        drafter.cfg.fastforward[CALIBRATION_KEY] = held["calibration"]
+        return held
 
     def load_weights(self, drafter, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -87,29 +94,49 @@ class FastEagleTraining(DrafterMethod):
         drafter.load_state_dict(load_file(str(folder / "drafter.safetensors")))
 
 
-def heldout_agreement(target, drafter: FastEagleDrafter, records: list[dict], max_length: int = 768) -> dict:
+def heldout_agreement(target, drafter: FastEagleDrafter, records: list[dict], max_length: int = 768, *,
+                      store=None, topk: int = 4) -> dict:
     """Teacher-forced agreement of a drafter with the target on ``records`` (e.g. the held-out split of
     ``make-data``), over response positions: ``top1[i]``, layer i's top-1 == the target's token at depth i;
     ``chain[i]``, layers 1..i all right at once -- the rate at which a chain draft reaches depth i (what decoding can
-    accept)."""
+    accept); ``calibration``, the :class:`~fastforward.drafters.calibration.GreedyCalibration` of each depth's
+    top-``topk`` candidates where the backbone above them was right (as a dict). Features come from ``store`` or
+    are computed."""
+    from ..drafters.calibration import GreedyCalibration
     from ..drafters.features import compute_features
 
     embed = target_embedding_rows(target, torch.arange(target.vocab_size))
     n = drafter.cfg.num_layers
     hits, joint, total = torch.zeros(n), torch.zeros(n), 0
+    probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    found: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for r in records:
         ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]))[:max_length]
         P, T = len(r["prompt_ids"]), ids.numel()
         rows = T - 1 - n - P  # rows j >= P whose every depth has a label
         if rows <= 0:
             continue
-        taps = compute_features(target, ids)["taps"].reshape(1, T, -1).float()
+        feats = store.get(r) if store is not None else compute_features(target, ids)
+        taps = feats["taps"][:T].reshape(1, T, -1).float()
         with torch.no_grad():
             hs = drafter(taps, ids.unsqueeze(0), embed)
         j = torch.arange(P, P + rows)
-        right = torch.stack([drafter.vocab.to_target(drafter.logits(h[0, j]).argmax(-1)) == ids[j + 1 + i]
-                             for i, h in enumerate(hs, start=1)])  # [n, rows]
+        right, backbone = [], torch.ones(rows, dtype=torch.bool)
+        for i, h in enumerate(hs, start=1):
+            top = drafter.logits(h[0, j]).softmax(-1).topk(min(topk, drafter.cfg.draft_vocab_size), dim=-1)
+            hit = drafter.vocab.to_target(top.indices) == ids[j + 1 + i].unsqueeze(1)  # [rows, topk]
+            probs[i - 1].append(top.values[backbone].flatten())
+            found[i - 1].append(hit[backbone].flatten())
+            right.append(hit[:, 0])
+            backbone = backbone & hit[:, 0]
+        right = torch.stack(right)  # [n, rows]
         hits += right.sum(1)
         joint += right.int().cumprod(0).sum(1)
         total += rows
-    return {"positions": total, "top1": (hits / max(total, 1)).tolist(), "chain": (joint / max(total, 1)).tolist()}
+    calibration = None
+    if total:
+        keep = [torch.cat(p) for p in probs]
+        depths = next((d for d, p in enumerate(keep) if p.numel() == 0), n)  # depths some backbone reached
+        calibration = GreedyCalibration.fit(keep[:depths], [torch.cat(f) for f in found][:depths])
+    return {"positions": total, "top1": (hits / max(total, 1)).tolist(), "chain": (joint / max(total, 1)).tolist(),
+            "calibration": calibration.as_dict() if calibration else None}
