@@ -108,19 +108,20 @@ def test_calibrated_eagle_greedy_equals_ar(target, folders, prompt, topk, depth)
     _, eager = folders
     ar = ff.generate(target, prompt, "ar", max_new_tokens=20).token_ids
     out = ff.generate(target, prompt, "eagle", max_new_tokens=20,
-                      method_options=dict(drafter=str(eager), topk=topk, depth=depth, min_prob=0.0))
+                      method_options=dict(drafter=str(eager), topk=topk, depth=depth, min_prob=0.0, calibrated=True))
     assert out.token_ids == ar
 
 
 def test_calibration_changes_the_trees_not_the_output(target, folders, monkeypatch):
     """On a cost curve where a draft token costs a third of a step, the eager map drafts larger trees than the raw
-    probabilities of a random drafter; ``calibrated=false`` ignores it; the tokens are AR's in every case."""
+    probabilities of a random drafter; without ``calibrated=true`` it is ignored; the tokens are AR's in every case."""
     monkeypatch.setattr(target, "_cost_curve", CostCurve({1: 3.0, 64: 66.0}), raising=False)
     plain, eager = folders
     prompt = [3, 14, 15, 9, 26]
     ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
     nodes = {}
-    for name, folder, extra in (("plain", plain, {}), ("eager", eager, {}), ("off", eager, {"calibrated": False})):
+    for name, folder, extra in (("plain", plain, {"calibrated": True}), ("eager", eager, {"calibrated": True}),
+                                ("off", eager, {})):  # off by default
         out = ff.generate(target, prompt, "eagle", max_new_tokens=24,
                           method_options=dict(drafter=str(folder), backoff=0, **extra))
         assert out.token_ids == ar
@@ -132,7 +133,8 @@ def test_sampling_ignores_the_calibration(target, folders):
     plain, eager = folders
     kw = dict(max_new_tokens=16, temperature=1.0, seed=7)
     a = ff.generate(target, [1, 2, 3], "eagle", method_options=dict(drafter=str(plain), backoff=0), **kw)
-    b = ff.generate(target, [1, 2, 3], "eagle", method_options=dict(drafter=str(eager), backoff=0), **kw)
+    b = ff.generate(target, [1, 2, 3], "eagle", method_options=dict(drafter=str(eager), backoff=0, calibrated=True),
+                    **kw)
     assert a.token_ids == b.token_ids
     assert a.stats.method_stats["mean_tree_nodes"] == b.stats.method_stats["mean_tree_nodes"]
 
@@ -192,7 +194,8 @@ def test_calibrated_fasteagle_drafts_more_and_decodes_ar(target, fasteagle_folde
     nodes = {}
     for prompt in ([3, 14, 15, 9, 26], [7], [50, 51, 52, 53, 54, 55, 56, 57]):
         ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
-        for name, folder, extra in (("plain", plain, {}), ("eager", eager, {}), ("off", eager, {"calibrated": False})):
+        for name, folder, extra in (("plain", plain, {"calibrated": True}), ("eager", eager, {"calibrated": True}),
+                                    ("off", eager, {})):  # off by default
             out = ff.generate(target, prompt, "fasteagle", max_new_tokens=24,
                               method_options=dict(drafter=str(folder), backoff=0, **extra))
             assert out.token_ids == ar

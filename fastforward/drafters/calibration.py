@@ -10,9 +10,13 @@ acceptance, so with the raw q a greedy decode under-drafts.
 :class:`GreedyCalibration` is the fix, fitted on held-out data and stored with the drafter (``config.json``,
 ``fastforward.greedy_calibration``; the servers ignore it): per drafting depth, a non-decreasing piecewise-linear
 map from q to the observed rate at which a candidate with that q is the target's greedy token, given that its parent
-was (teacher-forced: the path so far is the target's). It is used at temperature 0 only; when sampling, a node is
-accepted with the target's probability, which q already estimates. It changes which tree is drafted, never what is
-accepted: the output is the target's either way.
+was (teacher-forced: the path so far is the target's). ``eagle`` and ``fasteagle`` use it with ``calibrated=true``, at
+temperature 0 only; when sampling, a node is accepted with the target's probability, which q already estimates. It
+changes which tree is drafted, never what is accepted: the output is the target's either way.
+
+Opt-in, because on this project's CPU it has not paid yet: with the shipped drafters, correct (higher) chances make
+both methods draft more, and the extra drafter passes cost more than the few extra accepted tokens bring
+(docs/drafters.md, "Greedy calibration").
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class EagleProposer(Proposer):
     name = "eagle"
 
     def __init__(self, runner: Eagle3Runner, *, topk: int, depth: int, nodes: int, max_nodes: int,
-                 min_prob: float, backoff: int = 0, calibrated: bool = True):
+                 min_prob: float, backoff: int = 0, calibrated: bool = False):
         self.shared = runner
         # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
         self.calibration = calibration_of(runner.cfg.fastforward) if calibrated else None
@@ -199,7 +199,7 @@ class EagleProposer(Proposer):
 @register("eagle", "EAGLE-3-style drafter over the target's features, dynamic tree (EAGLE-2)",
           source="Li et al. 2024/2025, EAGLE-2 / EAGLE-3")
 def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
-          min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = True) -> Proposer:
+          min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = False) -> Proposer:
     check_int("eagle", "topk", topk, 1, 16)
     check_int("eagle", "depth", depth, 1, 16)
     check_int("eagle", "nodes", nodes, 0, 256)

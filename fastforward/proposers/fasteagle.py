@@ -70,7 +70,7 @@ class FastEagleProposer(Proposer):
     name = "fasteagle"
 
     def __init__(self, runner: FastEagleRunner, *, topk: int, depth: int, fixed: bool, max_nodes: int,
-                 backoff: int, calibrated: bool = True):
+                 backoff: int, calibrated: bool = False):
         self.shared = runner
         # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
         self.calibration = calibration_of(runner.cfg.fastforward) if calibrated else None
@@ -174,7 +174,7 @@ class FastEagleProposer(Proposer):
 @register("fasteagle", "FastEagle: a cascaded drafter drafts the whole tree in one pass (backbone expansion tree)",
           source="FastEagle, arXiv 2509.20416")
 def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int = 16, fixed: bool = False,
-              max_nodes: int = 32, backoff: int = 8, weights: str = "auto", calibrated: bool = True) -> Proposer:
+              max_nodes: int = 32, backoff: int = 8, weights: str = "auto", calibrated: bool = False) -> Proposer:
     check_int("fasteagle", "topk", topk, 1, 16)
     check_int("fasteagle", "depth", depth, 1, 64)
     check_bool("fasteagle", "fixed", fixed)
