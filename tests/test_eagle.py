@@ -125,6 +125,14 @@ def test_round_trip_gives_identical_drafts(target, drafter_dir, tmp_path):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_drafter_weights_are_readable_as_the_umask_allows(drafter_dir):
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (drafter_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
 def test_export_layout(drafter_dir):
     from safetensors.torch import load_file
 

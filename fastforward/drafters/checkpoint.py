@@ -40,9 +40,16 @@ def write_folder(state: dict, config: dict, folder, dtype: str = "float16", skip
     config = dict(config, torch_dtype=dtype)
     tmp = folder / f"{WEIGHTS}.tmp{os.getpid()}"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600; a drafter folder is read by servers and copies
     os.replace(tmp, folder / WEIGHTS)
     (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return folder
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read_folder(folder, kind: str, parse_config) -> tuple[Path, object, dict]:
