@@ -17,7 +17,9 @@ Each step:
    tree is the top n - 1 of them under the root, where n maximises expected tokens per millisecond:
    ``(1 + sum of the n - 1 best path probabilities) / t(n)`` over this machine's cost curve t -- the draft's own
    confidence sizes the tree, so an unsure drafter costs a small forward and a sure one gets a deep chain.
-   ``nodes=N`` fixes n instead. ``topk=1`` drafts a chain.
+   ``nodes=N`` fixes n instead. ``topk=1`` drafts a chain. With ``calibrated=true`` and a drafter folder holding
+   a greedy calibration, greedy decoding uses calibrated acceptance chances in place of the draft probabilities
+   (:mod:`fastforward.drafters.calibration`; opt-in: it has not paid on this project's CPU).
 3. **Verify** (the engine): greedy, or at T > 0 the lossless scheme for candidates *without* probabilities (sample
    from the target at each node and walk to the child holding the sample). Top-k candidates are not i.i.d. samples
    of the drafter's distribution, so recursive rejection with the drafter's probabilities would not be exact.
