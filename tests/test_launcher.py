@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -120,6 +121,9 @@ def test_plain_torchrun_on_cpus_refuses_train_before_any_work(tmp_path):
     # one error from each process (their stderr lines may interleave), each exiting with the usage-error code 2
     assert proc.stderr.count("fastforward: error: a launcher started 2 processes (WORLD_SIZE=2)") == 2, proc.stderr
     assert proc.stderr.count("ACCELERATE_USE_CPU=1 torchrun") == 2
-    assert proc.stderr.count("exitcode  : 2") == 2  # torchrun's report of each child
+    # torchrun's report of the children: the first to exit with the usage-error code 2; the other either the same or,
+    # when torchrun stopped it after the first failure (it had printed its error already), terminated (-15)
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)]
+    assert 2 in codes and set(codes) <= {2, -15}, codes
     assert "fastforward/train/" not in proc.stderr and "internal error" not in proc.stderr  # no child traceback
     assert not out.exists()
