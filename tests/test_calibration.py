@@ -43,14 +43,18 @@ def _drafter(target, seed=0):
 EAGER = GreedyCalibration(((0.0, 0.02, 1.0),), ((0.0, 0.95, 1.0),), 10)
 
 
+def _plain_and_eager(drafter, save, tmp_path_factory, name):
+    """Two folders of one drafter: without a calibration, and with EAGER's."""
+    plain, eager = tmp_path_factory.mktemp(f"{name}-plain"), tmp_path_factory.mktemp(f"{name}-eager")
+    save(drafter, plain, dtype="float32")
+    drafter.cfg.fastforward[CONFIG_KEY] = EAGER.as_dict()
+    save(drafter, eager, dtype="float32")
+    return plain, eager
+
+
 @pytest.fixture(scope="module")
 def folders(target, tmp_path_factory):
-    plain, eager = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("eager")
-    drafter = _drafter(target)
-    save_eagle3(drafter, plain, dtype="float32")
-    drafter.cfg.fastforward[CONFIG_KEY] = EAGER.as_dict()
-    save_eagle3(drafter, eager, dtype="float32")
-    return plain, eager
+    return _plain_and_eager(_drafter(target), save_eagle3, tmp_path_factory, "eagle")
 
 
 def test_fit_recovers_a_monotone_map_and_round_trips():
@@ -180,12 +184,7 @@ def _fasteagle(target, seed=0):
 def fasteagle_folders(target, tmp_path_factory):
     from fastforward.drafters.fasteagle import save_fasteagle
 
-    plain, eager = tmp_path_factory.mktemp("fe-plain"), tmp_path_factory.mktemp("fe-eager")
-    drafter = _fasteagle(target)
-    save_fasteagle(drafter, plain, dtype="float32")
-    drafter.cfg.fastforward[CONFIG_KEY] = EAGER.as_dict()
-    save_fasteagle(drafter, eager, dtype="float32")
-    return plain, eager
+    return _plain_and_eager(_fasteagle(target), save_fasteagle, tmp_path_factory, "fasteagle")
 
 
 def test_calibrated_fasteagle_drafts_more_and_decodes_ar(target, fasteagle_folders, monkeypatch):
