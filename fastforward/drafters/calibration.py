@@ -48,6 +48,10 @@ class GreedyCalibration:
             if not ok:
                 raise UsageError(f"{CONFIG_KEY}: depth {d}'s table must have equally many knots (ascending from 0 "
                                  "to 1) and rates (non-decreasing, in [0, 1])")
+        # the tables as tensors, once (the decode loop reads them every step)
+        tables = [(torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64))
+                  for x, y in zip(self.knots, self.rates, strict=True)]
+        object.__setattr__(self, "_tables", tables)
 
     @property
     def depths(self) -> int:
@@ -56,14 +60,12 @@ class GreedyCalibration:
     def log_rate(self, log_q: torch.Tensor, depth: int) -> torch.Tensor:
         """log of the calibrated acceptance chance of candidates with log-probability ``log_q`` at ``depth`` (1 =
         the root's children; deeper than fitted uses the deepest table)."""
-        i = min(max(depth, 1), self.depths) - 1
-        x = torch.tensor(self.knots[i], dtype=log_q.dtype)
-        y = torch.tensor(self.rates[i], dtype=log_q.dtype)
-        q = log_q.exp().clamp(0.0, 1.0)
+        x, y = self._tables[min(max(depth, 1), self.depths) - 1]
+        q = log_q.double().exp().clamp(0.0, 1.0)
         hi = torch.searchsorted(x, q).clamp(1, x.numel() - 1)
         lo = hi - 1
         t = (q - x[lo]) / (x[hi] - x[lo])
-        return (y[lo] + t * (y[hi] - y[lo])).clamp(min=FLOOR).log()
+        return (y[lo] + t * (y[hi] - y[lo])).clamp(min=FLOOR).log().to(log_q.dtype)
 
     def sibling_rates(self, probs: torch.Tensor, depth: int) -> torch.Tensor:
         """[..., k] calibrated acceptance chances of k siblings given as their drafter probabilities, best first:
