@@ -51,12 +51,13 @@ def test_aux_layers_follow_the_serving_engines_default():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), topk=st.integers(1, 4),
-       depth=st.integers(1, 5), nodes=st.sampled_from([0, 0, 3, 9]), backoff=st.sampled_from([0, 1, 8]))
-def test_eagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, nodes, backoff):
+       depth=st.integers(1, 5), nodes=st.sampled_from([0, 0, 3, 9]), backoff=st.sampled_from([0, 1, 8]),
+       price_calls=st.booleans())
+def test_eagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, nodes, backoff, price_calls):
     ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
     out = ff.generate(target, prompt, "eagle", max_new_tokens=24,
                       method_options=dict(drafter=str(drafter_dir), topk=topk, depth=depth, nodes=nodes,
-                                          min_prob=0.0, backoff=backoff))
+                                          min_prob=0.0, backoff=backoff, price_calls=price_calls))
     assert out.token_ids == ar
 
 
@@ -73,6 +74,29 @@ def test_eagle_backs_off_when_nothing_is_drafted(target, tmp_path, monkeypatch):
     outs = backoff_outcomes(target, "eagle", tmp_path, "steps_backed_off")
     assert outs[0][0] == outs[8][0] == outs["ar"]
     assert outs[0][1] == 0 and outs[8][1] > 20
+
+
+@pytest.mark.parametrize("call_ms, expands", [(1e9, False), (0.0, True)])
+def test_eagle_expands_a_depth_only_when_its_call_pays(target, drafter_dir, call_ms, expands):
+    """With drafter calls priced above anything a frontier can bring back, no depth past the first is expanded; at
+    no cost the trees are those of unpriced expansion. Both decode AR's tokens."""
+    from fastforward.proposers import make_proposer
+
+    prompt = [3, 1, 4, 1, 5]
+    ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
+    opts = dict(drafter=str(drafter_dir), topk=3, depth=4, min_prob=0.0, backoff=0)
+    priced = make_proposer("eagle", target, **opts)
+    priced.call_cost.ms = call_ms
+    priced.call_cost.stop = lambda: None  # keep the injected cost
+    unpriced = make_proposer("eagle", target, price_calls=False, **opts)
+    outs = [ff.generate(target, prompt, prop, max_new_tokens=24) for prop in (priced, unpriced)]
+    assert outs[0].token_ids == outs[1].token_ids == ar
+    calls = [prop.stats()["draft_calls_per_step"] for prop in (priced, unpriced)]
+    assert calls[1] > 0
+    if expands:
+        assert calls[0] == calls[1] and priced.stats()["expansions_not_worth_a_call"] == 0
+    else:
+        assert calls[0] == 0 and priced.stats()["expansions_not_worth_a_call"] > 0
 
 
 def test_eagle_accepts_a_perfect_draft_and_batch_equals_solo(target, drafter_dir):

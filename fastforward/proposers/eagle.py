@@ -17,7 +17,13 @@ Each step:
    tree is the top n - 1 of them under the root, where n maximises expected tokens per millisecond:
    ``(1 + sum of the n - 1 best path probabilities) / t(n)`` over this machine's cost curve t -- the draft's own
    confidence sizes the tree, so an unsure drafter costs a small forward and a sure one gets a deep chain.
-   ``nodes=N`` fixes n instead. ``topk=1`` drafts a chain. With ``calibrated=true`` and a drafter folder holding
+   ``nodes=N`` fixes n instead.
+
+   **Priced calls** (``price_calls``, default on when the size is not fixed): each depth costs a drafter call, and
+   a call is made only if the frontier it expands can pay it back -- their summed path probability (a bound on the
+   tokens the new depth adds) times t(1) at least the measured ms of a call
+   (:mod:`fastforward.proposers._call_cost`). A sure drafter still drafts deep; an unsure one stops after the
+   depths it can pay for. ``topk=1`` drafts a chain. With ``calibrated=true`` and a drafter folder holding
    a greedy calibration, greedy decoding uses calibrated acceptance chances in place of the draft probabilities
    (:mod:`fastforward.drafters.calibration`; opt-in: it has not paid on this project's CPU).
 3. **Verify** (the engine): greedy, or at T > 0 the lossless scheme for candidates *without* probabilities (sample
@@ -48,6 +54,7 @@ from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from . import register
 from ._backoff import BackOff
+from ._call_cost import DrafterCallCost
 from ._options import check_bool, check_choice, check_int
 from ._rerank import best_size, build_tree, rank
 from ._runners import shared_runner
@@ -62,7 +69,7 @@ class EagleProposer(Proposer):
     name = "eagle"
 
     def __init__(self, runner: Eagle3Runner, *, topk: int, depth: int, nodes: int, max_nodes: int,
-                 min_prob: float, backoff: int = 0, calibrated: bool = False):
+                 min_prob: float, backoff: int = 0, calibrated: bool = False, price_calls: bool = True):
         self.shared = runner
         # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
         self.calibration = calibration_of(runner.cfg.fastforward) if calibrated else None
@@ -77,7 +84,8 @@ class EagleProposer(Proposer):
         self.curve_ms: torch.Tensor | None = None
         self.backoff = 0 if nodes else backoff  # a fixed tree size always drafts
         self.back_off = BackOff(self.backoff)
-        self._n = {"steps": 0, "draft_rows": 0, "draft_calls": 0, "nodes": 0, "skipped": 0}
+        self.call_cost = DrafterCallCost() if price_calls and not nodes else None  # a fixed size expands fully
+        self._n = {"steps": 0, "draft_rows": 0, "draft_calls": 0, "nodes": 0, "skipped": 0, "unpaid_stops": 0}
 
     def max_proposal_size(self) -> int:
         return self.nodes or self.max_nodes
@@ -139,6 +147,10 @@ class EagleProposer(Proposer):
             best = scores.topk(r)
             if float(best.values[0].exp()) < self.min_prob:
                 break
+            if self.call_cost is not None and not self.call_cost.pays(float(best.values.exp().sum()),
+                                                                      float(self.curve_ms[0])):
+                self._n["unpaid_stops"] += 1
+                break
             sel = best.indices  # local indices at depth d-1
             glob = sel + offset  # global candidate indices
             feat = src_h[sel]
@@ -157,11 +169,15 @@ class EagleProposer(Proposer):
             grown[n_rows:] = vis
             rows_vis = grown
             row_of[glob] = torch.arange(n_rows, n_rows + r)
+            if self.call_cost is not None:
+                self.call_cost.start()
             h = run.rows(feat, tokens, torch.full((r,), root_pos + d - 2, dtype=torch.long),
                          run.length + n_rows, vis)
+            lp = run.log_probs(h)  # [r, draft_vocab]
+            if self.call_cost is not None:
+                self.call_cost.stop()
             self._n["draft_rows"] += r
             self._n["draft_calls"] += 1
-            lp = run.log_probs(h)  # [r, draft_vocab]
             top = lp.topk(k, dim=-1)
             offset += cand_tok[-1].numel()
             cand_tok.append(top.indices.reshape(-1))
@@ -195,13 +211,15 @@ class EagleProposer(Proposer):
     def stats(self) -> dict:
         steps = max(self._n["steps"], 1)
         return {"draft_calls_per_step": self._n["draft_calls"] / steps, "draft_rows": self._n["draft_rows"],
-                "mean_tree_nodes": self._n["nodes"] / steps, "steps_backed_off": self._n["skipped"]}
+                "mean_tree_nodes": self._n["nodes"] / steps, "steps_backed_off": self._n["skipped"],
+                "expansions_not_worth_a_call": self._n["unpaid_stops"]}
 
 
 @register("eagle", "EAGLE-3-style drafter over the target's features, dynamic tree (EAGLE-2)",
           source="Li et al. 2024/2025, EAGLE-2 / EAGLE-3")
 def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
-          min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = False) -> Proposer:
+          min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = False,
+          price_calls: bool = True) -> Proposer:
     check_int("eagle", "topk", topk, 1, 16)
     check_int("eagle", "depth", depth, 1, 16)
     check_int("eagle", "nodes", nodes, 0, 256)
@@ -209,8 +227,9 @@ def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, 
     check_int("eagle", "backoff", backoff, 0, 1024)
     check_choice("eagle", "weights", weights, ("auto", "q8_0", "fp32"))
     check_bool("eagle", "calibrated", calibrated)
+    check_bool("eagle", "price_calls", price_calls)
     if not isinstance(min_prob, (int, float)) or isinstance(min_prob, bool) or not 0 <= min_prob < 1:
         raise UsageError(f"eagle: option min_prob must be a number in [0, 1), got {min_prob!r}")
     runner = drafter_runner(target, drafter, weights)
     return EagleProposer(runner, topk=topk, depth=depth, nodes=nodes, max_nodes=max_nodes, min_prob=float(min_prob),
-                         backoff=backoff, calibrated=calibrated)
+                         backoff=backoff, calibrated=calibrated, price_calls=price_calls)
