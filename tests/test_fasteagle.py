@@ -111,12 +111,12 @@ def test_expected_tokens_of_the_backbone_tree():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), topk=st.integers(1, 4),
-       depth=st.integers(1, 4), fixed=st.booleans(), backoff=st.sampled_from([0, 1, 8]))
-def test_fasteagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, fixed, backoff):
+       depth=st.integers(1, 4), fixed=st.booleans(), backoff=st.sampled_from([0, 1, 8]), on_loss=st.booleans())
+def test_fasteagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, fixed, backoff, on_loss):
     ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
     out = ff.generate(target, prompt, "fasteagle", max_new_tokens=24,
                       method_options=dict(drafter=str(drafter_dir), topk=topk, depth=depth, fixed=fixed,
-                                          backoff=backoff))
+                                          backoff=backoff, backoff_on_loss=on_loss))
     assert out.token_ids == ar
 
 

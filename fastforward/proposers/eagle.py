@@ -69,7 +69,8 @@ class EagleProposer(Proposer):
     name = "eagle"
 
     def __init__(self, runner: Eagle3Runner, *, topk: int, depth: int, nodes: int, max_nodes: int,
-                 min_prob: float, backoff: int = 0, calibrated: bool = False, price_calls: bool = True):
+                 min_prob: float, backoff: int = 0, calibrated: bool = False, price_calls: bool = True,
+                 backoff_on_loss: bool = True):
         self.shared = runner
         # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
         self.calibration = calibration_of(runner.cfg.fastforward) if calibrated else None
@@ -83,7 +84,8 @@ class EagleProposer(Proposer):
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.curve_ms: torch.Tensor | None = None
         self.backoff = 0 if nodes else backoff  # a fixed tree size always drafts
-        self.back_off = BackOff(self.backoff)
+        self.backoff_on_loss = backoff_on_loss
+        self.back_off = BackOff(self.backoff, backoff_on_loss)
         self.call_cost = DrafterCallCost() if price_calls and not nodes else None  # a fixed size expands fully
         self._n = {"steps": 0, "draft_rows": 0, "draft_calls": 0, "nodes": 0, "skipped": 0, "unpaid_stops": 0}
 
@@ -97,7 +99,7 @@ class EagleProposer(Proposer):
         n = state.prompt_length
         self.runner = self.shared.fresh(n + state.max_new_tokens + self.depth + 8)
         self.pending.clear()
-        self.back_off = BackOff(self.backoff)
+        self.back_off = BackOff(self.backoff, self.backoff_on_loss)
         self.greedy_map = self.calibration if state.sampling.greedy else None
         if not self.nodes:
             curve = machine_cost_curve(state.target)
@@ -113,6 +115,7 @@ class EagleProposer(Proposer):
         tokens = state.ids[root_pos + 1 : root_pos + 1 + r]
         self.pending.append((self._taps(step.hidden, torch.as_tensor(path)), tokens.clone(),
                              torch.arange(root_pos, root_pos + r)))
+        self.back_off.verdict(step.verdict.accepted, self.curve_ms)
 
     def _catch_up(self) -> None:
         """Give the drafter the accepted rows that wait (one pass over all of them)."""
@@ -130,6 +133,7 @@ class EagleProposer(Proposer):
             self._n["nodes"] += 1
             self._n["skipped"] += depth >= 1
             return None
+        self.back_off.looking()
         self._catch_up()
         lp = run.log_probs(self.last_h)[0]  # [draft_vocab]
         top = lp.topk(k)
@@ -197,7 +201,7 @@ class EagleProposer(Proposer):
         if n == 1:
             self.back_off.drafted_nothing()
             return None
-        self.back_off.drafted()
+        self.back_off.drafted(n)
         return Proposal(build_tree(order[: n - 1], tokens, parents, depths, state.root))
 
     def _chance(self, log_q: torch.Tensor, depth: int) -> torch.Tensor:
@@ -219,7 +223,7 @@ class EagleProposer(Proposer):
           source="Li et al. 2024/2025, EAGLE-2 / EAGLE-3")
 def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
           min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = False,
-          price_calls: bool = True) -> Proposer:
+          price_calls: bool = True, backoff_on_loss: bool = True) -> Proposer:
     check_int("eagle", "topk", topk, 1, 16)
     check_int("eagle", "depth", depth, 1, 16)
     check_int("eagle", "nodes", nodes, 0, 256)
@@ -228,8 +232,10 @@ def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, 
     check_choice("eagle", "weights", weights, ("auto", "q8_0", "fp32"))
     check_bool("eagle", "calibrated", calibrated)
     check_bool("eagle", "price_calls", price_calls)
+    check_bool("eagle", "backoff_on_loss", backoff_on_loss)
     if not isinstance(min_prob, (int, float)) or isinstance(min_prob, bool) or not 0 <= min_prob < 1:
         raise UsageError(f"eagle: option min_prob must be a number in [0, 1), got {min_prob!r}")
     runner = drafter_runner(target, drafter, weights)
     return EagleProposer(runner, topk=topk, depth=depth, nodes=nodes, max_nodes=max_nodes, min_prob=float(min_prob),
-                         backoff=backoff, calibrated=calibrated, price_calls=price_calls)
+                         backoff=backoff, calibrated=calibrated, price_calls=price_calls,
+                         backoff_on_loss=backoff_on_loss)

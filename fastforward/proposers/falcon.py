@@ -37,7 +37,7 @@ from ..drafters.features import FINAL
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from . import register
 from ._backoff import BackOff
-from ._options import check_choice, check_int
+from ._options import check_bool, check_choice, check_int
 from ._rerank import best_size, build_tree, rank
 from ._runners import shared_runner
 
@@ -87,11 +87,11 @@ class FalconProposer(Proposer):
     hidden_layers = (FINAL,)
 
     def __init__(self, runner: FalconRunner, *, topk: int, passes: int, frontier: int, nodes: int, max_nodes: int,
-                 backoff: int):
+                 backoff: int, backoff_on_loss: bool = True):
         self.shared = runner
         self.topk, self.passes, self.frontier = topk, passes, frontier
         self.nodes, self.max_nodes = nodes, max_nodes
-        self.back_off = BackOff(0 if nodes else backoff)
+        self.back_off = BackOff(0 if nodes else backoff, backoff_on_loss)
         self.runner: FalconRunner | None = None
         self.curve_ms: torch.Tensor | None = None
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # accepted rows not yet committed
@@ -116,6 +116,7 @@ class FalconProposer(Proposer):
         tokens = state.ids[root_pos + 1 : root_pos + 1 + r].clone()
         self.pending.append((step.hidden[FINAL][torch.as_tensor(path)], tokens, torch.arange(root_pos, root_pos + r)))
         self._n["draft_rows"] += r
+        self.back_off.verdict(step.verdict.accepted, self.curve_ms)
 
     def _catch_up(self) -> None:
         """Commit the accepted rows that wait (one drafter call for all of them)."""
@@ -141,6 +142,7 @@ class FalconProposer(Proposer):
         if state.remaining < 1 or state.max_draft_depth == 0 or self.back_off.skipping():
             self._n["nodes"] += 1
             return None
+        self.back_off.looking()
         self._catch_up()
         self._n["looks"] += 1
         run = self.runner
@@ -187,7 +189,7 @@ class FalconProposer(Proposer):
         if n == 1:
             self.back_off.drafted_nothing()
             return None
-        self.back_off.drafted()
+        self.back_off.drafted(n)
         return Proposal(build_tree(chosen, tokens, parents, depths, state.root))
 
     def stats(self) -> dict:
@@ -200,14 +202,15 @@ class FalconProposer(Proposer):
 @register("falcon", "Falcon: a semi-autoregressive drafter drafts k tokens per pass, verified as a tree of k-blocks",
           source="Gao et al., AAAI 2025")
 def falcon(target, *, drafter: str | None = None, topk: int = 4, passes: int = 2, frontier: int = 4, nodes: int = 0,
-           max_nodes: int = 32, backoff: int = 8, weights: str = "auto") -> Proposer:
+           max_nodes: int = 32, backoff: int = 8, weights: str = "auto", backoff_on_loss: bool = True) -> Proposer:
     check_int("falcon", "topk", topk, 1, 16)
     check_int("falcon", "passes", passes, 1, 8)
     check_int("falcon", "frontier", frontier, 1, 16)
     check_int("falcon", "nodes", nodes, 0, 256)
     check_int("falcon", "max_nodes", max_nodes, 2, 256)
     check_int("falcon", "backoff", backoff, 0, 1024)
+    check_bool("falcon", "backoff_on_loss", backoff_on_loss)
     check_choice("falcon", "weights", weights, ("auto", "q8_0", "fp32"))
     runner = falcon_runner(target, drafter, weights)
     return FalconProposer(runner, topk=topk, passes=passes, frontier=frontier, nodes=nodes, max_nodes=max_nodes,
-                          backoff=backoff)
+                          backoff=backoff, backoff_on_loss=backoff_on_loss)

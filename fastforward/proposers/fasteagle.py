@@ -70,7 +70,7 @@ class FastEagleProposer(Proposer):
     name = "fasteagle"
 
     def __init__(self, runner: FastEagleRunner, *, topk: int, depth: int, fixed: bool, max_nodes: int,
-                 backoff: int, calibrated: bool = False):
+                 backoff: int, calibrated: bool = False, backoff_on_loss: bool = True):
         self.shared = runner
         # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
         self.calibration = calibration_of(runner.cfg.fastforward) if calibrated else None
@@ -82,7 +82,7 @@ class FastEagleProposer(Proposer):
         self.last_h: torch.Tensor | None = None
         self.curve_ms: torch.Tensor | None = None
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # accepted rows not yet committed
-        self.back_off = BackOff(self.backoff)
+        self.back_off = BackOff(self.backoff, backoff_on_loss)
         self._n = {"steps": 0, "looks": 0, "draft_rows": 0, "nodes": 0, "levels": 0, "k": 0}
 
     def max_proposal_size(self) -> int:
@@ -109,6 +109,7 @@ class FastEagleProposer(Proposer):
         self.pending.append((self._taps(step.hidden, torch.as_tensor(path)), tokens,
                              torch.arange(root_pos, root_pos + r)))
         self._n["draft_rows"] += r
+        self.back_off.verdict(step.verdict.accepted, self.curve_ms)
 
     def _catch_up(self) -> None:
         """Commit the accepted rows that wait (one drafter pass over all of them)."""
@@ -126,6 +127,7 @@ class FastEagleProposer(Proposer):
         if room < 1 or self.back_off.skipping():
             self._n["nodes"] += 1
             return None
+        self.back_off.looking()
         self._catch_up()
         self._n["looks"] += 1
         probs = run.probs(self.last_h[:room])  # [levels, draft_vocab]: one head matmul for every depth
@@ -150,8 +152,8 @@ class FastEagleProposer(Proposer):
             self._n["nodes"] += 1
             self.back_off.drafted_nothing()
             return None
-        self.back_off.drafted()
         tree = backbone_tree(run.to_target(top.indices), state.root, levels, k)
+        self.back_off.drafted(len(tree))
         self._n["nodes"] += len(tree)
         return Proposal(tree)
 
@@ -174,7 +176,8 @@ class FastEagleProposer(Proposer):
 @register("fasteagle", "FastEagle: a cascaded drafter drafts the whole tree in one pass (backbone expansion tree)",
           source="FastEagle, arXiv 2509.20416")
 def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int = 16, fixed: bool = False,
-              max_nodes: int = 32, backoff: int = 8, weights: str = "auto", calibrated: bool = False) -> Proposer:
+              max_nodes: int = 32, backoff: int = 8, weights: str = "auto", calibrated: bool = False,
+              backoff_on_loss: bool = True) -> Proposer:
     check_int("fasteagle", "topk", topk, 1, 16)
     check_int("fasteagle", "depth", depth, 1, 64)
     check_bool("fasteagle", "fixed", fixed)
@@ -182,6 +185,7 @@ def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int =
     check_int("fasteagle", "backoff", backoff, 0, 1024)
     check_choice("fasteagle", "weights", weights, ("auto", "q8_0", "fp32"))
     check_bool("fasteagle", "calibrated", calibrated)
+    check_bool("fasteagle", "backoff_on_loss", backoff_on_loss)
     runner = fasteagle_runner(target, drafter, weights)
     return FastEagleProposer(runner, topk=topk, depth=depth, fixed=fixed, max_nodes=max_nodes, backoff=backoff,
-                             calibrated=calibrated)
+                             calibrated=calibrated, backoff_on_loss=backoff_on_loss)
