@@ -34,6 +34,7 @@ class BackOff:
 
     def looking(self) -> None:
         """A look starts: its wall time from here to :meth:`drafted` is what the draft cost to make."""
+        self._open = None  # a draft never verified (its generation ended) is not judged by another's verdict
         self._look_start = time.perf_counter()
 
     def drafted(self, nodes: int = 0) -> None:

@@ -17,15 +17,15 @@ Each step:
    tree is the top n - 1 of them under the root, where n maximises expected tokens per millisecond:
    ``(1 + sum of the n - 1 best path probabilities) / t(n)`` over this machine's cost curve t -- the draft's own
    confidence sizes the tree, so an unsure drafter costs a small forward and a sure one gets a deep chain.
-   ``nodes=N`` fixes n instead.
+   ``nodes=N`` fixes n instead. ``topk=1`` drafts a chain. With ``calibrated=true`` and a drafter folder holding
+   a greedy calibration, greedy decoding uses calibrated acceptance chances in place of the draft probabilities
+   (:mod:`fastforward.drafters.calibration`; opt-in: it has not paid on this project's CPU).
 
    **Priced calls** (``price_calls``, default on when the size is not fixed): each depth costs a drafter call, and
    a call is made only if the frontier it expands can pay it back -- their summed path probability (a bound on the
    tokens the new depth adds) times t(1) at least the measured ms of a call
    (:mod:`fastforward.proposers._call_cost`). A sure drafter still drafts deep; an unsure one stops after the
-   depths it can pay for. ``topk=1`` drafts a chain. With ``calibrated=true`` and a drafter folder holding
-   a greedy calibration, greedy decoding uses calibrated acceptance chances in place of the draft probabilities
-   (:mod:`fastforward.drafters.calibration`; opt-in: it has not paid on this project's CPU).
+   depths it can pay for.
 3. **Verify** (the engine): greedy, or at T > 0 the lossless scheme for candidates *without* probabilities (sample
    from the target at each node and walk to the child holding the sample). Top-k candidates are not i.i.d. samples
    of the drafter's distribution, so recursive rejection with the drafter's probabilities would not be exact.
@@ -37,8 +37,10 @@ Each step:
 **Back-off** (``backoff``, default 8; 0 = off; as ``fasteagle`` and ``falcon``): a look costs a drafter pass to commit
 the accepted rows plus one over the root's distribution, which a step whose best tree is the root alone does not earn
 back. After such a look the proposer skips looking for 1, 2, 4, ... up to ``backoff`` steps (their accepted rows wait
-and are committed in one pass at the next look); a look that drafts resets it. Only which steps draft changes, never
-the output.
+and are committed in one pass at the next look); a draft that pays resets it. With ``backoff_on_loss`` (default on)
+a draft is judged by its verdict too: one whose accepted tokens saved less than it cost (the look's measured time and
+the larger forward) backs off as an empty look does (:mod:`fastforward.proposers._backoff`). Only which steps draft
+changes, never the output.
 """
 
 from __future__ import annotations

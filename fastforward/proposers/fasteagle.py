@@ -21,8 +21,10 @@ Each step:
 **Back-off** (``backoff``, default 8; 0 = off): keeping the drafter's caches in step costs a pass over its N layers
 every step, which a step that then drafts nothing does not earn back. After a step whose best choice was to draft
 nothing, the proposer skips looking for 1, 2, 4, ... up to ``backoff`` steps; the accepted rows of skipped steps wait
-and enter the drafter together at the next look (r rows cost about what one does). Drafting resets the back-off. The
-drafter's caches still hold accepted rows only, and the output is unchanged (only which steps draft).
+and enter the drafter together at the next look (r rows cost about what one does). A draft that pays resets the
+back-off; with ``backoff_on_loss`` (default on) one whose accepted tokens saved less than it cost backs off as an empty
+look does (:mod:`fastforward.proposers._backoff`). The drafter's caches still hold accepted rows only, and the output
+is unchanged (only which steps draft).
 """
 
 from __future__ import annotations
