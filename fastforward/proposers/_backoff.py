@@ -37,7 +37,7 @@ class BackOff:
         self._open = None  # a draft never verified (its generation ended) is not judged by another's verdict
         self._look_start = time.perf_counter()
 
-    def drafted(self, nodes: int = 0) -> None:
+    def drafted(self, nodes: int) -> None:
         """The look drafted a tree of ``nodes`` (root included): judged by its verdict when ``on_loss``, else it
         resets the back-off now."""
         if self.on_loss and self.limit and nodes > 1:
