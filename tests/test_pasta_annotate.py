@@ -55,7 +55,9 @@ def test_units_and_candidates():
     assert len(groups) == 1 and len(groups[0]) == 3
     chunks = [LIST_ANSWER[c.start:c.end] for c in groups[0]]
     assert chunks[0].startswith("1. Keep") and chunks[0].endswith("\n") and chunks[2].endswith("night.")
-    assert [c.topic for c in groups[0]] == ["Keep a regular", "Avoid screens for", "Keep the bedroom"]
+    assert [c.topic for c in groups[0]] == ["Keep a", "Avoid screens", "Keep the"]  # short labels by default
+    groups3, _ = candidate_groups(LIST_ANSWER, topic_words=3)
+    assert [c.topic for c in groups3[0]] == ["Keep a regular", "Avoid screens for", "Keep the bedroom"]
     # a code block is one unit, never split, never a candidate; the first paragraph stays on the main thread
     units = units_of(CODE_ANSWER)
     assert [u.kind for u in units] == ["paragraph", "code", "paragraph", "paragraph"]
@@ -88,6 +90,25 @@ def test_likelihood_mode_thresholds(target):
     assert nothing.kept == sum(r <= 0 for r in nothing.rises)
     strict_sync = annotate_answer(target, prompt, answer, threshold=1e9, sync_threshold=-1.0)
     assert strict_sync.syncs == 1 and parse(strict_sync.text).plain() == LIST_ANSWER
+
+
+def test_a_group_stays_async_only_if_it_shortens_the_critical_path(target):
+    answer, prompt = _ids(target, LIST_ANSWER), _ids(target, "Q?")
+    vocab = PastaVocab.from_tokenizer(target.tokenizer)
+    free = annotate_answer(target, prompt, answer, threshold=1e9, sync_threshold=1e9, min_saving=None)
+    assert free.kept == 3
+    path = pasta_layout(prompt, _ids(target, free.text), vocab, ()).forwards
+    saving = len(answer) - path  # a plain answer of n tokens takes n forwards
+    assert saving > 0
+    assert annotate_answer(target, prompt, answer, threshold=1e9, sync_threshold=1e9, min_saving=saving).kept == 3
+    too_much = annotate_answer(target, prompt, answer, threshold=1e9, sync_threshold=1e9, min_saving=saving + 1)
+    assert too_much.kept == 0 and too_much.text == LIST_ANSWER
+    # long topics cost main-thread forwards: the same blocks save less with three-word topics than with one
+    one = annotate_answer(target, prompt, answer, threshold=1e9, sync_threshold=1e9, min_saving=None, topic_words=1)
+    three = annotate_answer(target, prompt, answer, threshold=1e9, sync_threshold=1e9, min_saving=None,
+                            topic_words=3)
+    assert pasta_layout(prompt, _ids(target, one.text), vocab, ()).forwards < \
+        pasta_layout(prompt, _ids(target, three.text), vocab, ()).forwards
 
 
 # -- the tagless mask is the interpreter's rule with the tags taken out -------------------------------------------
@@ -173,7 +194,6 @@ def test_stripped_annotation_equals_the_answer(target, text, mode, threshold, sy
     assert parse(ann.text).plain() == original
     if ann.kept:
         parse_ids(_ids(target, ann.text), PastaVocab.from_tokenizer(target.tokenizer))
-        assert "```" not in "".join(p.content for p in parse(ann.text).promises) or True
         for promise in parse(ann.text).promises:  # never a piece of a code block
             assert promise.content.count("```") % 2 == 0
 
@@ -214,6 +234,8 @@ def test_cli_refusals_before_the_model_loads(capsys, tmp_path):
     src.write_text("{}\n")
     assert_one_line_error(capsys, "pasta", "annotate", src, src, "--model", "/nonexistent", match="must not be")
     assert_one_line_error(capsys, "pasta", "annotate", src, tmp_path / "o.jsonl", "--threshold", "-1")
+    assert_one_line_error(capsys, "pasta", "annotate", src, tmp_path / "o.jsonl", "--topic-words", "0")
+    assert_one_line_error(capsys, "pasta", "annotate", src, tmp_path / "o.jsonl", "--min-saving", "many")
     assert_one_line_error(capsys, "pasta", match="give a pasta command")
 
 

@@ -7,9 +7,11 @@ import argparse
 
 from ..errors import UsageError
 from ..pasta.annotate import (
+    DEFAULT_MIN_SAVING,
     DEFAULT_MIN_WORDS,
     DEFAULT_SYNC_THRESHOLD,
     DEFAULT_THRESHOLD,
+    DEFAULT_TOPIC_WORDS,
     MODES,
     annotate_file,
     check_annotate,
@@ -43,6 +45,12 @@ def _add_annotate(p) -> None:
                         "before it, in nats (default: %(default)s)")
     p.add_argument("--min-words", type=positive_int, default=DEFAULT_MIN_WORDS,
                    help="fewest words of an async chunk (default: %(default)s)")
+    p.add_argument("--topic-words", type=positive_int, default=DEFAULT_TOPIC_WORDS,
+                   help="most words of a promise's topic; each topic token is a forward on the main thread "
+                        "(default: %(default)s)")
+    p.add_argument("--min-saving", type=int, default=DEFAULT_MIN_SAVING,
+                   help="likelihood mode: a group of blocks stays async only if it shortens the critical path by "
+                        "at least this many forwards (default: %(default)s)")
     p.add_argument("--limit", type=positive_int, default=None, help="the first N records only")
 
 
@@ -50,10 +58,12 @@ def _run_annotate(args) -> int:
     import fastforward as ff
 
     # the files and settings are checked before the model loads
-    check_annotate(args.input, args.output, args.mode, args.threshold, args.sync_threshold, args.min_words)
+    check_annotate(args.input, args.output, args.mode, args.threshold, args.sync_threshold, args.min_words,
+                   args.topic_words, args.min_saving)
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     counts = annotate_file(target, args.input, args.output, mode=args.mode, threshold=args.threshold,
-                           sync_threshold=args.sync_threshold, min_words=args.min_words, limit=args.limit)
+                           sync_threshold=args.sync_threshold, min_words=args.min_words,
+                           topic_words=args.topic_words, min_saving=args.min_saving, limit=args.limit)
     print(f"saved {args.output}: {counts['annotated']} records annotated ({counts['with_tags']} with tags), "
           f"{counts['skipped']} already there")
     return 0

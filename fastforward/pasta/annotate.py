@@ -31,6 +31,7 @@ The paper had Gemini 1.5 Flash annotate SlimOrca answers; nothing here can call 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass, field
@@ -41,8 +42,9 @@ import torch
 from ..errors import PastaSyntaxError, UsageError
 from .language import ASYNC as ASYNC_TAG
 from .language import END_ASYNC as END_TAG
-from .language import MAX_TENS, PastaVocab, parse, parse_ids, promise_tag, thread_cap
+from .language import MAX_TENS, PastaVocab, add_pasta_tokens, parse, parse_ids, promise_tag, thread_cap
 from .language import SYNC as SYNC_TAG
+from .layout import pasta_layout
 
 # Calibrated on SmolLM2-135M's own make-data answers (docs/pasta.md): hiding a chunk's siblings raises its mean
 # per-token loss by a median 0.63 nats (quartiles 0.02 / 1.37) over 123 candidate chunks of 40 answers, so 0.1
@@ -50,6 +52,8 @@ from .language import SYNC as SYNC_TAG
 DEFAULT_THRESHOLD = 1.0  # nats: the most a chunk's mean loss may rise with its siblings hidden
 DEFAULT_SYNC_THRESHOLD = 1.0  # nats: a main-thread unit rising more than this needs a sync before it
 DEFAULT_MIN_WORDS = 5  # the paper's annotation prompt: "each <async> tag encompasses at least five words"
+DEFAULT_TOPIC_WORDS = 2  # a topic is a short label: every topic token is a forward on the main thread
+DEFAULT_MIN_SAVING = 1  # forwards a group of blocks must save on the critical path to stay async (likelihood mode)
 MODES = ("likelihood", "structure")
 
 _ITEM = re.compile(r"^(\s*)([-*+]|\d+[.)])\s+\S")
@@ -142,7 +146,8 @@ class Chunk:
     topic: str = ""
 
 
-def candidate_groups(text: str, min_words: int = DEFAULT_MIN_WORDS) -> tuple[list[list[Chunk]], list[Unit]]:
+def candidate_groups(text: str, min_words: int = DEFAULT_MIN_WORDS,
+                     topic_words: int = DEFAULT_TOPIC_WORDS) -> tuple[list[list[Chunk]], list[Unit]]:
     """Candidate async chunks grouped with their siblings (character spans), and the units."""
     units = units_of(text)
     groups: list[list[Unit]] = []
@@ -162,7 +167,7 @@ def candidate_groups(text: str, min_words: int = DEFAULT_MIN_WORDS) -> tuple[lis
         for k, u in enumerate(members):
             end = members[k + 1].start if k + 1 < len(members) else u.end  # separators go with the chunk before
             if len(text[u.start:u.end].split()) >= min_words:
-                chunks.append(Chunk(len(out), u.start, end, topic=topic_of(text[u.start:u.end])))
+                chunks.append(Chunk(len(out), u.start, end, topic=topic_of(text[u.start:u.end], topic_words)))
         if len(chunks) >= 2:
             for c in chunks:
                 c.group = len(out)
@@ -170,12 +175,12 @@ def candidate_groups(text: str, min_words: int = DEFAULT_MIN_WORDS) -> tuple[lis
     return out, units
 
 
-def topic_of(chunk: str) -> str:
-    """A topic of at most three words: a bold lead-in, else the chunk's first words."""
+def topic_of(chunk: str, max_words: int = DEFAULT_TOPIC_WORDS) -> str:
+    """A topic of at most ``max_words`` words: a bold lead-in, else the chunk's first words."""
     m = _BOLD.match(chunk)
     words_from = m.group(1) if m else re.sub(r"^\s*(?:[-*+]|\d+[.)])\s+", "", chunk)
     words = [re.sub(r"[\"<>*`#_\[\]()]", "", w) for w in words_from.split()]
-    words = [w.strip(".,:;!?") for w in words if w.strip(".,:;!?")][:3]
+    words = [w.strip(".,:;!?") for w in words if w.strip(".,:;!?")][:max_words]
     topic = " ".join(words).strip()
     return topic or "part"
 
@@ -317,14 +322,60 @@ def _drop_useless(kept: list[Chunk], sync_tokens: list[int], n: int) -> tuple[li
     return out_chunks, out_syncs
 
 
+_GROWN: dict[int, tuple[object, PastaVocab]] = {}
+
+
+def _grown(tokenizer) -> tuple[object, PastaVocab]:
+    """A copy of ``tokenizer`` with the PASTA-LANG tokens added (made once per tokenizer), and its vocab."""
+    key = id(tokenizer)
+    if key not in _GROWN:
+        grown = copy.deepcopy(tokenizer)
+        _GROWN[key] = (grown, add_pasta_tokens(grown))
+    return _GROWN[key]
+
+
+def _joined_syncs(chunks: list[Chunk], syncs: list[int]) -> list[int]:
+    """The syncs (character offsets) that still join a block once some groups are left out."""
+    out, prev = [], -1
+    for s in sorted(syncs):
+        if any(prev < c.end <= s for c in chunks):
+            out.append(s)
+            prev = s
+    return out
+
+
+def _groups_that_pay(tokenizer, prompt_ids, text: str, kept: list[Chunk], syncs: list[int], token_len,
+                     min_saving: int) -> tuple[list[Chunk], list[int]]:
+    """Keep a group of blocks only if it shortens the answer's critical path by at least ``min_saving`` forwards:
+    a promise costs its tag, topic and closing token on the main thread and a sync one more, so short blocks can
+    cost more forwards than they save. Measured exactly (the interpreter's schedule, ``pasta_layout``) with and
+    without each group, greedily in answer order."""
+    grown, vocab = _grown(tokenizer)
+
+    def path(chunks, joins):
+        ids = grown(render(text, chunks, joins, token_len), add_special_tokens=False)["input_ids"]
+        return pasta_layout(list(prompt_ids), ids, vocab, ()).forwards
+
+    current = path(kept, syncs)
+    for g in sorted({c.group for c in kept}):
+        without = [c for c in kept if c.group != g]
+        joins = _joined_syncs(without, syncs)
+        shorter = path(without, joins)
+        if shorter - current < min_saving:
+            kept, syncs, current = without, joins, shorter
+    return kept, syncs
+
+
 def annotate_answer(target, prompt_ids, answer_ids, *, mode: str = "likelihood",
                     threshold: float = DEFAULT_THRESHOLD, sync_threshold: float = DEFAULT_SYNC_THRESHOLD,
-                    min_words: int = DEFAULT_MIN_WORDS) -> Annotation:
-    """The PASTA-LANG annotation of one answer (token ids, EOS excluded) by the recipe of the module docstring."""
+                    min_words: int = DEFAULT_MIN_WORDS, topic_words: int = DEFAULT_TOPIC_WORDS,
+                    min_saving: int | None = DEFAULT_MIN_SAVING) -> Annotation:
+    """The PASTA-LANG annotation of one answer (token ids, EOS excluded) by the recipe of the module docstring.
+    ``min_saving`` (likelihood mode; None: off) drops every group of blocks that saves fewer forwards."""
     tokenizer = target.tokenizer
     answer_ids = [int(t) for t in answer_ids]
     text = tokenizer.decode(answer_ids, skip_special_tokens=True)
-    groups, units = candidate_groups(text, min_words)
+    groups, units = candidate_groups(text, min_words, topic_words)
     if not groups:
         return Annotation(text, 0, 0, 0)
     bounds = token_bounds(tokenizer, answer_ids)
@@ -404,9 +455,12 @@ def annotate_answer(target, prompt_ids, answer_ids, *, mode: str = "likelihood",
     sync_tokens = sorted({t for t in sync_tokens if any(c.tok_end <= t for c in kept)})
     kept, sync_tokens = _drop_useless(kept, sync_tokens, n)
     syncs = [bounds[t] for t in sync_tokens]
+    token_len = lambda c: c.tok_end - c.tok_start  # noqa: E731
+    if kept and mode == "likelihood" and min_saving is not None:
+        kept, syncs = _groups_that_pay(tokenizer, prompt_ids, text, kept, syncs, token_len, min_saving)
     if not kept:
         return Annotation(text, len(candidates), 0, 0, rises)
-    annotated = render(text, kept, syncs, lambda c: c.tok_end - c.tok_start)
+    annotated = render(text, kept, syncs, token_len)
     try:
         doc = parse(annotated)
     except PastaSyntaxError:
@@ -447,7 +501,9 @@ def _read_jsonl(path: Path, repair: bool = False) -> list[dict]:
     return records
 
 
-def check_annotate(src, out, mode: str, threshold: float, sync_threshold: float, min_words: int) -> tuple[Path, Path]:
+def check_annotate(src, out, mode: str, threshold: float, sync_threshold: float, min_words: int,
+                   topic_words: int = DEFAULT_TOPIC_WORDS, min_saving: int | None = DEFAULT_MIN_SAVING
+                   ) -> tuple[Path, Path]:
     """The input file (a make-data folder or its responses.jsonl) and the output file, checked before the model
     loads."""
     src, out = Path(src).expanduser(), Path(out).expanduser()
@@ -462,6 +518,10 @@ def check_annotate(src, out, mode: str, threshold: float, sync_threshold: float,
             raise UsageError(f"the {name} must be a number >= 0 (nats), got {value!r}")
     if not isinstance(min_words, int) or min_words < 1:
         raise UsageError(f"min_words must be a positive integer, got {min_words!r}")
+    if not isinstance(topic_words, int) or isinstance(topic_words, bool) or topic_words < 1:
+        raise UsageError(f"topic_words must be a positive integer, got {topic_words!r}")
+    if min_saving is not None and (not isinstance(min_saving, int) or isinstance(min_saving, bool)):
+        raise UsageError(f"min_saving must be an integer number of forwards, got {min_saving!r}")
     if out.exists() and out.is_dir():
         raise UsageError(f"{out} is a folder; give the output JSONL file")
     if out.resolve() == src.resolve():
@@ -471,12 +531,13 @@ def check_annotate(src, out, mode: str, threshold: float, sync_threshold: float,
 
 def annotate_file(target, src, out, *, mode: str = "likelihood", threshold: float = DEFAULT_THRESHOLD,
                   sync_threshold: float = DEFAULT_SYNC_THRESHOLD, min_words: int = DEFAULT_MIN_WORDS,
+                  topic_words: int = DEFAULT_TOPIC_WORDS, min_saving: int | None = DEFAULT_MIN_SAVING,
                   limit: int | None = None, log=print) -> dict:
     """Annotate every make-data record of ``src`` into ``out`` (JSONL, one record per line, flushed as written);
     records already in ``out`` (by key) are skipped, so a killed run resumes where it stopped. Each record keeps
     the input's fields and adds ``response`` (the answer's text), ``pasta`` (annotated; equal to ``response`` when
     nothing was kept), ``pasta_candidates``, ``pasta_kept``, ``pasta_syncs``, ``pasta_mode``."""
-    src, out = check_annotate(src, out, mode, threshold, sync_threshold, min_words)
+    src, out = check_annotate(src, out, mode, threshold, sync_threshold, min_words, topic_words, min_saving)
     records = _read_jsonl(src)
     if limit is not None:
         records = records[:limit]
@@ -493,7 +554,8 @@ def annotate_file(target, src, out, *, mode: str = "likelihood", threshold: floa
                 raise UsageError(f"{src}: record {k + 1} has no prompt_ids/response_ids (not a make-data record)")
             answer = [t for t in rec["response_ids"] if t not in eos]
             ann = annotate_answer(target, rec["prompt_ids"], answer, mode=mode, threshold=threshold,
-                                  sync_threshold=sync_threshold, min_words=min_words)
+                                  sync_threshold=sync_threshold, min_words=min_words, topic_words=topic_words,
+                                  min_saving=min_saving)
             row = dict(rec)
             plain = target.tokenizer.decode(answer, skip_special_tokens=True)
             row.update(response=plain, pasta=ann.text, pasta_candidates=ann.candidates, pasta_kept=ann.kept,
