@@ -353,3 +353,19 @@ def test_sft_batch_is_what_the_interpreter_computes(pasta_target):
     losses = pasta_token_losses(hf, batch)
     assert losses.shape == batch["targets"].shape and bool((losses[batch["targets"] == -100] == 0).all())
     assert batch["num_tokens"] == int((batch["targets"] != -100).sum()) > 0
+
+
+def test_topic_banned_ids_are_decoded_once_per_tokenizer(pasta_target, monkeypatch):
+    """Decoding the whole vocabulary costs about half a second on a real model: one request pays it, not each."""
+    from fastforward.pasta.interpreter import TOPIC_FORBIDDEN, PastaProposer
+
+    tokenizer = pasta_target.tokenizer
+    calls = []
+    real = type(tokenizer).batch_decode
+    monkeypatch.setattr(type(tokenizer), "batch_decode", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    first = PastaProposer(pasta_target).topic_banned()
+    second = PastaProposer(pasta_target).topic_banned()
+    assert len(calls) <= 1 and torch.equal(first, second)
+    texts = [tokenizer.decode([i]) for i in range(pasta_target.vocab_size)]
+    assert first.tolist() == [i for i, t in enumerate(texts) if any(c in t for c in TOPIC_FORBIDDEN)]
+    assert any(t == '"' for t in texts) and texts.index('"') in first.tolist()

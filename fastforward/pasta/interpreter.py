@@ -25,6 +25,7 @@ topic; a fork cannot promise, sync or end the answer; a topic is one line of at 
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -36,6 +37,23 @@ from .language import PastaVocab
 from .layout import PastaSchedule, Settler, Thread
 
 TOPIC_FORBIDDEN = '"<>\n\r'  # characters a topic cannot hold (the written form's delimiters; one line)
+
+
+_TOPIC_BANNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _topic_banned_ids(tokenizer, vocab_size: int) -> torch.Tensor:
+    """The ids (below ``vocab_size``) whose text holds a character a topic cannot, cached per tokenizer."""
+    try:
+        cached = _TOPIC_BANNED.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: computed every time
+        cached = {}
+    if vocab_size not in cached:
+        texts = tokenizer.batch_decode([[i] for i in range(min(vocab_size, len(tokenizer)))],
+                                       skip_special_tokens=False)
+        cached[vocab_size] = torch.tensor([i for i, t in enumerate(texts) if any(c in t for c in TOPIC_FORBIDDEN)],
+                                          dtype=torch.long)
+    return cached[vocab_size]
 
 
 class PastaProposer(Proposer):
@@ -67,12 +85,10 @@ class PastaProposer(Proposer):
 
     # -- the constraint masks --------------------------------------------------------------------------------------
     def topic_banned(self) -> torch.Tensor:
-        """Ids whose text holds a character a topic cannot (computed once per model)."""
+        """Ids whose text holds a character a topic cannot: decoding the whole vocabulary takes about half a
+        second, so it is done once per tokenizer and vocabulary size, not once per request."""
         if self._topic_banned is None:
-            tok, n = self.target.tokenizer, self.target.vocab_size
-            texts = tok.batch_decode([[i] for i in range(min(n, len(tok)))], skip_special_tokens=False)
-            self._topic_banned = torch.tensor([i for i, t in enumerate(texts) if any(c in t for c in TOPIC_FORBIDDEN)],
-                                              dtype=torch.long)
+            self._topic_banned = _topic_banned_ids(self.target.tokenizer, self.target.vocab_size)
         return self._topic_banned
 
     def mask(self, key: tuple) -> tuple[str, torch.Tensor] | None:
