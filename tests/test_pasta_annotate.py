@@ -235,7 +235,8 @@ def test_cli_refusals_before_the_model_loads(capsys, tmp_path):
     assert_one_line_error(capsys, "pasta", "annotate", src, src, "--model", "/nonexistent", match="must not be")
     assert_one_line_error(capsys, "pasta", "annotate", src, tmp_path / "o.jsonl", "--threshold", "-1")
     assert_one_line_error(capsys, "pasta", "annotate", src, tmp_path / "o.jsonl", "--topic-words", "0")
-    assert_one_line_error(capsys, "pasta", "annotate", src, tmp_path / "o.jsonl", "--min-saving", "many")
+    assert_one_line_error(capsys, "pasta", "annotate", src, tmp_path / "o.jsonl", "--min-saving", "many",
+                          match="or 'off'")
     assert_one_line_error(capsys, "pasta", match="give a pasta command")
 
 

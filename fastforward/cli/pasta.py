@@ -29,6 +29,15 @@ def _nats(text: str) -> float:
     return value
 
 
+def _forwards_or_off(text: str) -> int | None:
+    if text.strip().lower() == "off":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a whole number of forwards or 'off', got '{text}'") from None
+
+
 def _add_annotate(p) -> None:
     p.add_argument("input", metavar="IN", help="make-data records: a make-data folder or its responses.jsonl")
     p.add_argument("output", metavar="OUT", help="annotated records (JSONL; the same command resumes it)")
@@ -48,9 +57,9 @@ def _add_annotate(p) -> None:
     p.add_argument("--topic-words", type=positive_int, default=DEFAULT_TOPIC_WORDS,
                    help="most words of a promise's topic; each topic token is a forward on the main thread "
                         "(default: %(default)s)")
-    p.add_argument("--min-saving", type=int, default=DEFAULT_MIN_SAVING,
+    p.add_argument("--min-saving", type=_forwards_or_off, default=DEFAULT_MIN_SAVING,
                    help="likelihood mode: a group of blocks stays async only if it shortens the critical path by "
-                        "at least this many forwards (default: %(default)s)")
+                        "at least this many forwards; 'off' keeps every group (default: %(default)s)")
     p.add_argument("--limit", type=positive_int, default=None, help="the first N records only")
 
 
