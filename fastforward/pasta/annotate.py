@@ -23,8 +23,11 @@ The paper had Gemini 1.5 Flash annotate SlimOrca answers; nothing here can call 
    mid-group sync are scored as if nothing were joined (conservative: it can only add syncs). A block that would
    run alongside nothing (the only one before its sync, the sync right after it) is left out.
 4. **Tags.** ``<promise topic="T" tokens=N/>`` with T a bold lead-in, a heading, or the chunk's first words (at most
-   three; characters the topic cannot hold removed) and N = max(1, round(len/10)) in the target's tokens; the
-   annotation is parsed back and its stripped text must equal the answer exactly, else the record keeps no tags.
+   ``topic_words``, default two: each topic token is a main-thread forward; characters the topic cannot hold
+   removed) and N = max(1, round(len/10)) in the target's tokens; the annotation is parsed back and its stripped
+   text must equal the answer exactly, else the record keeps no tags.
+5. **A group must pay** (likelihood mode): a group of blocks is kept only if the answer's critical path, by the
+   interpreter's own schedule, is at least ``min_saving`` forwards shorter with it than without it.
 
 ``mode="structure"`` is the APAR-like baseline: every candidate async, a sync right after each group, no model.
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -322,16 +326,15 @@ def _drop_useless(kept: list[Chunk], sync_tokens: list[int], n: int) -> tuple[li
     return out_chunks, out_syncs
 
 
-_GROWN: dict[int, tuple[object, PastaVocab]] = {}
+_GROWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _grown(tokenizer) -> tuple[object, PastaVocab]:
     """A copy of ``tokenizer`` with the PASTA-LANG tokens added (made once per tokenizer), and its vocab."""
-    key = id(tokenizer)
-    if key not in _GROWN:
+    if tokenizer not in _GROWN:
         grown = copy.deepcopy(tokenizer)
-        _GROWN[key] = (grown, add_pasta_tokens(grown))
-    return _GROWN[key]
+        _GROWN[tokenizer] = (grown, add_pasta_tokens(grown))
+    return _GROWN[tokenizer]
 
 
 def _joined_syncs(chunks: list[Chunk], syncs: list[int]) -> list[int]:
