@@ -74,7 +74,6 @@ class PastaProposer(Proposer):
         self.trace = trace
         self.target = target
         self._masks: dict = {}
-        self._topic_banned = None
 
     @property
     def run_class(self):
@@ -87,9 +86,7 @@ class PastaProposer(Proposer):
     def topic_banned(self) -> torch.Tensor:
         """Ids whose text holds a character a topic cannot: decoding the whole vocabulary takes about half a
         second, so it is done once per tokenizer and vocabulary size, not once per request."""
-        if self._topic_banned is None:
-            self._topic_banned = _topic_banned_ids(self.target.tokenizer, self.target.vocab_size)
-        return self._topic_banned
+        return _topic_banned_ids(self.target.tokenizer, self.target.vocab_size)
 
     def mask(self, key: tuple) -> tuple[str, torch.Tensor] | None:
         """("ban", ids) or ("only", ids) for a thread state (see ``PastaSchedule.constraint``)."""
