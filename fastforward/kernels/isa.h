@@ -40,7 +40,16 @@ inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) {
   for (int i = 0; i < 16; ++i)
     if ((k >> i) & 1) static_cast<float*>(p)[i] = in[i];
 }
+inline simde__m512 shuffle_f32x4(simde__m512 a, simde__m512 b, int imm) {  // 128-bit quarters: two of a, two of b
+  float in_a[16], in_b[16], out[16];
+  std::memcpy(in_a, &a, sizeof in_a);
+  std::memcpy(in_b, &b, sizeof in_b);
+  for (int q = 0; q < 4; ++q)
+    std::memcpy(out + 4 * q, (q < 2 ? in_a : in_b) + 4 * ((imm >> (2 * q)) & 3), 4 * sizeof(float));
+  return simde_mm512_loadu_ps(out);
+}
 }  // namespace ff_emulated
+#define _mm512_shuffle_f32x4 ff_emulated::shuffle_f32x4
 #define _mm512_cvtepi32_ps ff_emulated::cvtepi32_ps
 #define _mm512_cvtepi8_epi32 ff_emulated::widen16<int32_t, int8_t>
 #define _mm512_cvtepu8_epi32 ff_emulated::widen16<int32_t, uint8_t>
@@ -84,6 +93,25 @@ struct Isa {
     q = _mm_add_ss(q, _mm_movehdup_ps(q));
     return _mm_cvtss_f32(q);
   }
+  // out[j] = hsum(v[j]) for j < 16, bitwise: the same pairwise additions, four stages over all sixteen vectors at
+  // once (15 shuffle pairs and 15 additions, then one permutation, instead of 16 x 7 operations).
+  static inline void hsum_lanes(const Reg* v, float* out) {
+    Reg s1[8], s2[4], s3[2];
+    for (int j = 0; j < 8; ++j)  // lanes i + (i + 8): vector 2j's in lanes 0-7, 2j+1's in lanes 8-15
+      s1[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                            _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+    for (int k = 0; k < 4; ++k)  // then i + (i + 4): quarter t of s2[k] is vector 4k + t's
+      s2[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * k], s1[2 * k + 1], 0x88),
+                            _mm512_shuffle_f32x4(s1[2 * k], s1[2 * k + 1], 0xDD));
+    for (int m = 0; m < 2; ++m) {  // then i + (i + 2)
+      const __m512d a = _mm512_castps_pd(s2[2 * m]), b = _mm512_castps_pd(s2[2 * m + 1]);
+      s3[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    // then 0 + 1: lane 4L + t holds vector 4t + L's sum
+    const Reg s4 = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, s4));
+  }
 };
 #elif defined(FF_ISA_AVX2)
 constexpr const char* kIsaName = "avx2";
@@ -110,6 +138,20 @@ struct Isa {
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_movehdup_ps(q));
     return _mm_cvtss_f32(q);
+  }
+  // out[j] = hsum(v[j]) for j < 8, bitwise: the same pairwise additions, three stages over all eight vectors.
+  static inline void hsum_lanes(const Reg* v, float* out) {
+    Reg s1[4], s2[2];
+    for (int j = 0; j < 4; ++j)  // lanes i + (i + 4): vector 2j's in lanes 0-3, 2j+1's in lanes 4-7
+      s1[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x20),
+                            _mm256_permute2f128_ps(v[2 * j], v[2 * j + 1], 0x31));
+    for (int k = 0; k < 2; ++k) {  // then i + (i + 2)
+      const __m256d a = _mm256_castps_pd(s1[2 * k]), b = _mm256_castps_pd(s1[2 * k + 1]);
+      s2[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    // then 0 + 1: lane 4L + t holds vector 2t + L's sum
+    const Reg s3 = _mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], 0x88), _mm256_shuffle_ps(s2[0], s2[1], 0xDD));
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(s3, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   }
 };
 #else
