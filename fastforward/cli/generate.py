@@ -28,6 +28,10 @@ def _prefill_progress(min_tokens: int = 1024):
     return report
 
 
+class _DefaultModel(str):
+    """``--model``'s default, told apart from the same name given on the command line."""
+
+
 def add_arguments(p, name: str) -> None:
     if name == "methods":
         p.add_argument("--json", action="store_true", help="print as JSON")
@@ -44,6 +48,7 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--method", default="ar", help="decoding method, see 'fastforward methods' (default: ar)")
     add_method_option_argument(p)
     add_model_arguments(p)
+    p.set_defaults(model=_DefaultModel(DEFAULT_MODEL))
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
@@ -91,8 +96,8 @@ def run(args, name: str) -> int:
     else:
         requests = [ff.GenerationRequest(_read_prompt(args.prompt), args.method, **kwargs)]
     t_load = time.perf_counter()
-    if args.method == "pasta" and args.model == DEFAULT_MODEL:
-        args.model = DEFAULT_PASTA_MODEL  # the default model's PASTA adapter, shipped with the project
+    if args.method == "pasta" and isinstance(args.model, _DefaultModel):
+        args.model = DEFAULT_PASTA_MODEL  # no --model given: the default model's PASTA adapter, shipped with it
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     load_seconds = time.perf_counter() - t_load
     if args.prompts is not None:

@@ -4,6 +4,7 @@ an external LLM: :mod:`fastforward.pasta.annotate`)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..errors import UsageError
 from ..pasta.annotate import (
@@ -78,11 +79,20 @@ def _run_annotate(args) -> int:
     return 0
 
 
+def _judge_url(text: str) -> str:
+    from ..pasta.judge import check_judge_url
+
+    try:
+        return check_judge_url(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_judge(p) -> None:
     g = p.add_argument_group("judge")
     g.add_argument("--judge-model", default="smollm2-135m",
                    help="the proxy judge's frozen original model: alias, HF folder or .gguf (default: %(default)s)")
-    g.add_argument("--judge-url", default=None,
+    g.add_argument("--judge-url", default=None, type=_judge_url,
                    help="use an OpenAI-compatible chat endpoint as the judge instead (e.g. http://host:8000/v1)")
     g.add_argument("--judge-name", default="judge", help="the model name sent to --judge-url (default: %(default)s)")
 
@@ -117,24 +127,26 @@ def _add_sample(p) -> None:
 def _run_sample(args) -> int:
     import json
     import random
-    from pathlib import Path
+    import sys
 
     import fastforward as ff
 
-    from ..pasta.bon import sample_record, sample_to_dict
-    from ..train.pasta import read_jsonl
+    from ..jsonl import jsonl_records
+    from ..pasta.annotate import check_records_output, make_data_file, read_make_data
+    from ..pasta.bon import baseline_text, sample_record, sample_to_dict
 
     if args.n < 2:
         raise UsageError(f"--n must be at least 2 (a best and a worst sample), got {args.n}")
     if not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0 for sampling, got {args.temperature}")
-    records = [r for r in read_jsonl(args.input) if r.get("split", "train") != "heldout"]
-    if not records or "prompt_ids" not in records[0] or "response_ids" not in records[0]:
-        raise UsageError(f"{args.input} holds no make-data records (prompt_ids, response_ids)")
+    src = make_data_file(args.input)
+    out = check_records_output(args.output, src, "samples")
+    records = [r for r in read_make_data(src) if r.get("split", "train") != "heldout"]
+    if not records:
+        raise UsageError(f"{src} holds only held-out records: nothing to sample")
     random.Random(args.seed).shuffle(records)
     records = records[: args.prompts]
-    out = Path(args.output)
-    done = {r.get("key") for r in read_jsonl(str(out))} if out.is_file() and out.stat().st_size else set()
+    done = {r.get("key") for _, r in jsonl_records(out, repair=True)} if out.exists() else set()
     target = ff.load(args.model, backend="lean", threads=args.threads, weights=args.weights)
     judge = _judge(args)
     written = 0
@@ -144,14 +156,14 @@ def _run_sample(args) -> int:
             continue
         samples = sample_record(target, judge, rec, args.n, temperature=args.temperature,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed * 100_003 + i)
-        row = {"key": key, "prompt_ids": rec["prompt_ids"], "response": rec.get("response"),
+        row = {"key": key, "prompt_ids": rec["prompt_ids"], "response": baseline_text(target, rec),
                "baseline_tokens": len(rec["response_ids"]), "samples": [sample_to_dict(s) for s in samples]}
-        with open(out, "a") as f:
+        with open(out, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         written += 1
         best = max(s.theoretical_speedup for s in samples)
         print(f"[pasta sample] {len(done) + written}/{len(records)}: best theoretical speedup {best:.2f}",
-              file=__import__("sys").stderr, flush=True)
+              file=sys.stderr, flush=True)
     print(f"saved {out}: {written} prompts sampled ({args.n} each), {len(done)} already there")
     return 0
 
@@ -178,24 +190,34 @@ def _add_evaluate(p) -> None:
     _add_judge(p)
 
 
+def _model_pairs(spec: str) -> dict[str, str]:
+    """``--models NAME=MODEL,...`` as {name: model}; every name once."""
+    pairs = [[part.strip() for part in m.split("=", 1)] for m in spec.split(",") if m.strip()]
+    if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+        raise UsageError(f"--models takes NAME=MODEL pairs, got '{spec}'")
+    names = [name for name, _ in pairs]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise UsageError(f"--models names '{twice}' twice; give every model its own name")
+    return dict(pairs)
+
+
 def _run_evaluate(args) -> int:
     import json
     import sys
 
     import fastforward as ff
 
-    from ..pasta.evaluation import evaluate_models, read_prompts, table
+    from ..pasta.evaluation import evaluate_models, is_evaluate_result, leave_out, read_prompts, table
+    from ..paths import check_output_file
 
-    pairs = [m.split("=", 1) for m in args.models.split(",") if m.strip()]
-    if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
-        raise UsageError(f"--models takes NAME=MODEL pairs, got '{args.models}'")
+    pairs = _model_pairs(args.models)
+    out = check_output_file(args.out, "--out", owned=is_evaluate_result) if args.out else None
     prompts = read_prompts(args.prompts)
     if args.exclude:
-        from ..train.pasta import read_jsonl
-
-        seen = {str(r.get("prompt", "")).strip() for r in read_jsonl(args.exclude)}
-        dropped = [p for p in prompts if p["prompt"].strip() in seen]
-        prompts = [p for p in prompts if p["prompt"].strip() not in seen]
+        prompts, dropped = leave_out(prompts, args.exclude)
+        if not prompts:
+            raise UsageError(f"no prompts left to evaluate: every one is among the --exclude records {args.exclude}")
         print(f"[pasta evaluate] {len(dropped)} prompts left out (in the training records): "
               f"{', '.join(p['id'] for p in dropped) or 'none'}", file=sys.stderr)
     prompts = prompts[: args.limit]
@@ -209,7 +231,7 @@ def _run_evaluate(args) -> int:
             baseline_source = str(_gguf_cache_dir(path))
     baseline = ff.load(baseline_source, backend="lean", threads=args.threads, weights=args.weights)
     models = {name: ff.load(path, backend="lean", threads=args.threads, weights=args.weights)
-              for name, path in pairs}
+              for name, path in pairs.items()}
     judge = _judge(args)
 
     def progress(name, item, row, p, result, annotated):
@@ -218,8 +240,8 @@ def _run_evaluate(args) -> int:
 
     result = evaluate_models(baseline, models, prompts, judge, max_new_tokens=args.max_new_tokens, runs=args.runs,
                              on_prompt=progress)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out is not None:
+        with open(out, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
     print(table(result))
     return 0
@@ -235,21 +257,37 @@ def _add_export(p) -> None:
     p.add_argument("--training", default=None, help="a text file recording how it was trained (TRAINING.md)")
 
 
+def _read_training(path: str | None) -> str:
+    """The text of ``--training`` (empty without one)."""
+    if not path:
+        return ""
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read --training {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--training {path} is not UTF-8 text (byte {exc.start})") from None
+
+
 def _run_export(args) -> int:
-    from pathlib import Path
-
-    from ..model.adapters import export_adapter
+    from ..model.adapters import adapter_tensors, is_adapter_folder, write_adapter
+    from ..model.loading import resolve_model
     from ..pasta.language import PASTA_TOKENS
+    from ..paths import check_output_dir, mark_output_dir
 
+    out = check_output_dir(args.out, "pasta export", owned=is_adapter_folder)
+    resolve_model(args.base)  # the base must be one 'fastforward' loads: the adapter is applied over it
     stages = [str(Path(s.strip()).expanduser()) for s in args.stages.split(",") if s.strip()]
     for s in stages:
         if not (Path(s) / "adapter_config.json").is_file():
             raise UsageError(f"{s} is not a LoRA adapter folder (no adapter_config.json)")
-    args.model = str(Path(args.model).expanduser())
-    if not (Path(args.model) / "model.safetensors").is_file():
-        raise UsageError(f"{args.model} is not a model folder (no model.safetensors)")
-    training = Path(args.training).read_text() if args.training else ""
-    out = export_adapter(args.base, stages, args.model, list(PASTA_TOKENS), args.out, training)
+    model = Path(args.model).expanduser()
+    if not (model / "model.safetensors").is_file():
+        raise UsageError(f"{model} is not a model folder (no model.safetensors)")
+    training = _read_training(args.training)
+    tensors, meta = adapter_tensors(stages, str(model), list(PASTA_TOKENS))  # everything read before writing
+    info = {"base": args.base, "added_tokens": list(PASTA_TOKENS), "stages": meta}
+    write_adapter(mark_output_dir(out, "pasta export"), tensors, info, training)
     size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
     print(f"saved {out} ({size:.1f} MB)")
     return 0

@@ -18,6 +18,7 @@ peft adapter folders (``fastforward train ... --lora``) and the final merged mod
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -28,13 +29,13 @@ ADAPTER_FILE = "adapter.json"
 WEIGHTS_FILE = "adapter.safetensors"
 
 
+TRAINING_FILE = "TRAINING.md"
+
+
 def _peft_factors(adapter_dir: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
     """{module name: (A [r, in], B [out, r])} and the scaling of a peft LoRA adapter folder."""
-    from safetensors.torch import load_file
-
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    scaling = float(cfg["lora_alpha"]) / float(cfg["r"])
-    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    scaling = _lora_scaling(adapter_dir / "adapter_config.json")
+    tensors = _read_safetensors(adapter_dir / "adapter_model.safetensors")
     factors: dict[str, list] = {}
     for key, value in tensors.items():
         for part, slot in (("lora_A", 0), ("lora_B", 1)):
@@ -42,20 +43,45 @@ def _peft_factors(adapter_dir: Path) -> tuple[dict[str, tuple[torch.Tensor, torc
             if marker in key:
                 module = key.split(marker)[0].removeprefix("base_model.model.")
                 factors.setdefault(module, [None, None])[slot] = value
+    if not factors:
+        raise UsageError(f"{adapter_dir}: adapter_model.safetensors holds no LoRA factors")
     bad = [m for m, (a, b) in factors.items() if a is None or b is None]
     if bad:
         raise UsageError(f"{adapter_dir}: LoRA factors incomplete for {bad[0]}")
     return {m: (a, b) for m, (a, b) in factors.items()}, scaling
 
 
-def export_adapter(base: str, stages: list[str], merged_model: str, added_tokens: list[str], out: str,
-                   training: str = "") -> Path:
-    """Write a shipped adapter folder: the LoRA factors of ``stages`` (peft adapter folders, in training order) in
-    fp16, the added tokens' rows taken from ``merged_model`` (the final HF folder), and ``adapter.json``."""
-    from safetensors.torch import load_file, save_file
+def _lora_scaling(config_path: Path) -> float:
+    """``lora_alpha / r`` of a peft ``adapter_config.json``."""
+    try:
+        cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{config_path} is not readable JSON ({exc})") from None
+    try:
+        scaling = float(cfg["lora_alpha"]) / float(cfg["r"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise UsageError(f"{config_path} is not a LoRA adapter's config (no numbers lora_alpha and r > 0)") from None
+    if not math.isfinite(scaling):
+        raise UsageError(f"{config_path}: lora_alpha / r is not a finite number")
+    return scaling
 
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise UsageError(f"{path} does not exist")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise UsageError(f"{path} is not a readable safetensors file ({exc})") from None
+
+
+def adapter_tensors(stages: list[str], merged_model: str, added_tokens: list[str]) -> tuple[dict, list[dict]]:
+    """(tensors, per-stage metadata) of a shipped adapter: the LoRA factors of ``stages`` (peft adapter folders, in
+    training order) in fp16 and the added tokens' rows taken from ``merged_model`` (the final HF folder). Reads
+    and checks everything; writes nothing."""
     tensors, meta = {}, []
     for i, stage in enumerate(stages):
         factors, scaling = _peft_factors(Path(stage))
@@ -63,18 +89,51 @@ def export_adapter(base: str, stages: list[str], merged_model: str, added_tokens
             tensors[f"stage{i}.{module}.lora_A"] = a.to(torch.float16).contiguous()
             tensors[f"stage{i}.{module}.lora_B"] = b.to(torch.float16).contiguous()
         meta.append({"scaling": scaling, "modules": len(factors)})
-    merged = load_file(str(Path(merged_model) / "model.safetensors"))
-    emb = merged["model.embed_tokens.weight"]
+    weights = Path(merged_model) / "model.safetensors"
+    merged = _read_safetensors(weights)
+    emb = merged.get("model.embed_tokens.weight")
     n_new = len(added_tokens)
+    if emb is None or emb.ndim != 2 or emb.shape[0] <= n_new:
+        raise UsageError(f"{weights} has no embedding (model.embed_tokens.weight) with the {n_new} added tokens' rows")
     tensors["new_token_rows"] = emb[emb.shape[0] - n_new:].to(torch.float16).contiguous()
     if "lm_head.weight" in merged:  # an untied head has rows of its own
         tensors["new_head_rows"] = merged["lm_head.weight"][-n_new:].to(torch.float16).contiguous()
+    return tensors, meta
+
+
+def write_adapter(out_dir: Path, tensors: dict, info: dict, training: str = "") -> Path:
+    """Write :func:`adapter_tensors`' tensors and ``info`` (``adapter.json``) into the existing folder ``out_dir``."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
     save_file(tensors, str(out_dir / WEIGHTS_FILE))
-    info = {"base": base, "added_tokens": added_tokens, "stages": meta}
     (out_dir / ADAPTER_FILE).write_text(json.dumps(info, indent=1) + "\n")
     if training:
-        (out_dir / "TRAINING.md").write_text(training)
+        (out_dir / TRAINING_FILE).write_text(training)
     return out_dir
+
+
+def export_adapter(base: str, stages: list[str], merged_model: str, added_tokens: list[str], out: str,
+                   training: str = "") -> Path:
+    """Write a shipped adapter folder (:func:`adapter_tensors`, ``adapter.json`` naming ``base``), everything read and
+    checked before the folder is made."""
+    tensors, meta = adapter_tensors(stages, merged_model, added_tokens)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return write_adapter(out_dir, tensors, {"base": base, "added_tokens": added_tokens, "stages": meta}, training)
+
+
+def is_adapter_folder(folder) -> bool:
+    """Whether ``folder`` holds a shipped adapter and nothing else (one :func:`export_adapter` wrote)."""
+    folder = Path(folder)
+    names = {p.name for p in folder.iterdir()}
+    if not {ADAPTER_FILE, WEIGHTS_FILE} <= names <= {ADAPTER_FILE, WEIGHTS_FILE, TRAINING_FILE}:
+        return False
+    try:
+        info = json.loads((folder / ADAPTER_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(info, dict) and {"base", "added_tokens", "stages"} <= set(info)
 
 
 def read_adapter(folder: Path) -> dict:

@@ -44,6 +44,10 @@ from pathlib import Path
 import torch
 
 from ..errors import PastaSyntaxError, UsageError
+from ..jsonl import jsonl_records
+from ..paths import check_output_file
+from ..train.make_data import RESPONSES
+from ..train.pasta import read_records
 from .language import ASYNC as ASYNC_TAG
 from .language import END_ASYNC as END_TAG
 from .language import MAX_TENS, PastaVocab, add_pasta_tokens, parse, parse_ids, promise_tag, thread_cap
@@ -485,23 +489,40 @@ def annotated_ids(tokenizer, text: str, vocab: PastaVocab) -> list[int]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path, repair: bool = False) -> list[dict]:
-    if not path.exists():
-        return []
-    raw = path.read_bytes()
-    end = raw.rfind(b"\n") + 1
-    if end < len(raw) and repair:
-        with open(path, "r+b") as f:
-            f.truncate(end)
-    raw = raw[:end]
-    records = []
-    for n, line in enumerate(raw.decode("utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UsageError(f"{path}:{n} is not a JSON record") from None
-    return records
+MAKE_DATA_KEYS = ("prompt_ids", "response_ids")
+
+
+def make_data_file(src) -> Path:
+    """The file of make-data records a command reads: a make-data folder's ``responses.jsonl``, or the file given."""
+    src = Path(src).expanduser()
+    if src.is_dir():
+        src = src / RESPONSES
+    if not src.is_file():
+        raise UsageError(f"{src} does not exist (give a make-data folder or its responses.jsonl)")
+    return src
+
+
+def read_make_data(src: Path) -> list[dict]:
+    """The records of ``src`` (:func:`make_data_file`), each with ``prompt_ids`` and ``response_ids`` lists of
+    token ids; a malformed record or an empty file is a one-line :class:`UsageError` naming the file (and line)."""
+    return read_records([src], MAKE_DATA_KEYS, "a make-data record (prompt_ids, response_ids)")
+
+
+def check_records_output(out, src: Path, key: str) -> Path:
+    """The JSONL output of a resumable pasta command, checked before any work: a file in an existing writable folder,
+    not the input ``src``, and -- when it exists -- one the command wrote, every record carrying ``key``, so that
+    appending to it never mixes into somebody else's file."""
+    out = Path(out).expanduser()
+    if out.is_file() and out.samefile(src):
+        raise UsageError("the output must not be the input file")
+    return check_output_file(out, "OUT", owned=lambda file: _every_record_has(file, key))
+
+
+def _every_record_has(path: Path, key: str) -> bool:
+    try:
+        return all(key in record for _, record in jsonl_records(path))
+    except UsageError:
+        return False
 
 
 def check_annotate(src, out, mode: str, threshold: float, sync_threshold: float, min_words: int,
@@ -509,11 +530,7 @@ def check_annotate(src, out, mode: str, threshold: float, sync_threshold: float,
                    ) -> tuple[Path, Path]:
     """The input file (a make-data folder or its responses.jsonl) and the output file, checked before the model
     loads."""
-    src, out = Path(src).expanduser(), Path(out).expanduser()
-    if src.is_dir():
-        src = src / "responses.jsonl"
-    if not src.is_file():
-        raise UsageError(f"{src} does not exist (give a make-data folder or its responses.jsonl)")
+    src = make_data_file(src)
     if mode not in MODES:
         raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     for name, value in (("threshold", threshold), ("sync threshold", sync_threshold)):
@@ -525,10 +542,8 @@ def check_annotate(src, out, mode: str, threshold: float, sync_threshold: float,
         raise UsageError(f"topic_words must be a positive integer, got {topic_words!r}")
     if min_saving is not None and (not isinstance(min_saving, int) or isinstance(min_saving, bool)):
         raise UsageError(f"min_saving must be an integer number of forwards, got {min_saving!r}")
-    if out.exists() and out.is_dir():
-        raise UsageError(f"{out} is a folder; give the output JSONL file")
-    if out.resolve() == src.resolve():
-        raise UsageError("the output must not be the input file")
+    out = check_records_output(out, src, "pasta")
+    read_make_data(src)  # every record checked now, not after the model loaded
     return src, out
 
 
@@ -541,11 +556,10 @@ def annotate_file(target, src, out, *, mode: str = "likelihood", threshold: floa
     the input's fields and adds ``response`` (the answer's text), ``pasta`` (annotated; equal to ``response`` when
     nothing was kept), ``pasta_candidates``, ``pasta_kept``, ``pasta_syncs``, ``pasta_mode``."""
     src, out = check_annotate(src, out, mode, threshold, sync_threshold, min_words, topic_words, min_saving)
-    records = _read_jsonl(src)
+    records = read_make_data(src)
     if limit is not None:
         records = records[:limit]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    done = {r.get("key") for r in _read_jsonl(out, repair=True)}
+    done = {r.get("key") for _, r in jsonl_records(out, repair=True)} if out.exists() else set()
     eos = target.eos_token_ids
     counts = {"records": len(records), "skipped": 0, "annotated": 0, "with_tags": 0}
     with open(out, "a", encoding="utf-8") as f:
@@ -553,8 +567,6 @@ def annotate_file(target, src, out, *, mode: str = "likelihood", threshold: floa
             if rec.get("key") in done:
                 counts["skipped"] += 1
                 continue
-            if "prompt_ids" not in rec or "response_ids" not in rec:
-                raise UsageError(f"{src}: record {k + 1} has no prompt_ids/response_ids (not a make-data record)")
             answer = [t for t in rec["response_ids"] if t not in eos]
             ann = annotate_answer(target, rec["prompt_ids"], answer, mode=mode, threshold=threshold,
                                   sync_threshold=sync_threshold, min_words=min_words, topic_words=topic_words,

@@ -72,17 +72,26 @@ def sample_record(target, judge, record: dict, n: int, *, temperature: float = 1
         raise UsageError(f"{target.name} has no PASTA-LANG tokens: sample from a Pasta-SFT model")
     prompt = list(record["prompt_ids"])
     baseline_tokens = len(record["response_ids"])
+    baseline = baseline_text(target, record)
     results = generate_batch(target, [prompt] * n, "pasta", max_new_tokens=max_new_tokens, temperature=temperature,
                              seed=[seed * 1_000_003 + i for i in range(n)])
     samples = []
     for res in results:
         ids = list(res.stats.method_stats.get("annotated_ids", res.token_ids))
         theory = result_theoretical(target, prompt, res, baseline_tokens)
-        quality = judge_quality(judge, prompt, res.text, baseline_text=record.get("response"),
+        quality = judge_quality(judge, prompt, res.text, baseline_text=baseline,
                                 reference_text=record.get("reference"))
         samples.append(Sample(ids, res.text, res.finish_reason, theory["critical_path"],
                               theory["theoretical_speedup"], theory["parallelism"], quality))
     return samples
+
+
+def baseline_text(target, record: dict) -> str:
+    """The text of a record's baseline answer: its ``response`` (annotate output), else its ``response_ids`` decoded
+    without special tokens (make-data records carry the ids only)."""
+    if isinstance(record.get("response"), str):
+        return record["response"]
+    return target.tokenizer.decode(record["response_ids"], skip_special_tokens=True)
 
 
 def best_worst(samples: list[Sample], lam: float) -> tuple[Sample, Sample] | None:

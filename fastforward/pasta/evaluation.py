@@ -14,44 +14,84 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from ..bench.questions import _parse_record, _read_records
 from ..errors import UsageError
 from .interpreter import PastaProposer
 from .judge import win_rate
 from .metrics import PromptMetrics, result_theoretical, summarize, timed_decode
 
+REFERENCE_FILE = "reference_answer_gpt-4.jsonl"  # MT-Bench's GPT-4 reference answers, beside its questions
+
 
 def read_prompts(spec: str) -> list[dict]:
     """Held-apart prompts: ``mt_bench`` question files (first turns), EAGLE-style alpaca question files
     (``turns``), or JSONL with ``prompt``; several comma-separated, taken in turn (one from each file, then the next
-    from each...), so that a ``--limit`` keeps the mix. Each as ``{"id", "prompt", "reference"}``."""
-    files = []
-    for path in [p.strip() for p in spec.split(",") if p.strip()]:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise UsageError(f"no prompt file {path}")
-        prompts, refs = [], {}
-        ref_file = p.with_name("reference_answer_gpt-4.jsonl")
-        if ref_file.is_file():  # MT-Bench's GPT-4 reference answers (math, reasoning, coding)
-            for line in ref_file.read_text().splitlines():
-                r = json.loads(line)
-                refs[r["question_id"]] = r["choices"][0]["turns"][0]
-        for i, line in enumerate(p.read_text().splitlines()):
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            text = r["turns"][0] if "turns" in r else r.get("prompt") or r.get("instruction")
-            if not isinstance(text, str) or not text.strip():
-                raise UsageError(f"{path}:{i + 1} has no prompt (turns, prompt or instruction)")
-            qid = r.get("question_id", r.get("id", i))
-            ref = refs.get(qid) or r.get("reference")
-            if isinstance(ref, list):  # MT-Bench's short gold answers, one per turn
-                ref = ref[0] if ref else None
-            prompts.append({"id": f"{p.parent.name}/{p.stem}:{qid}", "prompt": text, "reference": ref})
-        files.append(prompts)
+    from each...), so that a ``--limit`` keeps the mix. Each as ``{"id", "prompt", "reference"}``. Files are read
+    and checked as ``fastforward bench`` reads its questions: a bad file or record is a one-line :class:`UsageError`."""
+    files = [_file_prompts(Path(path.strip()).expanduser()) for path in spec.split(",") if path.strip()]
+    if not files:
+        raise UsageError("--prompts names no file")
     mixed = []
-    for i in range(max((len(f) for f in files), default=0)):
+    for i in range(max(len(f) for f in files)):
         mixed += [f[i] for f in files if i < len(f)]
     return mixed
+
+
+def _file_prompts(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise UsageError(f"no prompt file {path}")
+    refs = _gpt4_references(path.with_name(REFERENCE_FILE))
+    prompts = []
+    for n, record in _read_records(path):
+        where = f"{path} record {n}" if path.suffix == ".json" else f"{path} line {n}"
+        qid, _, _, turns = _parse_record(record, where, "", fold_mt_bench=False)
+        qid = n - 1 if qid is None else qid
+        ref = refs.get(qid) or record.get("reference")
+        if isinstance(ref, list):  # MT-Bench's short gold answers, one per turn
+            ref = ref[0] if ref else None
+        prompts.append({"id": f"{path.parent.name}/{path.stem}:{qid}", "prompt": turns[0],
+                        "reference": ref if isinstance(ref, str) else None})
+    if not prompts:
+        raise UsageError(f"{path} holds no prompts")
+    return prompts
+
+
+def _gpt4_references(path: Path) -> dict:
+    """MT-Bench's GPT-4 reference answers (math, reasoning, coding) by question id; none without the file."""
+    if not path.is_file():
+        return {}
+    refs = {}
+    for n, record in _read_records(path):
+        try:
+            qid, answer = record["question_id"], record["choices"][0]["turns"][0]
+            if not isinstance(answer, str):
+                raise TypeError
+            refs[qid] = answer
+        except (KeyError, IndexError, TypeError):
+            raise UsageError(f"{path} line {n} is not an MT-Bench reference answer "
+                             "(question_id, choices[0].turns[0])") from None
+    return refs
+
+
+def leave_out(prompts: list[dict], exclude: str) -> tuple[list[dict], list[dict]]:
+    """(kept, dropped): ``prompts`` split by whether their text is the ``prompt`` of a training record in
+    ``exclude`` (make-data or annotated JSONL files, comma-separated)."""
+    from ..train.pasta import read_records
+
+    seen = {str(r["prompt"]).strip()
+            for r in read_records(exclude, ("prompt",), "a training record (make-data or 'pasta annotate' output)")}
+    kept = [p for p in prompts if p["prompt"].strip() not in seen]
+    return kept, [p for p in prompts if p["prompt"].strip() in seen]
+
+
+def is_evaluate_result(path) -> bool:
+    """Whether ``path`` is empty or holds an :func:`evaluate_models` result (what ``pasta evaluate --out`` writes)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if text.strip() else {"models": {}, "baseline": []}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and set(data) == {"models", "baseline"}
 
 
 def evaluate_models(baseline, models: dict, prompts: list[dict], judge, *, max_new_tokens: int = 256,
@@ -110,4 +150,4 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["evaluate_models", "read_prompts", "table"]
+__all__ = ["evaluate_models", "is_evaluate_result", "leave_out", "read_prompts", "table"]

@@ -30,6 +30,7 @@ import json
 import math
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -251,12 +252,24 @@ JUDGE_INSTRUCTION = (
 _REPLY = re.compile(r"\s*\**([AB])\**[\s:,]+(1(?:\.0*)?|0?\.\d+|0)\s*\.?\s*")
 
 
+def check_judge_url(url: str) -> str:
+    """A judge endpoint's address, checked before any work: ``http://`` or ``https://`` and a host."""
+    try:
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    except ValueError:  # e.g. an unclosed [IPv6] bracket
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UsageError(f"the judge URL must be an http:// or https:// address (e.g. http://host:8000/v1), "
+                         f"got {url!r}")
+    return url
+
+
 class OpenAIJudge:
     """An OpenAI-compatible chat-completions judge, asked in both orders (A/B, then B/A) to cancel position bias;
     sends :data:`JUDGE_INSTRUCTION` as the system message and parses a reply like ``A 0.8`` or ``B 0.65``."""
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout: float = 60.0):
-        base = base_url.rstrip("/")
+        base = check_judge_url(base_url).rstrip("/")
         self.url = base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
         self.model, self.api_key, self.timeout = model, api_key, timeout
 

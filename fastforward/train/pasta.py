@@ -22,28 +22,44 @@ counted.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from ..errors import PastaSyntaxError, UsageError
+from ..jsonl import jsonl_records
 from ..pasta.language import PastaVocab, add_pasta_tokens, parse_ids
 from ..pasta.sft import pasta_batch, pasta_token_losses
 from .data import Encoded, parse_paths, subsample
 
 
 def read_jsonl(paths: str) -> list[dict]:
-    """The records of one or more comma-separated .jsonl files (a torn last line is skipped)."""
-    records = []
-    for path in parse_paths(paths):
-        lines = Path(path).read_text().splitlines()
-        for i, line in enumerate(lines):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                if i == len(lines) - 1:
-                    continue  # an interrupted writer's last line
-                raise UsageError(f"{path}:{i + 1} is not a JSON line") from None
+    """The records of one or more comma-separated .jsonl files (:func:`jsonl_records`)."""
+    return [record for path in parse_paths(paths) for _, record in jsonl_records(path)]
+
+
+def is_token_ids(value) -> bool:
+    """Whether ``value`` is a list of token ids (whole numbers >= 0)."""
+    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
+
+
+def check_record(record: dict, keys: tuple[str, ...], where: str, what: str) -> dict:
+    """``record`` (at ``where``, ``FILE:LINE``) must carry ``keys``, the ``*_ids`` among them lists of token ids;
+    else a one-line :class:`UsageError` saying the file is not ``what``."""
+    missing = [k for k in keys if k not in record]
+    if missing:
+        raise UsageError(f"{where} has no {', '.join(missing)}: not {what}")
+    bad = next((k for k in keys if k.endswith("_ids") and not is_token_ids(record[k])), None)
+    if bad is not None:
+        raise UsageError(f"{where}: {bad} must be a list of token ids (whole numbers >= 0), got "
+                         f"{json.dumps(record[bad])[:40]}")
+    return record
+
+
+def read_records(paths, keys: tuple[str, ...], what: str) -> list[dict]:
+    """The records of the JSONL files ``paths`` (comma-separated, or a list), each checked by :func:`check_record`;
+    files without a single record are a one-line :class:`UsageError` too."""
+    files = parse_paths(paths)
+    records = [check_record(record, keys, f"{path}:{n}", what) for path in files for n, record in jsonl_records(path)]
+    if not records:
+        raise UsageError(f"{', '.join(map(str, files))} holds no records")
     return records
 
 
@@ -104,12 +120,7 @@ class PastaSFT:
         return [g for g in ({"params": rest, "lr": lr}, {"params": tokens, "lr": self.token_lr}) if g["params"]]
 
     def load_records(self, cfg, tokenizer):
-        rows = read_jsonl(cfg.data)
-        if not rows:
-            raise UsageError(f"{cfg.data} holds no records")
-        missing = [k for k in ("prompt_ids", "pasta") if k not in rows[0]]
-        if missing:
-            raise UsageError(f"{cfg.data} is not 'fastforward pasta annotate' output (no {', '.join(missing)})")
+        rows = read_records(cfg.data, ("prompt_ids", "pasta"), "'fastforward pasta annotate' output")
         train_rows = [r for r in rows if r.get("split", "train") != "heldout"]
         held = len(rows) - len(train_rows)
         examples, counts = [], {"grammar": 0, "too_long": 0, "tagged": 0}
@@ -172,9 +183,7 @@ class PastaBoN(PastaSFT):
         if not cfg.lora:
             raise UsageError("pasta-bon trains LoRA adapters (the reference model is the adapters switched off): "
                              "drop --full")
-        rows = read_jsonl(cfg.data)
-        if not rows or "samples" not in rows[0]:
-            raise UsageError(f"{cfg.data} is not 'fastforward pasta sample' output (no samples)")
+        rows = read_records(cfg.data, ("prompt_ids", "samples"), "'fastforward pasta sample' output")
         ns = {len(r["samples"]) for r in rows}
         if len(ns) != 1:
             raise UsageError(f"{cfg.data} mixes prompts with {sorted(ns)} samples; BoNBoN's margin needs one n")
