@@ -14,8 +14,8 @@ import re
 import time
 
 from ..engine import Generation
-from ..errors import UsageError
-from ..proposers import available_methods, make_proposer
+from ..errors import FastForwardError, UsageError
+from ..proposers import available_methods, check_method_options, make_proposer
 from ..proposers._options import parse_options
 from ..verify import SamplingConfig
 from .peers import PEERS, make_peer_runner
@@ -27,6 +27,7 @@ __all__ = [
     "MethodSpec",
     "TurnOutcome",
     "apply_option_flags",
+    "check_spec_on",
     "effective_options",
     "make_runner",
     "parse_spec",
@@ -99,16 +100,11 @@ def apply_option_flags(specs: list[MethodSpec], flags: list[str] | None) -> None
 
 def resolve_specs(methods: list[MethodSpec], peers: list[MethodSpec]) -> list[MethodSpec]:
     """Validate names, labels and options (no model needed); the baseline ``ar`` is always run, first."""
-    registered = available_methods()
     for spec in methods:
-        if spec.method not in registered:
-            hint = " (it is a peer: use --peers)" if spec.method in PEERS else ""
-            raise UsageError(f"unknown method '{spec.method}'{hint}; available: {', '.join(registered)}")
-        known = registered[spec.method].options()
-        unknown = sorted(set(spec.options) - set(known))
-        if unknown:
-            raise UsageError(f"method '{spec.method}' has no option {', '.join(unknown)} "
-                             f"(its options: {', '.join(known) or 'none'})")
+        if spec.method in PEERS and spec.method not in available_methods():
+            raise UsageError(f"unknown method '{spec.method}' (it is a peer: use --peers); available: "
+                             f"{', '.join(available_methods())}")
+        check_method_options(spec.method, spec.options)
     for spec in peers:
         if spec.method not in PEERS:
             raise UsageError(f"unknown peer '{spec.method}'; available: {', '.join(PEERS)}")
@@ -127,6 +123,19 @@ def resolve_specs(methods: list[MethodSpec], peers: list[MethodSpec]) -> list[Me
     if dup:
         raise UsageError(f"the label '{dup}' is used twice; name one of them, e.g. {dup}-2={dup}:...")
     return specs
+
+
+def check_spec_on(spec: MethodSpec, target) -> None:
+    """A method spec's option values checked on the loaded ``target`` the way ``fastforward generate -o`` checks
+    them, by building its proposer once (:func:`~fastforward.proposers.make_proposer`): a drafter path that is not
+    there, ``topk=0``, ``max_ngram=abc`` ... are a one-line :class:`UsageError` naming the spec, before any question
+    runs. Peers are checked by their runners."""
+    if spec.kind != "method":
+        return
+    try:
+        make_proposer(spec.method, target, **spec.options)
+    except FastForwardError as exc:
+        raise UsageError(f"--methods {spec.label}: {exc}") from None
 
 
 def effective_options(spec: MethodSpec) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 import fastforward as ff
 
 from ..bench.compare import compare_ar, write_comparison
-from ..bench.methods import apply_option_flags, parse_specs, resolve_specs
+from ..bench.methods import apply_option_flags, check_spec_on, parse_specs, resolve_specs
 from ..bench.peers import check_peers
 from ..bench.questions import load_questions, select_questions
 from ..bench.report import write_report
@@ -176,9 +176,9 @@ def run(args, name: str) -> int:
     if args.batch is not None:
         return _run_batch_mode(args, [s for s in specs if s.kind == "method"], questions, out_dir)
     precheck(out_dir, known, args.force)
-    mark_output_dir(out_dir, "bench")
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
-    specs = [s for s in specs if s.label not in from_all or _runs_on(s, target)]
+    specs = _runnable(specs, target, optional=from_all)  # every method's option values, before any question
+    mark_output_dir(out_dir, "bench")
     command = canonical_command(args, [s for s in specs if s.kind == "method"], [s for s in specs if s.kind == "peer"])
     print(f"fastforward bench: {len(questions)} questions x {len(specs)} methods x {args.repeats} repeat(s) "
           f"-> {out_dir / 'results.jsonl'}", file=sys.stderr)
@@ -215,8 +215,9 @@ def _run_batch_mode(args, specs, questions, out_dir: Path) -> int:
         raise UsageError("--batch measures greedy decoding (--temperature 0)")
     if any(s.options for s in specs):
         raise UsageError("--batch runs methods with their default options")
-    mark_output_dir(out_dir, "bench")
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    _runnable(specs, target)
+    mark_output_dir(out_dir, "bench")
     prompts = [turn_prompt(target, q.turns[:1], []) for q in questions]
     print(f"fastforward bench --batch: {len(prompts)} prompts x {len(specs)} methods x B in {sizes}, "
           f"rows per forward {args.batch_tokens or ff.batch_token_budget(target)}", file=sys.stderr)
@@ -237,14 +238,18 @@ def _run_batch_mode(args, specs, questions, out_dir: Path) -> int:
     return 0
 
 
-def _runs_on(spec, target) -> bool:
-    """Whether a method 'all' added can run on ``target`` with its defaults (a trained-drafter method cannot when no
-    drafter ships for the model); said on stderr when not."""
-    from ..proposers import make_proposer
-
-    try:
-        make_proposer(spec.method, target, **spec.options)
-    except UsageError as exc:
-        print(f"fastforward bench: leaving out '{spec.label}': {exc}", file=sys.stderr)
-        return False
-    return True
+def _runnable(specs, target, optional=frozenset()) -> list:
+    """``specs`` with every method's options checked on ``target`` (:func:`check_spec_on`): a bad one is a one-line
+    error, except for labels in ``optional`` (methods 'all' added, e.g. a trained-drafter method with no drafter
+    shipped for this model), which are left out and said so on stderr."""
+    kept = []
+    for spec in specs:
+        try:
+            check_spec_on(spec, target)
+        except UsageError as exc:
+            if spec.label not in optional:
+                raise
+            print(f"fastforward bench: leaving out '{spec.label}': {exc}", file=sys.stderr)
+            continue
+        kept.append(spec)
+    return kept

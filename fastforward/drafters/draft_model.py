@@ -494,11 +494,9 @@ def _encode(records: list[dict], max_length: int):
     from ..train.data import Encoded
 
     encoded, dropped = [], 0
-    for r in records:
-        prompt, response = r.get("prompt_ids"), r.get("response_ids")
-        if not isinstance(prompt, list) or not isinstance(response, list):
-            raise UsageError("a responses.jsonl record needs prompt_ids and response_ids lists (from make-data)")
-        ids = [int(t) for t in (prompt + response)[:max_length]]
+    for r in records:  # checked by read_training_records
+        prompt, response = r["prompt_ids"], r["response_ids"]
+        ids = (prompt + response)[:max_length]
         if len(ids) - len(prompt) < 1:
             dropped += 1
             continue
@@ -558,7 +556,7 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
     from ..paths import mark_output_dir
     from ..train.data import subsample
     from ..train.launcher import check_launcher
-    from ..train.make_data import read_records
+    from ..train.make_data import read_training_records
     from ..train.trainer import (
         CHECKPOINTS,
         LOG_FILE,
@@ -598,7 +596,7 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
 
     # Data: the records of make-data (a resumed run takes exactly the lines its first run took).
     t_load = time.perf_counter()
-    records = read_records(cfg.responses_file().parent)
+    records = read_training_records(cfg.responses_file().parent, target.vocab_size)  # each checked
     n_lines = int(resume_state["data_lines"]) if resume_state else len(records)
     if len(records) < n_lines:
         raise UsageError(f"{cfg.responses_file()} has {len(records)} records, fewer than the {n_lines} the run in "

@@ -39,7 +39,7 @@ import torch
 from ..costs import AcceptanceEstimate, expected_tokens, machine_cost_curve
 from ..drafters import shipped_drafter
 from ..engine import DecodeState, Proposal, Proposer, StepResult
-from ..errors import UsageError
+from ..errors import FastForwardError, UsageError
 from ..model import TargetModel, load
 from ..tree import DraftTree
 from ..verify import sample, target_probs
@@ -85,6 +85,18 @@ def check_same_tokenizer(target, draft, name: str) -> None:
         refuse("they give different ids for the same text")
 
 
+def _load_named_draft(draft: str) -> TargetModel:
+    """:func:`fastforward.load` of a draft model given by path or name; a failure is one line naming the draft (a
+    broken file of the draft must not read as a broken target)."""
+    try:
+        return load(draft)
+    except FastForwardError as exc:
+        raise type(exc)(f"sps: option draft: {exc}") from None
+    except Exception as exc:  # a truncated or corrupt file: transformers, safetensors and gguf raise their own kinds
+        raise UsageError(f"sps: cannot load the draft model '{draft}': its files are truncated, corrupt or of a kind "
+                         f"it cannot read ({type(exc).__name__}: {exc})") from None
+
+
 def load_draft(target, draft) -> TargetModel:
     """The draft model ``draft`` (a path/alias or a loaded TargetModel) for ``target``, checked; paths are loaded once
     per target and process."""
@@ -103,7 +115,7 @@ def load_draft(target, draft) -> TargetModel:
     if is_draft_model(path):
         model = load_draft_model(path, target)
     else:
-        model = load(str(draft))
+        model = _load_named_draft(str(draft))
         check_same_tokenizer(target, model, repr(str(draft)))
     per_target[key] = model
     return model

@@ -81,12 +81,26 @@ def _open_text(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
-def _raw_records(path: Path) -> list[dict]:
+def _jsonl_records(path: Path, f) -> list[tuple[str, object]]:
+    records = []
+    for n, line in enumerate(f, 1):
+        if line.strip():
+            try:
+                records.append((f"{path} line {n}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                why = f"{exc.msg}, column {exc.colno}"
+                raise UsageError(f"cannot read {path} line {n}: not valid JSON ({why})") from None
+    return records
+
+
+def located_records(path: Path) -> list[tuple[str, object]]:
+    """The raw records of one data file, each with where it is (``"f.jsonl line 3"``, ``"f.json record 2"``) for
+    the messages about it; an unreadable file or a line that is not JSON is a one-line :class:`UsageError`."""
     name = path.name[:-3] if path.suffix == ".gz" else path.name
     try:
         with _open_text(path) as f:
             if name.endswith(".jsonl"):
-                return [json.loads(line) for line in f if line.strip()]
+                return _jsonl_records(path, f)
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError) as exc:
         raise UsageError(f"cannot read {path}: {exc}") from None
@@ -94,28 +108,52 @@ def _raw_records(path: Path) -> list[dict]:
         data = next((v for v in data.values() if isinstance(v, list)), None)
     if not isinstance(data, list):
         raise UsageError(f"{path}: expected a JSON array of records (or a .jsonl file)")
-    return data
+    return [(f"{path} record {n}", rec) for n, rec in enumerate(data, 1)]
 
 
-def to_example(rec: dict, source: str = "") -> Example | None:
-    """One raw record -> :class:`Example` (``None`` if it has the right keys but an empty side)."""
+def _json_type(value) -> str:
+    """What a JSON value is, in JSON's words (for messages)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    return {list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def text_field(rec: dict, key: str, where: str, *, optional: bool = False) -> str:
+    """``rec[key]`` as text: a string, else a one-line :class:`UsageError` naming ``where`` (an ``optional`` field
+    may also be absent or null: then "")."""
+    value = rec.get(key)
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        raise UsageError(f"{where}: field '{key}' must be a string, got {_json_type(value)}")
+    return value
+
+
+def to_example(rec: dict, source: str = "", where: str = "") -> Example | None:
+    """One raw record -> :class:`Example` (``None`` if it has the right keys but an empty side); ``where`` (default
+    ``source``) names the record in messages."""
+    where = where or source
     if not isinstance(rec, dict):
-        raise UsageError(f"{source}: records must be JSON objects")
+        raise UsageError(f"{where}: records must be JSON objects")
     if "instruction" in rec and "output" in rec:
-        prompt = str(rec["instruction"]).strip()
-        extra = str(rec.get("input") or "").strip()
+        prompt = text_field(rec, "instruction", where).strip()
+        extra = text_field(rec, "input", where, optional=True).strip()
         if extra:
             prompt = f"{prompt}\n\n{extra}"
-        response = str(rec["output"])
+        response = text_field(rec, "output", where)
     elif "question" in rec and "answer" in rec:
-        prompt = str(rec["question"]).strip()
-        response = _CALC_ANNOTATION.sub("", str(rec["answer"]))
+        prompt = text_field(rec, "question", where).strip()
+        response = _CALC_ANNOTATION.sub("", text_field(rec, "answer", where))
     elif "prompt" in rec and ("response" in rec or "completion" in rec):
-        prompt = str(rec["prompt"]).strip()
-        response = str(rec.get("response", rec.get("completion")))
+        prompt = text_field(rec, "prompt", where).strip()
+        response = text_field(rec, "response" if "response" in rec else "completion", where)
     else:
         raise UsageError(
-            f"{source}: unsupported record with keys {sorted(rec)[:8]}; expected instruction/input/output, "
+            f"{where}: unsupported record with keys {sorted(rec)[:8]}; expected instruction/input/output, "
             "question/answer or prompt/response"
         )
     response = response.strip()
@@ -128,8 +166,8 @@ def read_examples(spec) -> list[Example]:
     """All usable records of the files in ``spec`` (comma-separated string or list), in file order."""
     examples = []
     for path in parse_paths(spec):
-        for rec in _raw_records(path):
-            ex = to_example(rec, path.name)
+        for where, rec in located_records(path):
+            ex = to_example(rec, path.name, where)
             if ex is not None:
                 examples.append(ex)
     if not examples:

@@ -28,7 +28,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..paths import check_output_dir, mark_output_dir
 from .launcher import check_launcher
-from .make_data import read_records
+from .make_data import read_training_records
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -246,7 +246,7 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
 
     t_load = time.perf_counter()
     target = ff.load(cfg.model)
-    records = read_records(cfg.data)
+    records = read_training_records(cfg.data, target.vocab_size)  # each checked, before any training
     train_recs = [r for r in records if r.get("split") == "train"]
     held_recs = [r for r in records if r.get("split") != "train"]
     if cfg.limit:

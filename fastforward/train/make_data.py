@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,8 +35,9 @@ import torch
 
 from ..engine import Proposer
 from ..errors import UsageError
-from ..paths import cache_root, check_output_dir, data_root, mark_output_dir
-from .data import _raw_records, parse_paths
+from ..jsonl import jsonl_records
+from ..paths import cache_root, check_output_dir, check_output_file, data_root, mark_output_dir
+from .data import check_heldout, located_records, parse_paths, text_field
 
 RESPONSES = "responses.jsonl"
 FEATURES = "features"
@@ -53,6 +55,7 @@ DEFAULT_SOURCES = (
 BENCHMARK_FILES = ("question.jsonl", "test.jsonl", "HumanEval.jsonl.gz", "eagle_alpaca_question.jsonl")
 DEFAULT_HELDOUT = 0.05
 MAX_PROMPT_TOKENS = 512
+RECORD_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")  # a record's key names its features file
 
 
 @dataclass(frozen=True)
@@ -73,24 +76,25 @@ def default_sources() -> list[Path]:
     return [root / s for s in DEFAULT_SOURCES]
 
 
-def prompt_of(rec: dict, source: str) -> str | None:
+def prompt_of(rec: dict, where: str) -> str | None:
     """The user prompt of one record: ShareGPT's first human turn, Alpaca's instruction (+ input), GSM8K's
-    question, or a generic ``prompt``."""
+    question, or a generic ``prompt``; a field that is not text is a one-line :class:`UsageError` naming ``where``."""
     if not isinstance(rec, dict):
-        raise UsageError(f"{source}: records must be JSON objects")
+        raise UsageError(f"{where}: records must be JSON objects")
     if "conversations" in rec:
         turns = rec["conversations"] or []
+        if not isinstance(turns, list):
+            raise UsageError(f"{where}: field 'conversations' must be a list of turns")
         first = next((t for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
-        return None if first is None else str(first.get("value", "")).strip() or None
+        return None if first is None else text_field(first, "value", f"{where}, first user turn").strip() or None
     if "instruction" in rec:
-        text = str(rec["instruction"]).strip()
-        extra = str(rec.get("input") or "").strip()
+        text = text_field(rec, "instruction", where).strip()
+        extra = text_field(rec, "input", where, optional=True).strip()
         return (f"{text}\n\n{extra}" if extra else text) or None
-    if "question" in rec:
-        return str(rec["question"]).strip() or None
-    if "prompt" in rec:
-        return str(rec["prompt"]).strip() or None
-    raise UsageError(f"{source}: unsupported record with keys {sorted(rec)[:8]}; expected conversations, "
+    for key in ("question", "prompt"):
+        if key in rec:
+            return text_field(rec, key, where).strip() or None
+    raise UsageError(f"{where}: unsupported record with keys {sorted(rec)[:8]}; expected conversations, "
                      "instruction, question or prompt")
 
 
@@ -103,7 +107,7 @@ def read_prompts(sources=None, *, seed: int = 0) -> list[Prompt]:
             raise UsageError(f"{p} is a benchmark/evaluation file; drafters must not train on its prompts")
     per_source = []
     for p in paths:
-        items = [t for t in (prompt_of(r, p.name) for r in _raw_records(p)) if t]
+        items = [t for t in (prompt_of(rec, where) for where, rec in located_records(p)) if t]
         random.Random(f"{seed}:{p.name}").shuffle(items)
         per_source.append([Prompt(t, p.name) for t in items])
     seen, out = set(), []
@@ -128,20 +132,33 @@ def category_of(source: str) -> str:
     return Path(source).stem
 
 
+HELDOUT_QUESTION_KEYS = {"id", "category", "prompt"}  # a line of a --write-heldout file
+
+
+def is_heldout_file(path) -> bool:
+    """Whether ``path`` is a file :func:`write_heldout_prompts` wrote (empty, or every line a question with exactly
+    its keys), so writing it again loses nothing of the user's."""
+    try:
+        lines = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return all(isinstance(q, dict) and set(q) == HELDOUT_QUESTION_KEYS for q in lines)
+
+
 def write_heldout_prompts(path, sources=None, *, heldout: float = DEFAULT_HELDOUT, seed: int = 0) -> dict:
     """Write the held-out prompts of ``sources`` (the ones ``make_data`` marks held out and drafters never train on)
     as a question file ``fastforward bench --questions`` reads (``id``, ``category``, ``prompt``); returns the counts
-    per category."""
-    from ..paths import check_output_file
-
-    out = check_output_file(path, "--write-heldout")
+    per category. Everything is checked before the file is written; an existing file is replaced only when an
+    earlier call wrote it (:func:`is_heldout_file`)."""
+    out = check_output_file(path, "--write-heldout", owned=is_heldout_file)
+    check_heldout(heldout)
+    held = [p for p in read_prompts(sources, seed=seed) if p.heldout(heldout)]
     counts: dict[str, int] = {}
     with open(out, "w", encoding="utf-8") as f:
-        for p in read_prompts(sources, seed=seed):
-            if p.heldout(heldout):
-                cat = category_of(p.source)
-                counts[cat] = counts.get(cat, 0) + 1
-                f.write(json.dumps({"id": p.key, "category": cat, "prompt": p.text}, ensure_ascii=False) + "\n")
+        for p in held:
+            cat = category_of(p.source)
+            counts[cat] = counts.get(cat, 0) + 1
+            f.write(json.dumps({"id": p.key, "category": cat, "prompt": p.text}, ensure_ascii=False) + "\n")
     return counts
 
 
@@ -150,28 +167,54 @@ def default_out(model_name: str) -> Path:
     return cache_root() / "data" / slug
 
 
+def _numbered_records(out: Path, repair: bool = False) -> list[tuple[int, object]]:
+    """(line number, record) of each line of ``out/responses.jsonl`` (none when it does not exist yet); with
+    ``repair``, a torn last line (a killed writer) is cut off the file (without, it is only skipped)."""
+    path = Path(out) / RESPONSES
+    return jsonl_records(path, repair=repair) if path.exists() else []
+
+
 def read_records(out: Path, repair: bool = False) -> list[dict]:
     """The records of ``out/responses.jsonl``; with ``repair``, a torn last line (a killed writer) is cut off."""
-    path = Path(out) / RESPONSES
-    if not path.exists():
-        return []
-    raw = path.read_bytes()
-    end = raw.rfind(b"\n") + 1
-    if end < len(raw):
-        if not repair:
-            raw = raw[:end]
-        else:
-            with open(path, "r+b") as f:
-                f.truncate(end)
-            raw = raw[:end]
-    records = []
-    for n, line in enumerate(raw.decode().splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UsageError(f"{path}:{n} is not a JSON record; move the file away to start over") from None
-    return records
+    return [rec for _, rec in _numbered_records(out, repair)]
+
+
+def _token_ids_problem(ids, vocab_size: int) -> str | None:
+    """What is wrong with ``ids`` as a record's token ids for a ``vocab_size``-token target (None: nothing)."""
+    if not isinstance(ids, list) or not ids:
+        return "must be a non-empty list of token ids"
+    bad_type = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+    if bad_type is not None:
+        return f"must hold integer token ids, not {json.dumps(bad_type)}"
+    outside = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        return f"has token id {outside} outside the target's vocabulary of {vocab_size}"
+    return None
+
+
+def check_training_record(rec, where: str, vocab_size: int) -> None:
+    """One ``make-data`` record a drafter trains on, checked before any training: a JSON object with a ``key`` (a
+    plain file name: features are stored under it) and ``prompt_ids``/``response_ids``, non-empty lists of token
+    ids inside the target's vocabulary. Else a one-line :class:`UsageError` naming ``where``."""
+    if not isinstance(rec, dict):
+        raise UsageError(f"{where}: not a JSON object")
+    key = rec.get("key")
+    if not isinstance(key, str) or not RECORD_KEY.fullmatch(key):
+        raise UsageError(f"{where}: 'key' must be a name of letters, digits, '-', '_' and '.', got {json.dumps(key)}")
+    for field in ("prompt_ids", "response_ids"):
+        problem = _token_ids_problem(rec.get(field), vocab_size)
+        if problem:
+            raise UsageError(f"{where}: {field} {problem} (make the folder with 'fastforward make-data')")
+
+
+def read_training_records(out, vocab_size: int) -> list[dict]:
+    """The records of a ``make-data`` folder, each checked for a drafter of a ``vocab_size``-token target
+    (:func:`check_training_record`): the one check every drafter trainer runs before it trains."""
+    path = Path(out).expanduser() / RESPONSES
+    numbered = _numbered_records(Path(out).expanduser())
+    for n, rec in numbered:
+        check_training_record(rec, f"{path} line {n}", vocab_size)
+    return [rec for _, rec in numbered]
 
 
 def _check_manifest(out: Path, manifest: dict) -> None:
@@ -195,8 +238,7 @@ def check_make_data(out=None, *, sources=None, limit: int | None = None, heldout
         check_output_dir(out, COMMAND)
     if limit is not None and (not isinstance(limit, int) or limit <= 0):
         raise UsageError(f"--limit must be a positive integer, got {limit}")
-    if not 0 <= heldout < 1:
-        raise UsageError(f"--heldout must be in [0, 1), got {heldout}")
+    check_heldout(heldout)
     prompts = read_prompts(sources, seed=seed)
     return prompts if limit is None else prompts[:limit]
 
