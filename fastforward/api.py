@@ -13,6 +13,7 @@ from .model import TargetModel, load
 from .model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS, prefix_cache_for
 from .proposers import make_proposer
 from .request import GenerationRequest
+from .validation import check_observers
 
 MIN_BATCH_TOKENS = 16
 
@@ -60,6 +61,7 @@ def stream(
         chat=chat, system=system, method_options=method_options))
     if on_prefill is not None and not callable(on_prefill):
         raise InputTypeError("on_prefill must be a callable (done, total) or None")
+    observers = check_observers(observers)
     target = _target(model)
     prompt_ids = request.prompt_ids(target)
     proposer = make_proposer(request.method, target, **request.method_options)
@@ -166,16 +168,21 @@ def generate_batch(
     if observers is None:
         observers = [()] * n
     elif isinstance(observers, tuple):
-        observers = [observers] * n
-    elif not isinstance(observers, list) or len(observers) != n:
-        raise UsageError("observers must be a tuple of callables, or a list with one tuple per prompt")
+        observers = [check_observers(observers)] * n
+    elif not isinstance(observers, list):
+        raise InputTypeError("observers must be a tuple of callables, or a list with one tuple per prompt, "
+                             f"got {type(observers).__name__}")
+    elif len(observers) != n:
+        raise UsageError(f"observers has {len(observers)} entries for {n} prompts (one tuple per prompt)")
+    else:
+        observers = [check_observers(obs, f"observers[{i}]") for i, obs in enumerate(observers)]
     target = _target(model)
     prompt_ids = [r.prompt_ids(target) for r in requests]
     # prompts that start alike (a chat template's system prompt) read their shared prefix once
     prefix_cache = prefix_cache_for(target, DEFAULT_PREFIX_CACHE_TOKENS) if n > 1 else None
     runs = [SequenceRun(target, ids, make_proposer(r.method, target, **r.method_options),
                         max_new_tokens=r.max_new_tokens, sampling=r.sampling, seed=r.seed, stops=r.stops,
-                        observers=tuple(obs), prefix_cache=prefix_cache)
+                        observers=obs, prefix_cache=prefix_cache)
             for r, ids, obs in zip(requests, prompt_ids, observers, strict=True)]
     budget = max_batch_tokens or batch_token_budget(target)
     results: list[GenerationResult | None] = [None] * n

@@ -26,7 +26,7 @@ from .model import ForwardOutput, ForwardRequest, TargetModel
 from .stats import GenerationStats
 from .stopping import StopMatcher, cut_at_stop
 from .tree import DraftTree, TreeShape
-from .validation import check_max_new_tokens, check_stop
+from .validation import check_max_new_tokens, check_observers, check_stop
 from .verify import PositionKeyedUniforms, SamplingConfig, Verdict, next_token, verify
 
 
@@ -234,7 +234,7 @@ class SequenceRun:
             raise UsageError(f"the prompt has {n_prompt} tokens; the model's context is {target.max_context}")
         self.target, self.proposer, self.sampling = target, proposer, sampling
         self.max_new_tokens, self.stops, self.on_prefill = max_new_tokens, tuple(stops), on_prefill
-        self.observers = tuple(observers)
+        self.observers = check_observers(observers)
         self.prefix_cache = prefix_cache  # a model.prefix_cache.PrefixCache shared by runs of the same target
         self.stats = stats if stats is not None else GenerationStats(proposer.name)
         self.stats.prompt_tokens = n_prompt

@@ -156,14 +156,34 @@ class ChoicesTree:
         return len(self.shape)
 
 
+def _is_rank(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_choices(choices, source: str = "the tree") -> list[list[int]]:
+    """``choices`` as a list of lists of ranks, else a one-line :class:`UsageError`: the one check of a choices
+    list, wherever it comes from (a tree file, the ``tree`` option, :func:`tree_from_choices`). Every entry is a
+    non-empty list (or tuple) of integer ranks >= 0 -- not bools, floats or strings, which ``int()`` would quietly
+    turn into ranks."""
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, (list, tuple)):
+        raise UsageError(f"{source}: a choices list is a list of lists of ranks, got {type(choices).__name__}")
+    for choice in choices:
+        if not isinstance(choice, (list, tuple)) or not choice or not all(_is_rank(r) for r in choice):
+            shown = repr(choice if not isinstance(choice, tuple) else list(choice))
+            if len(shown) > 60:
+                shown = shown[:57] + "..."
+            raise UsageError(f"bad tree choice {shown} in {source}: each choice is a non-empty list of integer "
+                             "ranks >= 0")
+    return [list(choice) for choice in choices]
+
+
 def tree_from_choices(choices) -> ChoicesTree:
-    """Build a tree template from a choices list. Duplicates are dropped; missing ancestors are an error."""
+    """Build a tree template from a choices list (checked by :func:`check_choices`). Duplicates are dropped;
+    missing ancestors are an error."""
     unique: list[tuple[int, ...]] = []
     seen = set()
-    for c in choices:
-        t = tuple(int(x) for x in c)
-        if not t or any(x < 0 for x in t):
-            raise UsageError(f"bad tree choice {list(c)}: entries are non-empty lists of ranks >= 0")
+    for c in check_choices(choices):
+        t = tuple(c)
         if t not in seen:
             seen.add(t)
             unique.append(t)
@@ -226,6 +246,4 @@ def load_choices(path, name: str | None = None) -> list[list[int]]:
         if name not in data:
             raise UsageError(f"{path} has no tree '{name}'; it has: {', '.join(sorted(data))}")
         data = data[name]
-    if not isinstance(data, list) or not all(isinstance(c, list) for c in data):
-        raise UsageError(f"{path}: a choices list is a JSON list of lists of ranks")
-    return data
+    return check_choices(data, str(path))

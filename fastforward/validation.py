@@ -4,11 +4,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from .errors import InputTypeError, UsageError
 from .verify import SamplingConfig
 
 MAX_SEED = 2**63 - 1
+#: the smallest positive temperature: below it ``logits / temperature`` overflows (NaN probabilities), and sampling
+#: is greedy to within float precision anyway; 0 itself means greedy
+MIN_TEMPERATURE = 1e-4
+#: the most tokens one step's proposal (draft tree plus any lookahead branch) may put in a target forward, whatever
+#: the model's context: a method option that asks for more is refused rather than run for minutes or out of memory
+MAX_PROPOSAL_ROWS = 1024
 
 
 def _is_int(value) -> bool:
@@ -80,6 +87,8 @@ def check_sampling(temperature, top_k, top_p) -> SamplingConfig:
         raise InputTypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not math.isfinite(temperature) or temperature < 0:
         raise UsageError(f"temperature must be a finite number >= 0, got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise UsageError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature:g}")
     if not _is_int(top_k) or top_k < 0:
         raise UsageError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
     if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not math.isfinite(top_p) or \
@@ -100,3 +109,27 @@ def check_seed(seed) -> int | None:
     if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
         raise UsageError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
     return seed
+
+
+def check_observers(observers, name: str = "observers") -> tuple:
+    """Step observers: an iterable of callables ``(state, step)``, returned as a tuple; else one
+    :class:`InputTypeError` naming ``name`` (``observers``, or ``observers[i]`` for one prompt of a batch)."""
+    if isinstance(observers, (str, bytes)) or not isinstance(observers, Iterable):
+        raise InputTypeError(f"{name} must be a list or tuple of callables (state, step), "
+                             f"got {type(observers).__name__}")
+    observers = tuple(observers)
+    for i, observer in enumerate(observers):
+        if not callable(observer):
+            raise InputTypeError(f"{name}[{i}] must be a callable (state, step), got {type(observer).__name__}")
+    return observers
+
+
+def check_proposal_rows(method: str, rows: int, settings: str, max_context: int | None = None) -> int:
+    """``rows``, the most tokens ``method`` with ``settings`` (its options, in words) puts in one target forward,
+    if it is at most :data:`MAX_PROPOSAL_ROWS` and the model's context ``max_context``; else a one-line
+    :class:`UsageError` saying the limit."""
+    limit = MAX_PROPOSAL_ROWS if max_context is None else min(MAX_PROPOSAL_ROWS, max_context)
+    if rows > limit:
+        raise UsageError(f"{method}: {settings} put {rows} tokens in every forward; at most {limit} are allowed "
+                         f"(the smaller of {MAX_PROPOSAL_ROWS} and the model's context)")
+    return rows

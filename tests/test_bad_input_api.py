@@ -51,6 +51,9 @@ CASES = [
     ("top_p zero", dict(top_p=0.0), UsageError, "top_p"),
     ("top_p above one", dict(top_p=1.5), UsageError, "top_p"),
     ("top_p nan", dict(top_p=float("nan")), UsageError, "top_p"),
+    ("temperature denormal", dict(temperature=1e-310), UsageError, "0 (greedy) or at least"),
+    ("temperature smallest float", dict(temperature=5e-324), UsageError, "0 (greedy) or at least"),
+    ("temperature below 1e-4", dict(temperature=5e-5), UsageError, "0 (greedy) or at least"),
     ("seed negative", dict(seed=-1), UsageError, "seed"),
     ("seed huge", dict(seed=2**64), UsageError, "seed"),
     ("seed float", dict(seed=1.5), UsageError, "seed"),
@@ -68,11 +71,36 @@ CASES = [
     ("options not a dict", dict(method="pld", method_options="k=3"), TypeError, "method_options"),
     ("option value wrong", dict(method="pld", method_options={"max_ngram": 0}), UsageError, "max_ngram"),
     ("option type wrong", dict(method="jacobi", method_options={"n_tokens": "many"}), UsageError, "n_tokens"),
+    ("lookahead window huge", dict(method="lookahead", method_options=dict(window=100000, ngram=2, guesses=1)),
+     UsageError, "window"),
+    ("lookahead forward too large", dict(method="lookahead", method_options=dict(window=1000, ngram=50, guesses=1000)),
+     UsageError, "tokens in every forward"),
+    ("lookahead forward over the context",
+     dict(method="lookahead", method_options=dict(window=300, ngram=3, guesses=1)), UsageError, "at most 512"),
+    ("lookahead ngram huge", dict(method="lookahead", method_options=dict(ngram=10**9)), UsageError, "ngram"),
+    ("lookahead guesses huge", dict(method="lookahead", method_options=dict(guesses=10**6)), UsageError, "guesses"),
+    ("tr-jacobi retrieval_len huge", dict(method="tr-jacobi", method_options=dict(retrieval_len=100000)), UsageError,
+     "retrieval_len"),
+    ("tr-jacobi tree of strings", dict(method="tr-jacobi", method_options=dict(tree=[["a"]])), UsageError,
+     "bad tree choice"),
+    ("tr-jacobi tree of ints", dict(method="tr-jacobi", method_options=dict(tree=[1, 2])), UsageError,
+     "bad tree choice"),
+    ("tr-jacobi tree of None", dict(method="tr-jacobi", method_options=dict(tree=[[None]])), UsageError,
+     "bad tree choice"),
+    ("tr-jacobi tree of floats", dict(method="tr-jacobi", method_options=dict(tree=[[0.5]])), UsageError,
+     "bad tree choice"),
+    ("tr-jacobi tree of digit strings", dict(method="tr-jacobi", method_options=dict(tree=[["0"]])), UsageError,
+     "bad tree choice"),
+    ("tr-jacobi tree of bools", dict(method="tr-jacobi", method_options=dict(tree=[[True]])), UsageError,
+     "bad tree choice"),
     # the rest
     ("chat not bool", dict(chat="yes"), TypeError, "chat"),
     ("system not str", dict(system=5), TypeError, "system"),
     ("system lone surrogate", dict(system="\udcff"), UsageError, "UTF-8"),
     ("on_prefill not callable", dict(on_prefill=5), TypeError, "on_prefill"),
+    ("observers an int", dict(observers=5), TypeError, "observers"),
+    ("observers a list of ints", dict(observers=[5]), TypeError, "observers[0]"),
+    ("observers a string", dict(observers="print"), TypeError, "observers"),
 ]
 
 
@@ -139,3 +167,50 @@ def test_huge_max_new_tokens_is_bounded_by_the_context(tiny):
     """10**20 new tokens is a valid request: generation stops at the context, nothing is allocated for 10**20."""
     result = ff.generate(tiny, [1, 2, 3], max_new_tokens=10**20)
     assert result.finish_reason in ("context", "eos") and len(result.token_ids) < tiny.max_context
+
+
+@pytest.mark.parametrize(("observers", "error", "words"), [
+    ([5, 5], TypeError, "observers[0]"),
+    (5, TypeError, "observers"),
+    ((5,), TypeError, "observers[0]"),
+    ([(print,), (5,)], TypeError, "observers[1][0]"),
+    ([()], UsageError, "1 entries for 2 prompts"),
+])
+def test_bad_batch_observers(tiny, monkeypatch, observers, error, words):
+    started = []
+    monkeypatch.setattr(SequenceRun, "prefill", lambda self: started.append(1) or [])
+    with pytest.raises(error) as info:
+        ff.generate_batch(tiny, [OK, [4, 5]], observers=observers, max_new_tokens=4)
+    message = str(info.value)
+    assert words in message and "\n" not in message
+    assert isinstance(info.value, UsageError) and not started
+
+
+def test_observers_still_run(tiny):
+    seen = []
+    ff.generate(tiny, OK, observers=[lambda state, step: seen.append(step)], max_new_tokens=4)
+    assert seen
+    ff.generate_batch(tiny, [OK, [4, 5]], observers=(lambda state, step: seen.append(step),), max_new_tokens=4)
+    assert len(seen) > 4
+
+
+@pytest.mark.parametrize(("files", "words"), [
+    ({"config.json": '{"model_type": "llama"}'}, "has no tokenizer"),
+    ({"config.json": "{not json"}, "config.json is not valid JSON"),
+    ({"config.json": "[1, 2]"}, "config.json is not a JSON object"),
+    ({"config.json": '{"model_type": "llama"}', "tokenizer.json": "{}"}, "has no weights"),
+    ({"config.json": '{"model_type": "llama", "fastforward": {"kind": "eagle3"}}'}, "drafter (kind eagle3)"),
+], ids=["config only", "config not JSON", "config not an object", "no weights", "an EAGLE drafter"])
+def test_load_refuses_a_folder_that_is_not_a_model(tmp_path, files, words):
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    with pytest.raises(ff.ModelNotFoundError) as info:
+        ff.load(str(folder))
+    message = str(info.value)
+    assert words in message and str(folder) in message and "\n" not in message
+
+
+def test_temperature_1e_4_still_samples(tiny):
+    assert len(ff.generate(tiny, OK, temperature=1e-4, seed=0, max_new_tokens=4).token_ids) == 4

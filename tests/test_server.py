@@ -287,6 +287,23 @@ BAD = [
      json.dumps({"model": MODEL, "prompt": [1, 2, 99999], "max_tokens": 3}), 400, "out of range"),
     ("empty completion prompt", "/v1/completions", json.dumps({"model": MODEL, "prompt": "  "}), 400, "empty"),
     ("several prompts", "/v1/completions", json.dumps({"model": MODEL, "prompt": ["a", "b"]}), 400, "one prompt"),
+    ("temperature denormal", CHAT, chat(temperature=1e-310), 400, "must be 0 (greedy) or at least"),
+    ("lookahead window huge", CHAT,
+     chat(fastforward={"method": "lookahead", "options": {"window": 100000, "ngram": 2, "guesses": 1}}), 400,
+     "window"),
+    ("lookahead forward too large", CHAT,
+     chat(fastforward={"method": "lookahead", "options": {"window": 1000, "ngram": 50, "guesses": 1000}}), 400,
+     "tokens in every forward"),
+    ("tr-jacobi retrieval_len huge", CHAT,
+     chat(fastforward={"method": "tr-jacobi", "options": {"retrieval_len": 100000}}), 400, "retrieval_len"),
+    ("tr-jacobi tree of strings", CHAT, chat(fastforward={"method": "tr-jacobi", "options": {"tree": [["a"]]}}),
+     400, "bad tree choice"),
+    ("tr-jacobi tree of ints", CHAT, chat(fastforward={"method": "tr-jacobi", "options": {"tree": [1, 2]}}), 400,
+     "bad tree choice"),
+    ("tr-jacobi tree of nulls", CHAT, chat(fastforward={"method": "tr-jacobi", "options": {"tree": [[None]]}}),
+     400, "bad tree choice"),
+    ("sps draft that does not exist", CHAT,
+     chat(fastforward={"method": "sps", "options": {"draft": "/no/such/draft"}}), 400, "unknown model"),
     ("oversized body", CHAT, chat(messages=[{"role": "user", "content": "y" * 100_000}]), 413, "at most"),
     ("unknown route", "/v1/engines", "{}", 404, "no such endpoint"),
 ]
@@ -311,6 +328,16 @@ def test_still_serving_after_bad_input(server, client, target):
     ref = ff.generate(target, MESSAGES, "ar", max_new_tokens=8)
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
     assert r.choices[0].message.content == ref.text
+
+
+def test_sps_draft_folder_that_is_not_a_model_is_400(server, tmp_path):
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    status, text = raw(server, "POST", CHAT, chat(fastforward={"method": "sps", "options": {"draft": str(folder)}}))
+    assert status == 400, text
+    message = json.loads(text)["error"]["message"]
+    assert str(folder) in message and "has no tokenizer" in message
 
 
 def test_openai_client_raises_typed_errors(client):
@@ -367,6 +394,35 @@ def test_queue_full_429_and_disconnect_cancels(target):
                metric(url, "fastforward_num_requests_running")) != (1, 0):
             assert time.monotonic() < deadline, "the cancelled request was not dropped"
             time.sleep(0.05)
+
+
+def test_non_streaming_disconnect_cancels(target, monkeypatch):
+    """A non-streaming client that goes away while tokens keep coming is dropped too (not decoded to the end)."""
+    forward_many = target.forward_many
+
+    def slow_forward_many(*args, **kwargs):  # ~5 s for the 480 tokens asked: far longer than the check takes
+        time.sleep(0.01)
+        return forward_many(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward_many", slow_forward_many)
+    app = create_app(target, model_name=MODEL, max_batch_tokens=64, limits=Limits(max_tokens=1000))
+    with BackgroundServer(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", CHAT, body=chat(max_tokens=480, messages=[{"role": "user", "content": "go"}]),
+                     headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 30
+        while metric(url, "fastforward_num_requests_running") != 1:
+            assert time.monotonic() < deadline, "the request never started decoding"
+            time.sleep(0.02)
+        conn.sock.shutdown(2)
+        conn.close()
+        gone = time.monotonic()
+        while metric(url, "fastforward_num_requests_running") != 0:
+            assert time.monotonic() < deadline, "the request never left"
+            time.sleep(0.02)
+        assert metric(url, "fastforward_cancelled_requests_total") == 1, "decoded to the end after the client left"
+        assert time.monotonic() - gone < 3
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -252,12 +252,40 @@ def test_default_tree_is_installed_one_else_builtin(tiny, tmp_path, monkeypatch)
     ({"min_ngram": 4}, "min_ngram"),
     ({"init": "zeros"}, "init"),
     ({"tree": [], "retrieval_len": 0}, "proposes nothing"),
+    ({"retrieval_len": 100000}, "retrieval_len must be an integer in \\[0, 256\\]"),
+    ({"tree": [["a"]]}, "bad tree choice \\['a'\\]"),
+    ({"tree": [1, 2]}, "bad tree choice 1 "),
+    ({"tree": [[None]]}, "bad tree choice"),
+    ({"tree": [[0.5]]}, "bad tree choice"),
+    ({"tree": [["0"]]}, "bad tree choice"),
+    ({"tree": [[True]]}, "bad tree choice"),
+    ({"tree": [[10**9]]}, "ranks go up to 1000000000"),
+    ({"tree": [[0] * d for d in range(1, 600)]}, "at most 512"),  # 600 tokens: more than the context (512)
 ])
 def test_bad_options(tiny, options, fragment):
     if PAPER_FILE.name in str(options.get("tree", "")) and not PAPER_FILE.is_file():
         pytest.skip("the reference tree file is not available")
-    with pytest.raises(ff.UsageError, match=fragment):
+    with pytest.raises(ff.UsageError, match=fragment) as info:
         make_proposer("tr-jacobi", tiny, **options)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("data", [
+    [[0], ["a"]],  # a plain choices list
+    {"small": [[0], [0.5]]},  # named lists (picked with path:name)
+    {"format": "fastforward-tree/1", "choices": [[0], [True]], "greedy_order": [], "tau_by_nodes": []},  # built
+], ids=["plain", "named", "built"])
+def test_bad_choices_in_a_tree_file(tiny, tmp_path, data):
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps(data))
+    spec = f"{path}:small" if "small" in data else str(path)
+    with pytest.raises(ff.UsageError, match="bad tree choice") as info:
+        make_proposer("tr-jacobi", tiny, tree=spec)
+    assert str(path) in str(info.value)
+
+
+def test_longest_retrieval_chain_still_equals_ar(tiny):
+    _check_greedy(tiny, [1, 2, 3, 1, 2, 3, 1, 2], 24, 0, tree="builtin", retrieval_len=256)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastforward import DraftTree, TreeShape, UsageError, load_choices, tree_from_choices
-from fastforward.tree import chain_shape
+from fastforward.tree import chain_shape, check_choices
 
 CHOICES_FILE = Path("/work/shared/reference/tree-choices.json")
 
@@ -202,6 +202,40 @@ def test_choices_duplicates_dropped():
 def test_choices_rejects_bad_lists(choices):
     with pytest.raises(UsageError):
         tree_from_choices(choices)
+
+
+BAD_CHOICES = [
+    ([["a"]], "['a']"),  # a string rank
+    ([1, 2], "1"),  # a rank, not a list of ranks
+    ([[None]], "[None]"),
+    ([[0.5]], "[0.5]"),  # int() would make it rank 0
+    ([["0"]], "['0']"),
+    ([[True]], "[True]"),  # a bool is an int to Python, not a rank
+    ([[0], "0"], "'0'"),
+    ([[0], []], "[]"),
+    ([[0], [-1]], "[-1]"),
+]
+
+
+@pytest.mark.parametrize(("choices", "shown"), BAD_CHOICES, ids=[repr(c[0]) for c in BAD_CHOICES])
+def test_bad_tree_choices_are_one_usage_error_from_a_list_and_a_file(tmp_path, choices, shown):
+    with pytest.raises(UsageError) as info:
+        tree_from_choices(choices)
+    message = str(info.value)
+    assert message.startswith(f"bad tree choice {shown} ") and "\n" not in message
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps(choices))
+    with pytest.raises(UsageError, match="bad tree choice") as info:
+        load_choices(path)
+    assert str(path) in str(info.value)
+
+
+def test_check_choices_takes_tuples_and_names_the_source():
+    assert check_choices(((0,), (1,), (0, 0))) == [[0], [1], [0, 0]]
+    with pytest.raises(UsageError, match="a choices list is a list of lists"):
+        check_choices("[[0]]", "tree.json")
+    with pytest.raises(UsageError, match="in tree.json"):
+        check_choices([[0], [1.0]], "tree.json")
 
 
 def test_load_choices_plain_list(tmp_path):

@@ -3,6 +3,7 @@ file (its packed weights used directly, or dequantised into a cached HF folder).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -35,6 +36,9 @@ DEFAULT_PASTA_MODEL = "smollm2-135m-pasta"  # what --method pasta runs when no -
 SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parent.parent / "adapters" / "shipped"
 
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8")
+#: a Hugging Face folder loads only with one of these tokenizer files and weights matching one of these patterns
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
 def packaged_gguf(alias: str) -> Path:
@@ -106,13 +110,56 @@ def _quiet_transformers():
     transformers.utils.logging.disable_progress_bar()
 
 
+def check_hf_folder(path: Path) -> dict:
+    """The config of a Hugging Face model folder, once the folder is seen to hold what loading it needs (a JSON
+    config of a model, not of a drafter; a tokenizer; weights); else one :class:`ModelNotFoundError` line naming
+    the folder and what is missing (rather than transformers' multi-line errors)."""
+    not_loadable = f"{path} is not a loadable model"
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelNotFoundError(f"{not_loadable}: its config.json is not valid JSON ({exc.msg} at line "
+                                 f"{exc.lineno})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelNotFoundError(f"{not_loadable}: its config.json cannot be read ({type(exc).__name__})") from None
+    if not isinstance(config, dict):
+        raise ModelNotFoundError(f"{not_loadable}: its config.json is not a JSON object")
+    drafter = config.get("fastforward")
+    if isinstance(drafter, dict) and "kind" in drafter:
+        raise ModelNotFoundError(f"{path} is a fastforward drafter (kind {drafter['kind']}), not a model: give it "
+                                 "to its method's drafter option")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelNotFoundError(f"{not_loadable}: it has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise ModelNotFoundError(f"{not_loadable}: it has no weights ({' or '.join(WEIGHT_FILES)})")
+    return config
+
+
 def load_hf(path: Path, dtype=torch.float32):
+    """The model and tokenizer of a Hugging Face folder; a folder that does not load is one
+    :class:`ModelNotFoundError` line (see :func:`check_hf_folder`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = Path(path)
+    check_hf_folder(path)
     _quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    with _not_loadable(path, "its tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    with _not_loadable(path, "its model"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _not_loadable(path: Path, part: str):
+    """What transformers raises for a folder it cannot read (multi-line, often) as one ModelNotFoundError line."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if len(reason) > 200:
+            reason = reason[:197] + "..."
+        raise ModelNotFoundError(f"{path} is not a loadable model: {part} does not load ({reason})") from exc
 
 
 def convert_gguf(gguf: Path, out_dir: Path, dtype=torch.float32):

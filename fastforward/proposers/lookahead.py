@@ -36,6 +36,7 @@ from ..costs import CostCurve, machine_cost_curve
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from ..tree import DraftTree, TreeShape
+from ..validation import MAX_PROPOSAL_ROWS, check_proposal_rows
 from . import register
 from ._options import check_int
 from .jacobi import init_tokens
@@ -219,14 +220,18 @@ class LookaheadProposer(Proposer):
 def lookahead(target, *, window: int = 0, ngram: int = 0, guesses: int = 0) -> LookaheadProposer:
     """``window`` W: Jacobi window columns; ``ngram`` N: n-gram size (N-1 window levels, drafts of N-1 tokens);
     ``guesses`` G: n-grams kept per first token and verified per step. 0 (the default): sized from this machine's
-    cost curve (:func:`size_for_curve`; 7 / 5 / 7 where forwards are nearly free)."""
-    check_int("lookahead", "window", window, 0)
-    check_int("lookahead", "ngram", ngram, 0)
+    cost curve (:func:`size_for_curve`; 7 / 5 / 7 where forwards are nearly free). A size whose forwards would
+    hold more than :data:`~fastforward.validation.MAX_PROPOSAL_ROWS` tokens (or the model's context) is refused."""
+    check_int("lookahead", "window", window, 0, MAX_PROPOSAL_ROWS)
+    check_int("lookahead", "ngram", ngram, 0, MAX_PROPOSAL_ROWS)
     if ngram == 1:
         raise UsageError("lookahead: option ngram must be 0 (sized from the cost curve) or an integer >= 2, got 1")
-    check_int("lookahead", "guesses", guesses, 0)
+    check_int("lookahead", "guesses", guesses, 0, MAX_PROPOSAL_ROWS)
     sized = not (window and ngram and guesses)
     if sized:
         auto_w, auto_n, auto_g = size_for_curve(machine_cost_curve(target))
         window, ngram, guesses = window or auto_w, ngram or auto_n, guesses or auto_g
-    return LookaheadProposer(window, ngram, guesses, sized_by_curve=sized)
+    proposer = LookaheadProposer(window, ngram, guesses, sized_by_curve=sized)
+    check_proposal_rows("lookahead", proposer.max_proposal_size(),
+                        f"window {window}, ngram {ngram} and guesses {guesses}", target.max_context)
+    return proposer

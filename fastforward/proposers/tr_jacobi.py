@@ -40,10 +40,15 @@ from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from ..model import MODEL_ALIASES
 from ..paths import trees_dir
-from ..tree import DraftTree, TreeShape, load_choices, read_tree_file, tree_from_choices
+from ..tree import DraftTree, TreeShape, check_choices, load_choices, read_tree_file, tree_from_choices
+from ..validation import MAX_PROPOSAL_ROWS, check_proposal_rows
 from . import register
+from ._options import check_choice, check_int
 from .jacobi import INIT_MODES, init_tokens
 from .pld import NgramIndex
+
+#: the longest prompt-lookup chain: longer continuations are rarely accepted whole, and every length gets a shape
+MAX_RETRIEVAL_LEN = 256
 
 
 def builtin_choices(depth: int = 2, width: int = 2) -> list[list[int]]:
@@ -81,7 +86,7 @@ def read_tree(spec) -> tuple[list[list[int]], dict]:
     written by ``fastforward build-tree`` (an object with ``choices`` and metadata).
     """
     if isinstance(spec, (list, tuple)):
-        return [list(c) for c in spec], {"source": "list"}
+        return check_choices(spec, "tr-jacobi option tree"), {"source": "list"}
     if not isinstance(spec, str) or not spec.strip():
         raise UsageError(f"tree must be a JSON file path, 'path:name', 'builtin' or a choices list, got {spec!r}")
     if spec == "builtin":
@@ -94,11 +99,9 @@ def read_tree(spec) -> tuple[list[list[int]], dict]:
         raise UsageError(f"tree file {file} does not exist")
     data = read_tree_file(file)
     if isinstance(data, dict) and isinstance(data.get("choices"), list) and name is None:
-        if not all(isinstance(c, list) for c in data["choices"]):
-            raise UsageError(f"{file}: 'choices' must be a list of lists of ranks")
         meta = {k: v for k, v in data.items() if k != "choices"}
         meta["source"] = str(file)
-        return data["choices"], meta
+        return check_choices(data["choices"], str(file)), meta
     return load_choices(file, name), {"source": spec}
 
 
@@ -128,16 +131,22 @@ class TRJacobiTemplate:
         return self.shapes[-1]
 
 
-def build_template(choices, retrieval_len: int = 5) -> TRJacobiTemplate:
-    """The combined tree (choices tree + retrieval chain under the root) and its gather/refill indices."""
-    if not isinstance(retrieval_len, int) or isinstance(retrieval_len, bool) or retrieval_len < 0:
-        raise UsageError(f"retrieval_len must be an integer >= 0, got {retrieval_len!r}")
+def build_template(choices, retrieval_len: int = 5, max_context: int | None = None) -> TRJacobiTemplate:
+    """The combined tree (choices tree + retrieval chain under the root) and its gather/refill indices; refused
+    (one-line :class:`UsageError`) when it would put more tokens in a forward than
+    :func:`~fastforward.validation.check_proposal_rows` allows for a model of context ``max_context``."""
+    check_int("tr-jacobi", "retrieval_len", retrieval_len, 0, MAX_RETRIEVAL_LEN)
     ct = tree_from_choices(choices)
     if len(ct) == 1 and retrieval_len == 0:
         raise UsageError("an empty tree without a retrieval chain proposes nothing")
     n_c = len(ct)
+    check_proposal_rows("tr-jacobi", n_c + retrieval_len,
+                        f"a tree of {n_c - 1} choices and retrieval_len {retrieval_len}", max_context)
     depth = int(ct.node_depth.max()) if n_c > 1 else 0
     width = int(ct.node_rank.max()) + 1 if n_c > 1 else 1
+    if width > MAX_PROPOSAL_ROWS:  # the candidate table holds `width` candidates per depth
+        raise UsageError(f"tr-jacobi: the tree's ranks go up to {width - 1}; at most {MAX_PROPOSAL_ROWS - 1} "
+                         "are allowed")
     parents = ct.shape.parents.tolist() + [0 if j == 0 else n_c + j - 1 for j in range(retrieval_len)]
     gather = [0] + [1 + (int(d) - 1) * width + int(r) for d, r in zip(ct.node_depth[1:], ct.node_rank[1:], strict=True)]
     gather += [1 + depth * width + j for j in range(retrieval_len)]
@@ -285,16 +294,15 @@ def tr_jacobi(target, *, tree=None, retrieval_len: int = 5, ngram: int = 3, min_
               init: str = "noise") -> Proposer:
     """``tree``: JSON path (``path:name`` picks a named list; a ``fastforward build-tree`` output works), a choices
     list, or ``"builtin"``; default: the tree built for this model on this machine, else the builtin one.
-    ``retrieval_len``: prompt-lookup chain length (0 = none). ``ngram``/``min_ngram``: longest and shortest suffix
-    n-gram the lookup matches (MSN uses 3 only; the default backs off like PLD). ``init``: how empty table rows are
-    filled: ``noise`` (MSN ahead noise), ``prompt`` or ``pad``."""
-    for key, value, low in (("ngram", ngram, 1), ("min_ngram", min_ngram, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise UsageError(f"{key} must be an integer >= {low}, got {value!r}")
+    ``retrieval_len``: prompt-lookup chain length (0 = none, at most :data:`MAX_RETRIEVAL_LEN`).
+    ``ngram``/``min_ngram``: longest and shortest suffix n-gram the lookup matches (MSN uses 3 only; the default
+    backs off like PLD). ``init``: how empty table rows are filled: ``noise`` (MSN ahead noise), ``prompt`` or
+    ``pad``."""
+    check_int("tr-jacobi", "ngram", ngram, 1)
+    check_int("tr-jacobi", "min_ngram", min_ngram, 1)
     if min_ngram > ngram:
-        raise UsageError(f"min_ngram ({min_ngram}) cannot exceed ngram ({ngram})")
-    if init not in INIT_MODES:
-        raise UsageError(f"init must be one of {', '.join(INIT_MODES)}, got {init!r}")
+        raise UsageError(f"tr-jacobi: min_ngram ({min_ngram}) cannot exceed ngram ({ngram})")
+    check_choice("tr-jacobi", "init", init, INIT_MODES)
     choices, source = resolve_tree(target, tree)
-    template = build_template(choices, retrieval_len)
+    template = build_template(choices, retrieval_len, target.max_context)
     return TRJacobiProposer(template, ngram=ngram, min_ngram=min_ngram, init=init, tree_source=source)

@@ -32,6 +32,9 @@ from .schemas import APIError, Limits, ParsedRequest, parse
 
 log = logging.getLogger("fastforward.server")
 
+#: how often (seconds) a non-streaming request asks whether its client is still connected
+DISCONNECT_CHECK_SECONDS = 0.25
+
 
 def _json_safe(value):
     try:
@@ -176,18 +179,24 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
         return ext
 
     async def _collect(request: Request, ticket, parsed: ParsedRequest, rid: str):
+        """The whole answer of a non-streaming request. Whether its client is still there is asked every
+        :data:`DISCONNECT_CHECK_SECONDS` (while text keeps coming too): a client that went away has its sequence
+        dropped (counted as cancelled), as a streaming one has."""
         parts = []
+        next_check = time.monotonic() + DISCONNECT_CHECK_SECONDS
         while True:
             try:
-                kind, payload = await asyncio.wait_for(ticket.queue.get(), 0.5)
+                kind, payload = await asyncio.wait_for(ticket.queue.get(), DISCONNECT_CHECK_SECONDS)
             except TimeoutError:
-                if await request.is_disconnected():
-                    ticket.cancel()
-                    return Response(status_code=499)
-                continue
+                kind, payload = None, None
             except asyncio.CancelledError:
                 ticket.cancel()
                 raise
+            if kind not in ("done", "error") and time.monotonic() >= next_check:
+                if await request.is_disconnected():
+                    ticket.cancel()
+                    return Response(status_code=499)
+                next_check = time.monotonic() + DISCONNECT_CHECK_SECONDS
             if kind == "delta":
                 parts.append(payload["text"])
             elif kind == "error":

@@ -23,7 +23,7 @@ import time
 import traceback
 
 from ..engine import BatchDecoder, SequenceRun
-from ..errors import UsageError
+from ..errors import FastForwardError
 from ..model.prefix_cache import prefix_cache_for
 from ..proposers import make_proposer
 from ..stopping import IncrementalDetokenizer, StopMatcher
@@ -198,7 +198,7 @@ class Scheduler:
             run = SequenceRun(target, ids, proposer, max_new_tokens=g.max_new_tokens, sampling=g.sampling,
                               seed=g.seed, stops=g.stops, observers=(ticket.observe,),
                               prefix_cache=self.prefix_cache)
-        except UsageError as exc:
+        except FastForwardError as exc:  # bad input, a method option naming a model that does not load, ...
             message = str(exc)
             code = "context_length_exceeded" if "context" in message else None
             self._fail(ticket, APIError(400, message, code=code))
