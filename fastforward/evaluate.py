@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gzip
 import json
 import math
 import os
@@ -36,7 +35,7 @@ from .bench.questions import humaneval_prompt  # the eval and the bench share th
 from .errors import UsageError
 from .paths import data_root
 from .stats import totals
-from .train.data import encode_examples, read_examples, split_examples
+from .train.data import encode_examples, located_records, read_examples, split_examples, text_field
 from .train.msn import apply_ahead_noise, random_starts
 
 TASKS = ("nll", "gsm8k", "humaneval")
@@ -223,28 +222,52 @@ def task_file(task: str, data: str | None) -> Path:
     return path
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
+def _task_records(path: Path, limit: int | None) -> list[tuple[str, dict]]:
+    """(where, record) of the first ``limit`` records of a task file (.jsonl, .jsonl.gz or a .json array), each a
+    JSON object; anything else is a one-line :class:`UsageError` naming the file and line."""
+    located = located_records(path)[:limit]
+    for where, rec in located:
+        if not isinstance(rec, dict):
+            raise UsageError(f"{where}: records must be JSON objects")
+    return located
+
+
+def _gsm8k_row(where: str, rec: dict) -> dict:
+    """A GSM8K record with a text question and an answer ending in ``#### NUMBER`` (checked before any work)."""
+    text_field(rec, "question", where)
+    answer = text_field(rec, "answer", where)
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (json.JSONDecodeError, OSError, EOFError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}") from None
+        gsm8k_gold(answer)
+    except UsageError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+    return rec
+
+
+HUMANEVAL_FIELDS = ("task_id", "prompt", "test", "entry_point")
+
+
+def _humaneval_row(where: str, rec: dict) -> dict:
+    """A HumanEval record whose fields :data:`HUMANEVAL_FIELDS` are all text."""
+    for key in HUMANEVAL_FIELDS:
+        text_field(rec, key, where)
+    return rec
 
 
 def load_gsm8k(path: Path, limit: int | None = None) -> list[dict]:
-    rows = _read_jsonl(path)[:limit]
-    if rows and not all("question" in r and "answer" in r for r in rows):
-        raise UsageError(f"{path}: GSM8K records need 'question' and 'answer'")
-    return rows
+    return [_gsm8k_row(where, rec) for where, rec in _task_records(path, limit)]
 
 
 def load_humaneval(path: Path, limit: int | None = None) -> list[dict]:
-    rows = _read_jsonl(path)[:limit]
-    need = {"task_id", "prompt", "test", "entry_point"}
-    if rows and not all(need <= set(r) for r in rows):
-        raise UsageError(f"{path}: HumanEval records need {sorted(need)}")
-    return rows
+    return [_humaneval_row(where, rec) for where, rec in _task_records(path, limit)]
+
+
+def heldout_examples(data: str, heldout: float, limit: int | None = None) -> list:
+    """The first ``limit`` held-out records of the training data ``data`` (read and checked before any work); none
+    is a one-line :class:`UsageError`."""
+    _, held = split_examples(read_examples(data), heldout)
+    if not held:
+        raise UsageError(f"no held-out records in {data} (raise --heldout)")
+    return held[:limit]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -294,11 +317,10 @@ def response_nll(hf_model, encoded, noise_length: int = 0, seed: int = 0) -> dic
     return out
 
 
-def eval_nll(target, data: str, *, heldout: float, max_length: int, limit: int | None, noise_length: int = 4) -> dict:
-    _, held = split_examples(read_examples(data), heldout)
-    if not held:
-        raise UsageError(f"no held-out records in {data} (raise --heldout)")
-    held = held[:limit]
+def eval_nll(target, data: str, *, heldout: float, max_length: int, limit: int | None, noise_length: int = 4,
+             held: list | None = None) -> dict:
+    """Held-out NLL of ``data`` (``held``: its :func:`heldout_examples`, when already read)."""
+    held = heldout_examples(data, heldout, limit) if held is None else held
     encoded, dropped = encode_examples(target.tokenizer, held, max_length)
     if not encoded:
         raise UsageError(f"no held-out record fits --max-length {max_length}")
@@ -420,10 +442,12 @@ def load_comparison(path: str, task: str) -> dict:
         raise UsageError(f"--compare: {p} is not a 'fastforward eval --save' file ({e})") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("samples"), list):
         raise UsageError(f"--compare: {p} is not a 'fastforward eval --save' file (no samples)")
+    if not all(isinstance(s, dict) for s in saved["samples"]):
+        raise UsageError(f"--compare: {p} is not a 'fastforward eval --save' file (a sample is not a JSON object)")
     if saved.get("task") != task:
         raise UsageError(f"--compare: {p} holds task '{saved.get('task')}', not '{task}'")
     return {"model": saved.get("model"), "method": saved.get("method"),
-            "samples": {_sample_key(task, s): s for s in saved["samples"] if isinstance(s, dict)}}
+            "samples": {_sample_key(task, s): s for s in saved["samples"]}}
 
 
 def compare_samples(task: str, samples: list[dict], reference: dict) -> dict:

@@ -19,6 +19,7 @@ from ..evaluate import (
     eval_gsm8k,
     eval_humaneval,
     eval_nll,
+    heldout_examples,
     is_eval_file,
     load_comparison,
     load_gsm8k,
@@ -39,6 +40,12 @@ from .options import (
     positive_int,
 )
 
+NLL_DEFAULTS = {"heldout": 0.05, "max_length": 512, "noise_length": 4}
+HUMANEVAL_TIMEOUT = 10.0
+NLL_FLAGS = {"--heldout": "heldout", "--max-length": "max_length", "--noise-length": "noise_length"}
+GENERATION_FLAGS = {"--method": "method", "-o": "option", "--max-new-tokens": "max_new_tokens",
+                    "--timeout": "timeout", "--compare": "compare"}
+
 
 def add_arguments(p, name: str) -> None:
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure")
@@ -50,18 +57,19 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--limit", type=positive_int, default=None, help="only the first N items")
     p.add_argument("--max-new-tokens", type=max_new_tokens, default=None,
                    help="generation budget (default: gsm8k 256, humaneval 512)")
-    p.add_argument("--method", default="ar", help="decoding method for generation tasks (default: ar)")
+    p.add_argument("--method", default=None, help="decoding method for generation tasks (default: ar)")
     add_method_option_argument(p, "a method option (repeatable)")
-    p.add_argument("--heldout", type=finite_float, default=0.05,
-                   help="nll: held-out fraction, as given to 'fastforward train' (default: %(default)s)")
-    p.add_argument("--max-length", type=int, default=512,
-                   help="nll: tokens per record, as given to 'fastforward train' (default: %(default)s)")
-    p.add_argument("--timeout", type=positive_float, default=10.0,
-                   help="humaneval: seconds per program (default: 10)")
-    p.add_argument("--noise-length", type=int, default=4,
+    p.add_argument("--heldout", type=finite_float, default=None,
+                   help=f"nll: held-out fraction, as given to 'fastforward train' (default: {NLL_DEFAULTS['heldout']})")
+    p.add_argument("--max-length", type=int, default=None,
+                   help=f"nll: tokens per record, as given to 'fastforward train' "
+                        f"(default: {NLL_DEFAULTS['max_length']})")
+    p.add_argument("--timeout", type=positive_float, default=None,
+                   help=f"humaneval: seconds per program (default: {HUMANEVAL_TIMEOUT:g})")
+    p.add_argument("--noise-length", type=int, default=None,
                    help="nll: also score the predictions made from one seeded ahead-noise segment of this many "
                         "response tokens per record, as 'fastforward train msn' trains them "
-                        "(0 = off; default: %(default)s)")
+                        f"(0 = off; default: {NLL_DEFAULTS['noise_length']})")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--save", metavar="FILE", default=None,
                    help="write the summary and every sample's result as JSON (a new file, or one an earlier "
@@ -72,30 +80,59 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _only_for(args, flags: dict, tasks: str) -> None:
+    """Options (``{flag: dest}``) that apply to other tasks only: given here, they are refused, not ignored."""
+    given = [flag for flag, dest in flags.items() if getattr(args, dest) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --task {tasks}, "
+                         f"not {args.task}")
+
+
+def _check_nll(args) -> list:
+    """The nll options filled in and checked, and the held-out records read, before the model loads."""
+    _only_for(args, GENERATION_FLAGS, "gsm8k or humaneval")
+    for dest, value in NLL_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    if not args.data:
+        raise UsageError("--task nll needs --data FILE[,FILE] (the training data whose held-out split to score)")
+    parse_paths(args.data)
+    check_heldout(args.heldout)
+    if args.max_length < 2:
+        raise UsageError(f"--max-length must be at least 2, got {args.max_length}")
+    if args.noise_length < 0:
+        raise UsageError(f"--noise-length must be 0 (off) or positive, got {args.noise_length}")
+    return heldout_examples(args.data, args.heldout, args.limit)
+
+
+def _check_generation(args, options: dict) -> tuple[Path, list]:
+    """The generation options filled in and checked, and the task's records read, before the model loads."""
+    _only_for(args, NLL_FLAGS, "nll")
+    if args.task == "gsm8k" and args.timeout is not None:
+        raise UsageError("--timeout applies to --task humaneval, not gsm8k")
+    if args.data == "":
+        raise UsageError("--data is empty: give the test file, or leave --data out for the shared data set's")
+    args.method = args.method or "ar"
+    args.timeout = HUMANEVAL_TIMEOUT if args.timeout is None else args.timeout
+    check_method(args.method, options)  # the name and the options' names, as every request is checked
+    path = task_file(args.task, args.data)
+    rows = (load_gsm8k if args.task == "gsm8k" else load_humaneval)(path, args.limit)
+    if not rows:
+        raise UsageError(f"no {args.task} records in {path}")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[args.task]
+    return path, rows
+
+
 def run(args, name: str) -> int:
     options = parse_options(args.option)
-    rows = None
+    rows = held = None
     if args.task == "nll":
-        if not args.data:
-            raise UsageError("--task nll needs --data FILE[,FILE] (the training data whose held-out split to score)")
-        parse_paths(args.data)
-        check_heldout(args.heldout)
-        if args.max_length < 2:
-            raise UsageError(f"--max-length must be at least 2, got {args.max_length}")
-        if args.noise_length < 0:
-            raise UsageError(f"--noise-length must be 0 (off) or positive, got {args.noise_length}")
+        held = _check_nll(args)
     else:
-        check_method(args.method, options)  # the name and the options' names, as every request is checked
-        path = task_file(args.task, args.data)
-        rows = (load_gsm8k if args.task == "gsm8k" else load_humaneval)(path, args.limit)
-        if not rows:
-            raise UsageError(f"no {args.task} records in {path}")
-        if args.max_new_tokens is None:
-            args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS[args.task]
+        path, rows = _check_generation(args, options)
     reference = None
     if args.compare:
-        if args.task == "nll":
-            raise UsageError("--compare applies to the generation tasks (gsm8k, humaneval), not nll")
         reference = load_comparison(args.compare, args.task)
     if args.save:
         check_output_file(args.save, "--save", owned=is_eval_file)  # before the work, not after it
@@ -114,7 +151,7 @@ def run(args, name: str) -> int:
     try:
         if args.task == "nll":
             result = eval_nll(target, args.data, heldout=args.heldout, max_length=args.max_length, limit=args.limit,
-                              noise_length=args.noise_length)
+                              noise_length=args.noise_length, held=held)
         elif args.task == "gsm8k":
             result = eval_gsm8k(target, rows, method=args.method, max_new_tokens=args.max_new_tokens,
                                 options=options, progress=progress)

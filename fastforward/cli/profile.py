@@ -18,36 +18,70 @@ import fastforward as ff
 from ..bench.peers import gguf_path, llama_cpp_forward_costs, require_llama_cpp
 from ..costs import DEFAULT_QS, measure_forward_costs
 from ..errors import UsageError
-from .options import add_model_arguments, positive_int
+from .options import add_model_arguments, max_new_tokens, positive_int
+
+DEFAULTS = {"q": ",".join(map(str, DEFAULT_QS)), "kv": 300, "repeats": 15}
+STREAM_DEFAULTS = {"stop": "<<never-in-the-text>>", "method": "ar",
+                   "prompt": "Count from 1 to 2000, separated by commas: 1, 2, 3,"}
+CURVE_ONLY = {"--q": "q", "--kv": "kv", "--repeats": "repeats", "--no-hf": "no_hf", "--llama-cpp": "llama_cpp"}
+STREAM_ONLY = {"--stop": "stop", "--method": "method", "--prompt": "prompt"}
 
 
 def add_arguments(p, name: str) -> None:
     add_model_arguments(p)
-    p.add_argument("--q", default=",".join(map(str, DEFAULT_QS)), help="new-token counts (default: %(default)s)")
-    p.add_argument("--kv", type=positive_int, default=300, help="tokens already in the KV cache (default: %(default)s)")
-    p.add_argument("--repeats", type=positive_int, default=15, help="timed forwards per q (default: %(default)s)")
+    p.add_argument("--q", default=None, help=f"new-token counts (default: {DEFAULTS['q']})")
+    p.add_argument("--kv", type=positive_int, default=None,
+                   help=f"tokens already in the KV cache (default: {DEFAULTS['kv']})")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help=f"timed forwards per q (default: {DEFAULTS['repeats']})")
     p.add_argument("--no-hf", action="store_true", help="skip HF's own forward (measured side by side by default)")
     p.add_argument("--llama-cpp", action="store_true",
                    help="also measure llama.cpp on the same GGUF file (needs llama-cpp-python)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--stream", type=positive_int, default=None, metavar="N",
+    p.add_argument("--stream", type=max_new_tokens, default=None, metavar="N",
                    help="instead: stream N tokens with a stop string (--stop) and print the time per step at tokens "
                         "100 and N-100: the work per step must not grow with the generation")
-    p.add_argument("--stop", default="<<never-in-the-text>>", help="with --stream: the stop string watched for")
-    p.add_argument("--method", default="ar", help="with --stream: the decoding method (default: ar)")
-    p.add_argument("--prompt", default="Count from 1 to 2000, separated by commas: 1, 2, 3,",
-                   help="with --stream: the prompt, fed without the chat template")
+    p.add_argument("--stop", default=None, help="with --stream: the stop string watched for")
+    p.add_argument("--method", default=None, help="with --stream: the decoding method (default: ar)")
+    p.add_argument("--prompt", default=None, help="with --stream: the prompt, fed without the chat template")
+
+
+def _given(args, flags: dict) -> list[str]:
+    """Which of ``flags`` (``{flag: dest}``) the command line set (store_true flags: when true)."""
+    return [flag for flag, dest in flags.items() if getattr(args, dest) not in (None, False)]
+
+
+def _fill(args, defaults: dict) -> None:
+    for dest, value in defaults.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+
+
+def parse_qs(text: str) -> list[int]:
+    """``--q``: distinct comma-separated integers >= 1."""
+    try:
+        qs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--q takes comma-separated integers, got '{text}'") from None
+    if not qs or min(qs) < 1:
+        raise UsageError("--q values must be >= 1")
+    if len(set(qs)) != len(qs):
+        raise UsageError(f"--q lists a value twice: '{text}'")
+    return qs
 
 
 def run(args, name: str) -> int:
-    try:
-        qs = [int(x) for x in args.q.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--q takes comma-separated integers, got '{args.q}'") from None
-    if not qs or min(qs) < 1:
-        raise UsageError("--q values must be >= 1")
     if args.stream is not None:
+        wrong = _given(args, CURVE_ONLY)
+        if wrong:
+            raise UsageError(f"{', '.join(wrong)} cannot be combined with --stream (it times streamed steps)")
+        _fill(args, STREAM_DEFAULTS)
         return _run_stream(args)
+    wrong = _given(args, STREAM_ONLY)
+    if wrong:
+        raise UsageError(f"{', '.join(wrong)} {'applies' if len(wrong) == 1 else 'apply'} to --stream only")
+    _fill(args, DEFAULTS)
+    qs = parse_qs(args.q)
     gguf = None
     if args.llama_cpp:
         gguf = gguf_path(args.model)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UsageError
-from ..train.cllm import CLLM, LOSSES, check_loss_settings, trajectories_file
+from ..train.cllm import CLLM, LOSSES, check_loss_settings, check_trajectories, trajectories_file
 from ..train.msn import MSN
 from ..train.trainer import DEFAULT_LORA_RANK, TrainConfig, report, train
 from ..train.trajectories import META
@@ -69,6 +69,8 @@ def config_from_args(args, extra: dict | None = None, *, data: str | None = None
                      heldout: float | None = None) -> TrainConfig:
     """The validated :class:`TrainConfig` of the shared options (``data``/``heldout`` given by a method that reads
     its own training set)."""
+    if args.full and args.lora_alpha is not None:
+        raise UsageError("--lora-alpha applies to LoRA training, not --full")
     lora = 0 if args.full else (DEFAULT_LORA_RANK if args.lora is None else args.lora)
     if args.lora is not None and args.lora <= 0:
         raise UsageError(f"--lora must be a positive rank, got {args.lora}")
@@ -97,19 +99,37 @@ def _train(cfg: TrainConfig, method) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 
 
+MSN_NOISE_LENGTH = 4
+
+
 def add_msn_arguments(p) -> None:
     add_training_arguments(p)
     g = p.add_argument_group("noise")
-    g.add_argument("--noise-length", type=int, default=4, help="tokens per noise segment (default: %(default)s)")
-    g.add_argument("--noise-location", default="random", choices=["random", "ppl"],
-                   help="random segment, or the lowest-loss one under the current model (default: %(default)s)")
+    g.add_argument("--noise-length", type=int, default=None,
+                   help=f"tokens per noise segment (default: {MSN_NOISE_LENGTH})")
+    g.add_argument("--noise-location", default=None, choices=["random", "ppl"],
+                   help="random segment, or the lowest-loss one under the current model (default: random)")
     g.add_argument("--no-noise", action="store_true", help="no noise: the plain SFT baseline, same code path")
 
 
+def _msn_noise(args) -> tuple[int, str]:
+    """(noise length, location) of ``train msn``; the noise options with --no-noise are refused, not ignored."""
+    if args.no_noise:
+        given = [flag for flag, value in (("--noise-length", args.noise_length),
+                                          ("--noise-location", args.noise_location)) if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} cannot be combined with --no-noise")
+    length = MSN_NOISE_LENGTH if args.noise_length is None else args.noise_length
+    if length <= 0:
+        raise UsageError(f"--noise-length must be a positive integer, got {length}")
+    if length >= args.max_length:
+        raise UsageError(f"--noise-length {length} leaves no room in --max-length {args.max_length}")
+    return length, "none" if args.no_noise else (args.noise_location or "random")
+
+
 def run_msn(args) -> int:
-    if args.noise_length <= 0:
-        raise UsageError(f"--noise-length must be a positive integer, got {args.noise_length}")
-    location = "none" if args.no_noise else args.noise_location
+    noise_length, location = _msn_noise(args)
+    args.noise_length = noise_length
     cfg = config_from_args(args, {"noise_length": args.noise_length, "noise_location": location})
     return _train(cfg, MSN(args.noise_length, location, cfg.seed))  # pad id 0: padding is masked out
 
@@ -154,6 +174,7 @@ def run_cllm(args) -> int:
     extra = {"loss": args.loss, "ar_weight": args.ar_weight, "label_smoothing": args.label_smoothing,
              "mask": args.mask}
     cfg = config_from_args(args, extra, data=str(path), heldout=0.0)
+    check_trajectories(path, cfg.max_length)  # read and checked before the model loads
     return _train(cfg, CLLM(args.loss, args.ar_weight, args.label_smoothing, args.mask, cfg.seed))
 
 

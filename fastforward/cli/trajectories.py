@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import UsageError
 from ..train.trajectories import TRAJECTORIES, collect
 from .options import add_model_argument, add_threads_argument, finite_float, max_new_tokens, seed
+
+AUGMENT_PROB = 0.5
 
 
 def add_arguments(p, name: str) -> None:
@@ -22,8 +25,8 @@ def add_arguments(p, name: str) -> None:
                    help="answer budget per prompt, N in Algorithm 1 (default: %(default)s)")
     p.add_argument("--augment", action="store_true",
                    help="randomly correct wrong tokens of intermediate states (CLLM §3.2.1 data augmentation)")
-    p.add_argument("--augment-prob", type=finite_float, default=0.5,
-                   help="with --augment, the chance that each wrong token is corrected (default: %(default)s)")
+    p.add_argument("--augment-prob", type=finite_float, default=None,
+                   help=f"with --augment, the chance that each wrong token is corrected (default: {AUGMENT_PROB})")
     p.add_argument("--limit", type=int, default=None, help="the first N prompts of the file only")
     p.add_argument("--seed", type=seed, default=0, help="block initialisation and augmentation (default: 0)")
     g = p.add_argument_group("repetition filter (post-processing)")
@@ -36,10 +39,17 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def augment_prob(args) -> float:
+    """``--augment-prob``: only with ``--augment`` (given alone it would be ignored, so it is refused)."""
+    if args.augment_prob is not None and not args.augment:
+        raise UsageError("--augment-prob applies with --augment only")
+    return AUGMENT_PROB if args.augment_prob is None else args.augment_prob
+
+
 def run(args, name: str) -> int:
     meta = collect(
         args.model, args.prompts, args.out, n_token=args.n_token, max_new_tokens=args.max_new_tokens,
-        augment=args.augment, augment_prob=args.augment_prob, limit=args.limit, seed=args.seed, ngram=args.ngram,
+        augment=args.augment, augment_prob=augment_prob(args), limit=args.limit, seed=args.seed, ngram=args.ngram,
         max_ngram_repeat=args.max_ngram_repeat, max_sentence_repeats=args.max_sentence_repeats,
         threads=args.threads, quiet=args.quiet,
     )

@@ -39,6 +39,12 @@ from ..tree_builder import (
 )
 from .options import add_model_arguments, max_new_tokens, seed
 
+CALIBRATION_DEFAULTS = {"max_nodes": 64, "offset": 11, "max_new_tokens": 128, "width": 10, "depth": 5,
+                        "retrieval_len": 5, "seed": 0}
+CALIBRATION_FLAGS = {"--max-nodes": "max_nodes", "--per-category": "per_category", "--limit": "limit",
+                     "--offset": "offset", "--max-new-tokens": "max_new_tokens", "--width": "width",
+                     "--depth": "depth", "--retrieval-len": "retrieval_len", "--seed": "seed"}
+
 
 def add_arguments(p, name: str) -> None:
     p.add_argument("--prompts", nargs="+", metavar="FILE", help="calibration question files (jsonl/json)")
@@ -49,20 +55,21 @@ def add_arguments(p, name: str) -> None:
                    help="where to write the tree JSON (a new file, or a tree an earlier build-tree wrote); use it "
                         "with -o tree=FILE, or --install it")
     add_model_arguments(p)
-    p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered (default: %(default)s)")
+    p.add_argument("--max-nodes", type=int, default=None,
+                   help=f"largest tree considered (default: {CALIBRATION_DEFAULTS['max_nodes']})")
     p.add_argument("--budget", default="auto",
                    help="tree nodes: 'auto' (best predicted speedup on this machine's cost curve) or N")
     p.add_argument("--per-category", type=int, default=None, help="calibration prompts per category")
     p.add_argument("--limit", type=int, default=None, help="calibration prompts overall (default: 12)")
-    p.add_argument("--offset", type=int, default=11, help="index of the first pick in a category (default: 11)")
-    p.add_argument("--max-new-tokens", type=max_new_tokens, default=128,
+    p.add_argument("--offset", type=int, default=None, help="index of the first pick in a category (default: 11)")
+    p.add_argument("--max-new-tokens", type=max_new_tokens, default=None,
                    help="tokens generated per prompt (default: 128)")
-    p.add_argument("--width", type=int, default=10, help="candidates per depth measured (default: %(default)s)")
-    p.add_argument("--depth", type=int, default=5, help="depths measured (default: %(default)s)")
-    p.add_argument("--retrieval-len", type=int, default=5, help="retrieval chain length (default: %(default)s)")
+    p.add_argument("--width", type=int, default=None, help="candidates per depth measured (default: 10)")
+    p.add_argument("--depth", type=int, default=None, help="depths measured (default: 5)")
+    p.add_argument("--retrieval-len", type=int, default=None, help="retrieval chain length (default: 5)")
     p.add_argument("--kv", type=int, default=300, help="KV length for the cost curve (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per q (default: %(default)s)")
-    p.add_argument("--seed", type=seed, default=0, help="seed of the table's noise (default: %(default)s)")
+    p.add_argument("--seed", type=seed, default=None, help="seed of the table's noise (default: 0)")
     p.add_argument("--install", action="store_true",
                    help="also install the tree as this model's default tr-jacobi tree (in the fastforward cache), "
                         "used by every later tr-jacobi run without -o tree=...; without it, only --out is written")
@@ -89,7 +96,24 @@ def _read_built_tree(path: str) -> dict:
     return data
 
 
+def _calibration_flags(args) -> None:
+    """With --from, the calibration options are refused (the acceptance is the built tree's), not ignored; without
+    it, the ones not given take their defaults."""
+    given = [flag for flag, dest in CALIBRATION_FLAGS.items() if getattr(args, dest) is not None]
+    if args.from_tree is not None and given:
+        raise UsageError(f"{', '.join(given)} calibrate{'s' if len(given) == 1 else ''} a new tree; --from re-sizes "
+                         "a built one with its own acceptance (leave them out, or drop --from)")
+    for dest, value in CALIBRATION_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+
+
 def _validate(args) -> tuple[int | str, list]:
+    if args.install and args.no_install:
+        raise UsageError("give --install or --no-install, not both")
+    if (args.prompts is None) == (args.from_tree is None):
+        raise UsageError("give --prompts (calibrate and build a tree) or --from TREE (re-size a built tree)")
+    _calibration_flags(args)
     for value, flag in ((args.max_nodes, "--max-nodes"), (args.per_category, "--per-category"),
                         (args.limit, "--limit"), (args.max_new_tokens, "--max-new-tokens"), (args.width, "--width"),
                         (args.depth, "--depth"), (args.kv, "--kv"), (args.repeats, "--repeats")):
@@ -108,8 +132,6 @@ def _validate(args) -> tuple[int | str, list]:
             raise UsageError(f"--budget takes 'auto' or a number of nodes, got '{args.budget}'") from None
         if not 1 <= budget <= args.max_nodes:
             raise UsageError(f"--budget must be in 1..{args.max_nodes} (--max-nodes), got {budget}")
-    if (args.prompts is None) == (args.from_tree is None):
-        raise UsageError("give --prompts (calibrate and build a tree) or --from TREE (re-size a built tree)")
     check_output_file(args.out, "--out", owned=is_tree_file)
     if args.install:
         check_writable(installed_tree_path(args.model), "--install")

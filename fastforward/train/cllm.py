@@ -23,11 +23,11 @@ averages records over the optimizer step (each record is one "loss token").
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from ..jsonl import jsonl_records
 from .data import subsample
 from .trainer import pad_batch, seed_key
 from .trajectories import TRAJECTORIES
@@ -131,30 +131,49 @@ def trajectories_file(spec: str) -> Path:
     return path
 
 
+def _token_ids(value, key: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise TypeError(f"'{key}' must be a list of token ids")
+    return list(value)
+
+
+def _record(path, lineno: int, rec: dict, max_length: int) -> CLLMRecord | None:
+    """One trajectory record, checked (``None`` when prefix + block do not fit ``max_length``)."""
+    try:
+        prompt, answer = _token_ids(rec["prompt_ids"], "prompt_ids"), _token_ids(rec["answer_ids"], "answer_ids")
+        fixed = _token_ids(rec["fixed_point"], "fixed_point")
+        start = rec["prefix_length"]
+        if not isinstance(start, int) or isinstance(start, bool) or not isinstance(rec["states"], list):
+            raise TypeError("'prefix_length' must be an integer and 'states' a list")
+        states = [_token_ids(s, "states") for s in rec["states"]]
+    except (KeyError, TypeError) as exc:
+        raise UsageError(f"{path} line {lineno}: not a trajectory record ({type(exc).__name__}: {exc})") from None
+    full = prompt + answer
+    if (not fixed or not states or any(len(s) != len(fixed) for s in states)
+            or full[start : start + len(fixed)] != fixed or start <= len(prompt) - 1):
+        raise UsageError(f"{path} line {lineno}: inconsistent record (the fixed point must be the answer "
+                         "at prefix_length, every state n tokens long)")
+    if start + len(fixed) > max_length:
+        return None
+    return CLLMRecord(full[:max_length], len(prompt), start, states, fixed)
+
+
 def read_records(path, max_length: int) -> tuple[list[CLLMRecord], int]:
-    """(records, number dropped because prefix + block do not fit ``max_length``) from a trajectories.jsonl."""
-    records, dropped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                prompt, answer = list(rec["prompt_ids"]), list(rec["answer_ids"])
-                start, fixed = int(rec["prefix_length"]), list(rec["fixed_point"])
-                states = [list(s) for s in rec["states"]]
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise UsageError(f"{path} line {lineno}: not a trajectory record ({type(exc).__name__}: {exc})") \
-                    from None
-            full = prompt + answer
-            if (not fixed or not states or any(len(s) != len(fixed) for s in states)
-                    or full[start : start + len(fixed)] != fixed or start <= len(prompt) - 1):
-                raise UsageError(f"{path} line {lineno}: inconsistent record (the fixed point must be the answer "
-                                 "at prefix_length, every state n tokens long)")
-            if start + len(fixed) > max_length:
-                dropped += 1
-                continue
-            records.append(CLLMRecord(full[:max_length], len(prompt), start, states, fixed))
+    """(records, number dropped because prefix + block do not fit ``max_length``) from a trajectories.jsonl: the
+    file is read as fastforward's record files are (:func:`fastforward.jsonl.jsonl_records`)."""
+    parsed = [_record(path, n, rec, max_length) for n, rec in jsonl_records(path)]
+    records = [r for r in parsed if r is not None]
+    return records, len(parsed) - len(records)
+
+
+def check_trajectories(path, max_length: int) -> tuple[list[CLLMRecord], int]:
+    """:func:`read_records`, with no record that fits ``max_length`` a one-line :class:`UsageError` (the command
+    calls it before the model loads, the training method again when it reads its data)."""
+    records, dropped = read_records(path, max_length)
+    if not records and dropped:
+        raise UsageError(f"no trajectory record fits --max-length {max_length}")
+    if not records:
+        raise UsageError(f"{path} holds no trajectory records")
     return records, dropped
 
 
@@ -181,11 +200,7 @@ class CLLM:
 
     # The trainer reads the training set through this (instead of --data's instruction/response records).
     def load_records(self, cfg, tokenizer):
-        records, dropped = read_records(cfg.data, cfg.max_length)
-        if not records and dropped:
-            raise UsageError(f"no trajectory record fits --max-length {cfg.max_length}")
-        if not records:
-            raise UsageError(f"{cfg.data} holds no trajectory records")
+        records, dropped = check_trajectories(cfg.data, cfg.max_length)
         return subsample(records, cfg.limit, cfg.seed), 0, dropped
 
     def collate(self, examples, key: int) -> dict:
