@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -87,12 +88,9 @@ def run(args, name: str) -> int:
     # Every check that does not need the model runs here, before the (slow) model load.
     if args.prompts is not None:
         ff.GenerationRequest("probe", args.method, **kwargs)  # every setting but the prompts, checked once
-        requests = []
-        for n, prompt in enumerate(read_prompts(args.prompts), 1):
-            try:
-                requests.append(ff.GenerationRequest(prompt, args.method, **kwargs))
-            except UsageError as exc:
-                raise UsageError(f"--prompts {args.prompts}, prompt {n}: {exc}") from None
+        located = read_prompts(args.prompts)
+        labels = [f"{where}, prompt {n}" for n, (where, _) in enumerate(located, 1)]
+        requests = [_request(prompt, args, kwargs, label) for label, (_, prompt) in zip(labels, located, strict=True)]
     else:
         requests = [ff.GenerationRequest(_read_prompt(args.prompt), args.method, **kwargs)]
     t_load = time.perf_counter()
@@ -101,6 +99,7 @@ def run(args, name: str) -> int:
     target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
     load_seconds = time.perf_counter() - t_load
     if args.prompts is not None:
+        _check_prompts_fit(target, requests, labels)
         results = _run_batch(target, requests, args)
     else:
         results = [_run_one(target, requests[0], args)]
@@ -121,33 +120,64 @@ def _read_prompt(prompt: str) -> str:
         raise UsageError(f"standard input is not valid UTF-8 text (byte {exc.start})") from None
 
 
-def read_prompts(path: str) -> list:
-    """Prompts from a file: JSON lines (each a string, or an object with "prompt" -- text, chat messages or
-    token ids), else one prompt per non-empty line."""
+def _request(prompt, args, kwargs: dict, label: str):
+    """The request for one prompt of ``--prompts``; a bad prompt's error names it by ``label`` (file, line)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.rstrip("\n") for line in f]
+        return ff.GenerationRequest(prompt, args.method, **kwargs)
+    except UsageError as exc:
+        raise UsageError(f"--prompts {label}: {exc}") from None
+
+
+def _check_prompts_fit(target, requests, labels) -> None:
+    """Every prompt checked against the loaded model (token ids in its vocabulary, length within its context)
+    before any is decoded, so that a bad prompt late in the file is refused by its line before any work, not met
+    half-way through the batch."""
+    for request, label in zip(requests, labels, strict=True):
+        try:
+            request.prompt_ids(target)
+        except UsageError as exc:
+            raise UsageError(f"--prompts {label}: {exc}") from None
+
+
+#: fields of a JSON-lines record that ask for a per-prompt setting (GenerationRequest's, but the prompt): refused,
+#: since every prompt of the file is decoded with the command line's settings
+PER_PROMPT_SETTINGS = frozenset(f.name for f in dataclasses.fields(ff.GenerationRequest) if f.init) - {"prompt"}
+
+
+def read_prompts(path: str) -> list[tuple[str, object]]:
+    """Prompts from a file, each as ``(where, prompt)`` -- ``where`` names the file and the line, for errors: JSON
+    lines (each a string, or an object with "prompt" -- text, chat messages or token ids), else one prompt per
+    non-empty line. A UTF-8 byte-order mark is skipped."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            lines = [(f"{path} line {n}", line.rstrip("\n")) for n, line in enumerate(f, 1)]
     except OSError as exc:
         raise UsageError(f"cannot read --prompts {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise UsageError(f"--prompts {path} is not valid UTF-8 text (byte {exc.start})") from None
-    lines = [line for line in lines if line.strip()]
+    lines = [(where, line) for where, line in lines if line.strip()]
     if not lines:
         raise UsageError(f"--prompts {path} holds no prompt")
-    if not lines[0].lstrip().startswith(("{", '"')):
+    if not lines[0][1].lstrip().startswith(("{", '"')):
         return lines
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--prompts {path} line {n}: not JSON ({exc.msg})") from None
-        if isinstance(record, dict):
-            if "prompt" not in record:
-                raise UsageError(f"--prompts {path} line {n}: an object needs a \"prompt\" field")
-            record = record["prompt"]
-        prompts.append(record)
-    return prompts
+    return [(where, _json_prompt(where, line)) for where, line in lines]
+
+
+def _json_prompt(where: str, line: str):
+    """The prompt of one JSON line: the line's string, or its object's "prompt"."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--prompts {where}: not JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        return record
+    if "prompt" not in record:
+        raise UsageError(f"--prompts {where}: an object needs a \"prompt\" field")
+    settings = sorted(PER_PROMPT_SETTINGS & set(record))
+    if settings:
+        raise UsageError(f"--prompts {where}: per-prompt settings are not supported ({', '.join(settings)}); "
+                         "give them as command-line options, for every prompt")
+    return record["prompt"]
 
 
 def _run_one(target, request, args):

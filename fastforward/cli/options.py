@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from ..errors import UsageError
 from ..model import DEFAULT_MODEL
-from ..proposers._options import parse_options
+from ..proposers._options import parse_options as _parse_options
 from ..validation import check_max_new_tokens, check_sampling, check_seed
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "positive_int",
     "seed",
     "temperature",
+    "thread_count",
 ]
 
 BACKENDS = ("auto", "lean", "hf")
@@ -51,6 +53,37 @@ def _int_at_least(low: int, words: str):
 
 positive_int = _int_at_least(1, "a positive integer")  # argparse ``type=``: an integer >= 1
 nonnegative_int = _int_at_least(0, "an integer >= 0")  # argparse ``type=``: an integer >= 0
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_count(text: str) -> int:
+    """argparse ``type=``: torch threads, from 1 to the CPUs this process may use (more only slow the forward
+    down, and thousands fail to start half-way through loading the model)."""
+    value = positive_int(text)
+    cpus = usable_cpus()
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"must be at most {cpus} (the CPUs this process may use), got {value}")
+    return value
+
+
+def parse_options(pairs: list[str] | None) -> dict:
+    """Method options from the command line's ``-o KEY=VALUE`` (see :func:`fastforward.proposers._options.
+    parse_options`); an option given twice (``-o k=1 -o k=2``, or ``-o num-pred=1 -o num_pred=2``) is refused rather
+    than the last one silently winning."""
+    options = {}
+    for pair in pairs or []:
+        (key, value), = _parse_options([pair]).items()
+        if key in options:
+            raise UsageError(f"method option {key} is given twice (-o {pair})")
+        options[key] = value
+    return options
 
 
 def finite_float(text: str) -> float:
@@ -113,7 +146,7 @@ def add_model_argument(p, what: str = "") -> None:
 
 
 def add_threads_argument(p, help: str = "torch threads (default: torch's choice)") -> None:
-    p.add_argument("--threads", type=positive_int, default=None, help=help)
+    p.add_argument("--threads", type=thread_count, default=None, help=help)
 
 
 def add_model_arguments(p, *, threads_help: str | None = None, weights_help: str | None = None) -> None:

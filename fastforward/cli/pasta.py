@@ -17,7 +17,7 @@ from ..pasta.annotate import (
     annotate_file,
     check_annotate,
 )
-from .options import add_model_arguments, positive_int
+from .options import add_model_arguments, positive_int, thread_count
 
 
 def _nats(text: str) -> float:
@@ -182,7 +182,7 @@ def _add_evaluate(p) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per answer (default: %(default)s)")
     p.add_argument("--runs", type=positive_int, default=2,
                    help="decodes per answer, the last one timed (default: the paper's %(default)s)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch threads")
     p.add_argument("--weights", default="fp32", choices=["fp32", "int8"],
                    help="weight storage of every model, the Baseline included (a GGUF Baseline is read from its "
                         "dequantised HF folder), so all run alike (default: %(default)s)")

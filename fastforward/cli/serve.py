@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 
 from ..bench.serve_load import DEFAULT_METHODS
 from ..errors import UsageError
 from ..model import DEFAULT_MODEL
 from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
-from .options import add_model_arguments, nonnegative_int, positive_int
+from .options import add_model_arguments, nonnegative_int, positive_int, thread_count
 
 SERVE_HINT = "install the server's dependencies with: pip install -e '.[serve]' (fastapi, uvicorn)"
 
@@ -46,7 +47,7 @@ def _add_bench_arguments(p) -> None:
                    "port with --model and stop it at the end)")
     p.add_argument("--model", default=None, help="the model to serve (default: smollm2-135m), or with --url the "
                    "model id to request (default: the server's first)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads of the started server")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch threads of the started server")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="an argument for the started server (repeatable), e.g. --server-arg=--max-running=8")
     p.add_argument("--clients", type=positive_int, default=16, help="concurrent clients (default: %(default)s)")
@@ -112,11 +113,40 @@ def _run_bench(args) -> int:
     return 0 if ok else 1
 
 
+def _check_serve_arguments(args) -> None:
+    """Everything about ``serve``'s flags that can be refused before the (slow) model load."""
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.host.strip():
+        raise UsageError("--host is empty; give an address such as 127.0.0.1 (this machine only) or 0.0.0.0 (all)")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name is empty: clients could not name the model")
+    if args.default_max_tokens > args.max_tokens_limit:
+        raise UsageError(f"--default-max-tokens {args.default_max_tokens} is above --max-tokens-limit "
+                         f"{args.max_tokens_limit}")
+    _check_can_listen(args.host, args.port)
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """The address resolves and the port is free, found out by binding it for a moment (the server binds it again
+    once the model is loaded)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        raise UsageError(f"--host {host}: not an address this machine can listen on ({exc})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a TIME_WAIT port is free
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def run(args, name: str) -> int:
     if name == "serve-bench":
         return _run_bench(args)
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    _check_serve_arguments(args)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401

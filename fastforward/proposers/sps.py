@@ -36,11 +36,12 @@ from pathlib import Path
 
 import torch
 
+from .. import model
 from ..costs import AcceptanceEstimate, expected_tokens, machine_cost_curve
 from ..drafters import shipped_drafter
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import FastForwardError, UsageError
-from ..model import TargetModel, load
+from ..model import TargetModel
 from ..tree import DraftTree
 from ..verify import sample, target_probs
 from . import register
@@ -89,7 +90,7 @@ def _load_named_draft(draft: str) -> TargetModel:
     """:func:`fastforward.load` of a draft model given by path or name; a failure is one line naming the draft (a
     broken file of the draft must not read as a broken target)."""
     try:
-        return load(draft)
+        return model.load(draft)  # looked up at call time, like every caller of fastforward.load
     except FastForwardError as exc:
         raise type(exc)(f"sps: option draft: {exc}") from None
     except Exception as exc:  # a truncated or corrupt file: transformers, safetensors and gguf raise their own kinds
