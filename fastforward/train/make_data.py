@@ -179,17 +179,21 @@ def read_records(out: Path, repair: bool = False) -> list[dict]:
     return [rec for _, rec in _numbered_records(out, repair)]
 
 
-def _token_ids_problem(ids, vocab_size: int) -> str | None:
-    """What is wrong with ``ids`` as a record's token ids for a ``vocab_size``-token target (None: nothing)."""
-    if not isinstance(ids, list) or not ids:
-        return "must be a non-empty list of token ids"
+def token_ids_problem(ids, vocab_size: int | None = None, *, allow_empty: bool = False) -> str | None:
+    """What is wrong with ``ids`` as a record's token ids (None: nothing): a list of integer ids >= 0 (not bools),
+    non-empty unless ``allow_empty``, each below ``vocab_size`` when it is given. The one check of the token-id
+    fields of make-data records and of PASTA's record files."""
+    if not isinstance(ids, list) or not (ids or allow_empty):
+        return "must be a list of token ids" if allow_empty else "must be a non-empty list of token ids"
     bad_type = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
     if bad_type is not None:
         return f"must hold integer token ids, not {json.dumps(bad_type)}"
-    outside = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if outside is not None:
-        return f"has token id {outside} outside the target's vocabulary of {vocab_size}"
-    return None
+    outside = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if outside is None:
+        return None
+    if vocab_size is None:
+        return f"has a negative token id {outside}"
+    return f"has token id {outside} outside the target's vocabulary of {vocab_size}"
 
 
 def check_training_record(rec, where: str, vocab_size: int) -> None:
@@ -202,7 +206,7 @@ def check_training_record(rec, where: str, vocab_size: int) -> None:
     if not isinstance(key, str) or not RECORD_KEY.fullmatch(key):
         raise UsageError(f"{where}: 'key' must be a name of letters, digits, '-', '_' and '.', got {json.dumps(key)}")
     for field in ("prompt_ids", "response_ids"):
-        problem = _token_ids_problem(rec.get(field), vocab_size)
+        problem = token_ids_problem(rec.get(field), vocab_size)
         if problem:
             raise UsageError(f"{where}: {field} {problem} (make the folder with 'fastforward make-data')")
 

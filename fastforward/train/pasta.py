@@ -28,16 +28,12 @@ from ..jsonl import jsonl_records
 from ..pasta.language import PastaVocab, add_pasta_tokens, parse_ids
 from ..pasta.sft import pasta_batch, pasta_token_losses
 from .data import Encoded, parse_paths, subsample
+from .make_data import token_ids_problem
 
 
 def read_jsonl(paths: str) -> list[dict]:
     """The records of one or more comma-separated .jsonl files (:func:`jsonl_records`)."""
     return [record for path in parse_paths(paths) for _, record in jsonl_records(path)]
-
-
-def is_token_ids(value) -> bool:
-    """Whether ``value`` is a list of token ids (whole numbers >= 0)."""
-    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
 
 
 def check_record(record: dict, keys: tuple[str, ...], where: str, what: str) -> dict:
@@ -46,10 +42,10 @@ def check_record(record: dict, keys: tuple[str, ...], where: str, what: str) -> 
     missing = [k for k in keys if k not in record]
     if missing:
         raise UsageError(f"{where} has no {', '.join(missing)}: not {what}")
-    bad = next((k for k in keys if k.endswith("_ids") and not is_token_ids(record[k])), None)
-    if bad is not None:
-        raise UsageError(f"{where}: {bad} must be a list of token ids (whole numbers >= 0), got "
-                         f"{json.dumps(record[bad])[:40]}")
+    for key in (k for k in keys if k.endswith("_ids")):
+        problem = token_ids_problem(record[key], allow_empty=True)
+        if problem:
+            raise UsageError(f"{where}: {key} {problem} (whole numbers >= 0), got {json.dumps(record[key])[:40]}")
     return record
 
 
