@@ -145,7 +145,8 @@ def _cut_config(config_dict: dict, layer_ids: list[int]) -> dict:
     return d
 
 
-def _hf_from_config(config_dict: dict, dtype):
+def _hf_from_config(config_dict: dict, dtype, device=None):
+    """The HF model of a draft config (``device="meta"``: its shapes only, nothing allocated)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..model import _quiet_transformers
@@ -157,9 +158,14 @@ def _hf_from_config(config_dict: dict, dtype):
         raise UsageError("the draft model's config.json has no model_type")
     try:
         config = AutoConfig.for_model(model_type, **d)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"the draft model's config.json is not a usable HF config: {exc}") from None
-    return AutoModelForCausalLM.from_config(config).to(dtype)
+        if device is None:
+            return AutoModelForCausalLM.from_config(config).to(dtype)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers' config validators raise many kinds (and ZeroDivisionError on 0 heads)
+        msg = " ".join(str(exc).split())[:300]
+        raise UsageError(f"the draft model's config.json is not a usable HF config ({type(exc).__name__}: {msg})"
+                         ) from None
 
 
 def _share(model, embed: torch.Tensor, head: torch.Tensor | None) -> None:
@@ -254,9 +260,15 @@ def check_for_target(meta: dict, probe: torch.Tensor | None, target, where) -> N
     """Refuse (one line) a draft model made for another target: another vocabulary, hidden size or embedding."""
     made_for = meta.get("target", "?")
     why = None
-    if int(meta.get("target_vocab_size", -1)) != int(target.vocab_size):
+    try:
+        vocab, hidden = int(meta.get("target_vocab_size", -1)), int(meta.get("target_hidden_size", -1))
+    except (TypeError, ValueError):
+        raise UsageError(f"{where}: malformed '{CONFIG_KEY}' section (target_vocab_size "
+                         f"{meta.get('target_vocab_size')!r}, target_hidden_size {meta.get('target_hidden_size')!r})"
+                         ) from None
+    if vocab != int(target.vocab_size):
         why = f"vocabulary {meta.get('target_vocab_size')}, this target's is {target.vocab_size}"
-    elif int(meta.get("target_hidden_size", -1)) != int(target.config.hidden_size):
+    elif hidden != int(target.config.hidden_size):
         why = f"hidden size {meta.get('target_hidden_size')}, this target's is {target.config.hidden_size}"
     elif probe is not None:
         mine = target_probe(target)
@@ -329,6 +341,13 @@ def _read_hf_draft(folder: Path, target):
         raise UsageError(f"{file} is not readable safetensors: {exc}") from None
     probe = tensors.pop(PROBE_KEY, None)
     check_for_target(meta, probe, target, folder)
+    try:
+        if config.get("hidden_size", target.config.hidden_size) != target.config.hidden_size:
+            raise UsageError(f"config.json says hidden_size {config.get('hidden_size')!r}; the draft shares the "
+                             f"embedding of '{target.name}', whose hidden size is {target.config.hidden_size}")
+        _check_draft_tensors(_hf_from_config(config, None, device="meta"), tensors)
+    except UsageError as exc:
+        raise UsageError(f"{folder}: {exc}") from None
     dtype = target.dtype
     model = _hf_from_config(config, dtype)
     embed, head = target_embedding(target)
@@ -339,6 +358,23 @@ def _read_hf_draft(folder: Path, target):
         what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
         raise UsageError(f"{file} does not match its config.json ({what})")
     return model.eval(), meta
+
+
+def _check_draft_tensors(shapes_model, tensors: dict) -> None:
+    """The draft's own tensors against the shapes its config.json describes: each present, no stranger, the same
+    shape, floating-point and finite (checked before the real model is built)."""
+    expected = {k: v for k, v in shapes_model.state_dict().items() if k not in SHARED_KEYS}
+    missing = [k for k in expected if k not in tensors]
+    unexpected = [k for k in tensors if k not in expected and k not in SHARED_KEYS]
+    if missing or unexpected:
+        what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
+        raise UsageError(f"{WEIGHTS_FILE} does not match its config.json ({what})")
+    for name, want in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(want.shape):
+            raise UsageError(f"{WEIGHTS_FILE}: {name} has shape {tuple(t.shape)}, config.json says {tuple(want.shape)}")
+        if want.is_floating_point() and not (t.is_floating_point() and bool(torch.isfinite(t).all())):
+            raise UsageError(f"{WEIGHTS_FILE}: {name} is not a finite floating-point tensor")
 
 
 def load_draft_model(path, target, weights: str = "auto"):

@@ -88,6 +88,12 @@ def read_layer_shape(raw: dict) -> dict:
     return {name: kind(raw[name]) for name, kind in LAYER_SHAPE.items()}
 
 
+def architecture_of(raw: dict) -> str:
+    """The first entry of a config's ``architectures`` list ("" when it is missing or not a list of names)."""
+    archs = raw.get("architectures")
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+
+
 def check_drafter_target(cfg, target) -> None:
     """Refuse, in one line, a drafter config (``fastforward`` section, ``vocab_size``, ``target_hidden_size``,
     ``aux_layers``) made for another target than ``target``."""
@@ -99,6 +105,9 @@ def check_drafter_target(cfg, target) -> None:
     if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != c.hidden_size:
         raise UsageError(f"this drafter expects a target with vocab {cfg.vocab_size} and hidden size "
                          f"{cfg.target_hidden_size}; '{target.name}' has {target.vocab_size} and {c.hidden_size}")
+    if cfg.hidden_size != c.hidden_size:  # the drafter reads the target's token embeddings
+        raise UsageError(f"this drafter has hidden size {cfg.hidden_size}; it reads the token embeddings of "
+                         f"'{target.name}', whose hidden size is {c.hidden_size}")
     if cfg.aux_layers and max(cfg.aux_layers) > c.num_hidden_layers:
         raise UsageError(f"the drafter taps layer {max(cfg.aux_layers)}; '{target.name}' has "
                          f"{c.num_hidden_layers} layers")
@@ -158,7 +167,7 @@ class Eagle3Config:
 
     @classmethod
     def from_hf(cls, cfg: dict, target=None) -> Eagle3Config:
-        arch = (cfg.get("architectures") or [""])[0]
+        arch = architecture_of(cfg)
         if arch not in KNOWN_ARCHITECTURES:
             raise UsageError(f"not an EAGLE-3 drafter: architectures is {cfg.get('architectures')!r}, expected "
                              f"{ARCHITECTURE}")

@@ -42,6 +42,7 @@ from torch import nn
 from ..errors import UsageError
 from .checkpoint import load_headless, write_folder
 from .eagle import (
+    architecture_of,
     check_drafter_target,
     decode_linear_factory,
     read_layer_shape,
@@ -90,7 +91,7 @@ class FalconConfig:
 
     @classmethod
     def from_json(cls, raw: dict) -> FalconConfig:
-        if (raw.get("architectures") or [""])[0] != ARCHITECTURE:
+        if architecture_of(raw) != ARCHITECTURE:
             raise UsageError(f"not a Falcon drafter: architectures is {raw.get('architectures')!r}, expected "
                              f"[{ARCHITECTURE!r}]")
         try:
@@ -100,8 +101,6 @@ class FalconConfig:
                 fastforward=dict(raw.get("fastforward") or {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"malformed Falcon config.json: {exc!r}") from None
-        if cfg.block_size < 1:
-            raise UsageError(f"malformed Falcon config.json: block_size must be >= 1, got {cfg.block_size}")
         return cfg
 
     @property

@@ -42,6 +42,7 @@ from .checkpoint import load_headless, write_folder
 from .eagle import (
     _MLP,
     RMSNorm,
+    architecture_of,
     check_drafter_target,
     decode_linear_factory,
     read_layer_shape,
@@ -93,7 +94,7 @@ class FastEagleConfig:
 
     @classmethod
     def from_json(cls, raw: dict) -> FastEagleConfig:
-        if (raw.get("architectures") or [""])[0] != ARCHITECTURE:
+        if architecture_of(raw) != ARCHITECTURE:
             raise UsageError(f"not a FastEagle drafter: architectures is {raw.get('architectures')!r}, expected "
                              f"[{ARCHITECTURE!r}]")
         calibration_of(raw.get("fastforward"))  # a malformed calibration is refused at load, in one line
