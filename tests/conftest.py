@@ -33,3 +33,20 @@ def packed(tmp_path_factory):
     if target.batch_rows_limit() <= 0:
         pytest.skip("the native kernels are not available: no row-exact shared forward to test")
     return target
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading a model fails the test: the error must come before any work. The methods are imported first: one
+    that bound ``load`` at import would otherwise keep the stand-in after the test."""
+    import fastforward as ff
+    import fastforward.model
+    from fastforward.proposers import available_methods
+
+    available_methods()
+
+    def load(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(ff, "load", load)
+    monkeypatch.setattr(fastforward.model, "load", load)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import fill, one_line_exit_2, run_cli
 
 import fastforward as ff
 import fastforward.model
@@ -70,40 +70,8 @@ def files(tmp_path_factory):
             "{file}": str(a_file), "{dir}": str(root)}
 
 
-@pytest.fixture
-def no_load(monkeypatch):
-    """Loading a model fails the test: the error must come before any work."""
-
-    def load(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(ff, "load", load)
-    monkeypatch.setattr(fastforward.model, "load", load)
-
-
-def fill(files: dict, argv) -> list:
-    """``argv`` with the placeholders of :func:`files` replaced by their paths."""
-    out = []
-    for arg in argv:
-        if isinstance(arg, str):
-            for key, value in files.items():
-                arg = arg.replace(key, value)
-        out.append(arg)
-    return out
-
-
 def snapshot(folder: Path) -> dict:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def one_line_exit_2(capsys, argv) -> str:
-    code, out, err = run_cli(capsys, *argv)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, (code, out, err)
-    assert len(lines) == 1, err
-    assert "Traceback" not in err + out
-    assert lines[0].startswith("fastforward"), lines[0]
-    return lines[0]
 
 
 # --------------------------------------------------------------------------------------------------------------

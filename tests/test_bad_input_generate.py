@@ -10,12 +10,11 @@ import json
 import socket
 
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import one_line_exit_2
 
 import fastforward as ff
 import fastforward.model
 from fastforward.cli.options import usable_cpus
-from fastforward.proposers import available_methods
 from fastforward.testing import tiny_hf_folder
 
 CONTEXT = 64  # the tiny model's context, in tokens
@@ -24,19 +23,6 @@ CONTEXT = 64  # the tiny model's context, in tokens
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     return str(tiny_hf_folder(tmp_path_factory.mktemp("tiny") / "tiny", max_positions=CONTEXT))
-
-
-@pytest.fixture
-def no_load(monkeypatch):
-    """Loading a model fails the test: the error must come before any work. The methods are imported first: one
-    that binds ``load`` at import (sps) would otherwise keep the stand-in for the rest of the session."""
-    available_methods()
-
-    def load(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(ff, "load", load)
-    monkeypatch.setattr(fastforward.model, "load", load)
 
 
 @pytest.fixture
@@ -57,16 +43,6 @@ def write(tmp_path, name: str, content: str | bytes) -> str:
     else:
         path.write_text(content, encoding="utf-8")
     return str(path)
-
-
-def one_line_exit_2(capsys, *argv) -> str:
-    code, out, err = run_cli(capsys, *argv)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, (code, out, err)
-    assert len(lines) == 1, err
-    assert "Traceback" not in err + out and "internal error" not in err
-    assert lines[0].startswith("fastforward"), lines[0]
-    return lines[0]
 
 
 # --------------------------------------------------------------------------------------------------------------

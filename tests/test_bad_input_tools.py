@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import fill, one_line_exit_2, run_cli
 
 import fastforward as ff
 import fastforward.model
@@ -46,36 +46,6 @@ def files(tmp_path_factory):
     write("traj-wrong/trajectories.jsonl", '{"prompt_ids": [1], "answer_ids": "abc"}\n')
     write("traj-shape/trajectories.jsonl", '{"x": 1}\n')
     return {"{tiny}": str(root / "tiny"), "{dir}": str(root)}
-
-
-@pytest.fixture
-def no_load(monkeypatch):
-    """Loading a model fails the test: the error must come before any work."""
-
-    def load(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(ff, "load", load)
-    monkeypatch.setattr(fastforward.model, "load", load)
-
-
-def fill(files: dict, argv) -> list[str]:
-    out = []
-    for arg in argv:
-        for key, value in files.items():
-            arg = arg.replace(key, value)
-        out.append(arg)
-    return out
-
-
-def one_line_exit_2(capsys, argv) -> str:
-    code, out, err = run_cli(capsys, *argv)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, (code, out, err)
-    assert len(lines) == 1, err
-    assert "Traceback" not in err + out and "internal error" not in err
-    assert lines[0].startswith("fastforward"), lines[0]
-    return lines[0]
 
 
 OUT = "{dir}/never-written"

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import fill, run_cli
 
 import fastforward as ff
 import fastforward.api
@@ -362,26 +362,6 @@ def files(tmp_path_factory, sources):
     (root / "a-file.txt").write_text("x\n")
     return {"{tiny}": str(tiny), "{hfonly}": str(hfonly), "{data}": sources, "{q}": str(q), "{dir}": str(root),
             "{foreign}": str(foreign), "{other}": str(other), "{file}": str(root / "a-file.txt")}
-
-
-@pytest.fixture
-def no_load(monkeypatch):
-    """Loading a model fails the test: the error must come before any work."""
-
-    def load(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(ff, "load", load)
-    monkeypatch.setattr(fastforward.model, "load", load)
-
-
-def fill(files: dict, argv) -> list[str]:
-    out = []
-    for arg in argv:
-        for key, value in files.items():
-            arg = arg.replace(key, value)
-        out.append(arg)
-    return out
 
 
 OUT = "{dir}/never-written"
