@@ -290,7 +290,7 @@ def _pack_layers(backend, fmt: str = "Q8_0") -> None:
     the native quantised kernel: a quarter of fp32's bytes per drafted token (the draft's numbers change slightly;
     verification, not the draft, decides every token)."""
     from ..kernels import load_native
-    from ..linear import FORMAT_IDS, PackedLinear, quantize
+    from ..linear import FORMAT_IDS, PackedLinear, packed_kernel_name, quantize
 
     native = load_native()
     for layer in backend.layers:
@@ -298,7 +298,7 @@ def _pack_layers(backend, fmt: str = "Q8_0") -> None:
             w = getattr(layer, name).dense()
             packed = PackedLinear(quantize(w, fmt), FORMAT_IDS[fmt], w.shape[1], native=native, owned=True)
             setattr(layer, name, packed)
-    backend.matmul_kernel = f"quant-{native.isa} ({fmt} layers)"
+    backend.matmul_kernel = f"quant-{packed_kernel_name(native)} ({fmt} layers)"
 
 
 def draft_target(model, target, name: str, weights: str = "auto"):

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("native.cpp", "skinny_gemm.cpp", "quant_gemm.cpp", "layer_ops.cpp")]
+SOURCES = [HERE / name for name in ("native.cpp", "skinny_gemm.cpp", "quant_gemm.cpp", "layer_ops.cpp", "amx_gemm.cpp")]
 HEADERS = [HERE / "isa.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-DFF_ISA_AVX512"],

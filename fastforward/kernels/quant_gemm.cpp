@@ -35,6 +35,11 @@
 
 #include "isa.h"
 
+// amx_gemm.cpp: weights in the AMX kernel's tiled layout (format codes TILED_FORMAT_BASE + type).
+bool ff_is_tiled(int64_t fmt);
+at::Tensor ff_amx_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K);
+at::Tensor ff_amx_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids);
+
 namespace {
 
 using ff::Isa;
@@ -588,6 +593,7 @@ void dispatch(int fmt, Fn&& fn) {
 
 // out[M, N] = x[M, K] @ dequantize(w)^T
 at::Tensor quant_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K) {
+  if (ff_is_tiled(fmt)) return ff_amx_mm(x_in, w, fmt, K);
   check_weight(w, static_cast<int>(fmt), K);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "quant_mm: x must be a 2-D fp32 CPU tensor");
@@ -604,6 +610,7 @@ at::Tensor quant_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, in
 
 // The fp32 values of the given rows of w (an embedding lookup), decoded exactly as quant_mm uses them.
 at::Tensor quant_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids_in) {
+  if (ff_is_tiled(fmt)) return ff_amx_rows(w, fmt, K, ids_in);
   check_weight(w, static_cast<int>(fmt), K);
   TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong, "quant_rows: ids must be 1-D int64");
   const at::Tensor ids = ids_in.contiguous();

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..errors import UsageError
 from ..gguf_file import linear_from_tensor, unpermute_rows, vector
 from ..kernels import load_native
-from ..linear import FORMAT_IDS, DenseLinear, PackedLinear, concat_linears, format_names, quantize
+from ..linear import FORMAT_IDS, DenseLinear, PackedLinear, concat_linears, format_names, packed_kernel_name, quantize
 from .forward import ForwardOutput, ForwardRequest, _full_mask, check_slots
 from .kv import StaticKVCache
 
@@ -59,7 +59,7 @@ class LlamaLayer:
             return cached[1]
         ok = self.bqkv is None and self.bo is None and all(
             isinstance(lin, PackedLinear) and lin.data is not None for lin in linears)
-        args = tuple(v for lin in linears for v in (lin.data, lin.fmt)) if ok else None
+        args = tuple(v for lin in linears for v in (lin.data, lin.kernel_fmt)) if ok else None
         self.__dict__["_packed"] = (linears, args)
         return args
 
@@ -151,7 +151,7 @@ class LeanLlama:
             hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps,
             embed=embed, head=head, norm=inner.norm.weight.detach(), layers=layers,
             cos=cos[0].contiguous(), sin=sin[0].contiguous(),
-            matmul_kernel=(f"quant-{native.isa} ({packed_format})" if packed_format else
+            matmul_kernel=(f"quant-{packed_kernel_name(native)} ({packed_format})" if packed_format else
                            f"skinny-{native.isa}" if native is not None else "mkl"), dtype=dtype,
         )
 
@@ -197,7 +197,7 @@ class LeanLlama:
             n_heads=hp["n_heads"], n_kv_heads=hp["n_kv_heads"], head_dim=hp["head_dim"],
             hidden_size=hp["hidden_size"], intermediate_size=hp["intermediate_size"], eps=hp["eps"],
             embed=embed, head=head, norm=vector(t["output_norm.weight"]), layers=layers, cos=cos, sin=sin,
-            matmul_kernel=(f"quant-{native.isa} ({'/'.join(kinds)})" if native is not None else "mkl (dequantised)"),
+            matmul_kernel=(f"quant-{packed_kernel_name(native)} ({'/'.join(kinds)})" if native is not None else "mkl (dequantised)"),
         )
 
     def _linears(self) -> list:
