@@ -239,7 +239,7 @@ struct alignas(64) TileConfig {
 
 constexpr int kMaxRows = 16;
 // The weights stream once per call; each group-block asks for the bytes this far ahead (as quant_gemm.cpp does).
-constexpr int64_t kPrefetchAhead = 4096;  // activation rows per pass (3 pieces each: up to three 16-row A tiles)
+constexpr int64_t kPrefetchAhead = 16384;
 
 // bf16 bits of the small integer v (exact).
 inline uint16_t bf16_bits(float v) {
@@ -323,6 +323,10 @@ void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w,
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
+  // Another library may have configured the tiles of this thread (OpenMP threads are shared: llama.cpp's AMX
+  // kernels configure theirs once per thread and keep it), so the thread's configuration is put back at the end.
+  TileConfig before;
+  _tile_storeconfig(&before);
   _tile_loadconfig(&cfg);
   // Software-pipelined over the thread's pair-blocks j = pair * nb + b, in order: B tiles are decoded kAhead
   // pair-blocks before the tile unit loads them (a tile load of freshly stored bytes waits for the stores to drain:
@@ -344,7 +348,7 @@ void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w,
     for (int half = 0; half < (single ? 1 : 2); ++half) {
       const uint8_t* gb = group_block(j, half);
       for (int64_t off = 0; off < gbb; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchAhead + off), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchAhead + off), _MM_HINT_T1);
       decode_b<F>(gb + 32 * kNs, table, bt[j % kRing][half]);
     }
     if (single) std::memcpy(bt[j % kRing][1], bt[j % kRing][0], sizeof bt[0][0]);
@@ -403,7 +407,10 @@ void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w,
     if (j > 0) accumulate(j - 1);
   }
   if (J > 0) accumulate(J - 1);
-  _tile_release();
+  if (before.palette != 0)
+    _tile_loadconfig(&before);
+  else
+    _tile_release();
 }
 
 template <int F, int R>
