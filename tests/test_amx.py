@@ -1,6 +1,6 @@
 """The AMX kernel (``kernels/amx_gemm.cpp``): the tiled layout holds the file's bytes, rows decode to exactly the
 reference dequantisation, products match the dequantised fp32 product, rows are bitwise independent of the other
-rows in the call and of the thread count, and ``FASTFORWARD_NO_AMX=1`` keeps the multiply-add kernel."""
+rows in the call (and of the thread count: tests/test_quant.py), and ``FASTFORWARD_NO_AMX=1`` keeps the multiply-add kernel."""
 
 import pytest
 import torch
@@ -54,20 +54,6 @@ def test_any_row_subset_gives_the_rows_alone(fmt, rows, scale):
     out = lin(pool[rows])
     for j, r in enumerate(rows):
         assert torch.equal(out[j], lin(pool[r : r + 1])[0])
-
-
-def test_results_do_not_depend_on_the_thread_count():
-    lin = PackedLinear(random_blocks(3, 160, 576), 3, 576, native=NATIVE)
-    x = torch.randn(9, 576)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = lin(x)
-        torch.set_num_threads(2)
-        two = lin(x)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two)
 
 
 def test_a_lone_product_is_within_fp32_rounding_across_the_range():
