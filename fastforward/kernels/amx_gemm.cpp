@@ -431,7 +431,7 @@ void run_rows(int rows, const uint16_t* a, const float* xs, int64_t K, const uin
 
 template <int F>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out) {
-  std::vector<uint16_t, std::allocator<uint16_t>> a(static_cast<size_t>(3 * kMaxRows * K));
+  std::vector<uint16_t> a(static_cast<size_t>(3 * kMaxRows * K));
   std::vector<float> xs(F == kQ4_1 ? static_cast<size_t>(kMaxRows * (K / 32)) : 0);
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
