@@ -238,8 +238,10 @@ struct alignas(64) TileConfig {
 };
 
 constexpr int kMaxRows = 16;
-// The weights stream once per call; each group-block asks for the bytes this far ahead (as quant_gemm.cpp does).
-constexpr int64_t kPrefetchAhead = 16384;
+// The weights stream once per call; each group-block asks for the bytes kPrefetchAhead further on into L2 and
+// kPrefetchNear further on into L1. Measured (default model, the 30 layers' products, one row, 2 threads): 4 KB into
+// L1 alone 4.98 ms; 16 KB into L2 3.86; plus 2 KB into L1 3.65 (1 KB 3.70, 4 KB 3.91; 32 or 64 KB into L2 no better).
+constexpr int64_t kPrefetchAhead = 16384, kPrefetchNear = 2048;
 
 // bf16 bits of the small integer v (exact).
 inline uint16_t bf16_bits(float v) {
@@ -347,8 +349,10 @@ void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w,
     const bool single = odd && j / nb == pairs - 1;
     for (int half = 0; half < (single ? 1 : 2); ++half) {
       const uint8_t* gb = group_block(j, half);
-      for (int64_t off = 0; off < gbb; off += 64)
+      for (int64_t off = 0; off < gbb; off += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchAhead + off), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchNear + off), _MM_HINT_T0);
+      }
       decode_b<F>(gb + 32 * kNs, table, bt[j % kRing][half]);
     }
     if (single) std::memcpy(bt[j % kRing][1], bt[j % kRing][0], sizeof bt[0][0]);
