@@ -428,3 +428,47 @@ def test_errors(ops):
         ops.silu_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="float32"):
         ops.silu_mul(torch.randn(2, 8).half())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_attention_many_is_bitwise_each_sequence_alone(ops, shared):
+    """Several sequences' attention in one call (each its own rows, cache, prefix and mask) gives
+    bitwise the per-sequence calls' outputs and cache writes -- also when two sequences share one cache tensor
+    (then they run one after another)."""
+    nh, nkv, d = 9, 3, 64
+    cos, sin = _tables(d)
+    layers, cap, layer = 2, 1200, 1
+    specs = [(1, 300, None), (5, 70, "tree"), (3, 0, "causal"), (1, 1000, None), (8, 64, "tree")]
+    qkvs, positions, starts, visible, slots, k_all, v_all = [], [], [], [], [], [], []
+    g = torch.Generator().manual_seed(7)
+    for j, (q, start, kind) in enumerate(specs):
+        qkvs.append(torch.randn(q, (nh + 2 * nkv) * d, generator=g))
+        vis = None if kind is None else (torch.ones(q, q, dtype=torch.bool).tril() if kind == "causal" else
+                                         _parents_to_visible(_random_parents(q, g)))
+        positions.append(torch.arange(start, start + q) if vis is None else start + vis.sum(1) - 1)
+        starts.append(start)
+        visible.append(vis)
+        slots.append(None)
+        k_all.append(torch.randn(layers, nkv, cap, d, generator=g))
+        v_all.append(torch.randn(layers, nkv, cap, d, generator=g))
+    if shared:  # sequences 0 and 1 in one cache: 1's prefix and new slots sit past 0's writes
+        k_all[1], v_all[1] = k_all[0], v_all[0]
+        starts[1] = 400
+        positions[1] = positions[1] - 70 + 400
+    ref_k = [k.clone() for k in k_all]
+    ref_v = [v.clone() for v in v_all]
+    if shared:
+        ref_k[1], ref_v[1] = ref_k[0], ref_v[0]
+    alone = [ops.attention(qkvs[j], cos, sin, positions[j], ref_k[j][layer], ref_v[j][layer], starts[j], visible[j],
+                           nh, nkv, slots[j]) for j in range(len(specs))]
+    bounds = [0]
+    for q in qkvs:
+        bounds.append(bounds[-1] + q.shape[0])
+    out = ops.attention_many(torch.cat(qkvs), bounds, cos, sin, positions, k_all, v_all, layer, starts, visible, nh,
+                             nkv, slots)
+    assert torch.equal(out, torch.cat(alone))
+    for j in range(len(specs)):
+        assert torch.equal(k_all[j], ref_k[j]) and torch.equal(v_all[j], ref_v[j])
+    with pytest.raises(RuntimeError, match="one entry per sequence"):
+        ops.attention_many(torch.cat(qkvs), bounds[:-1], cos, sin, positions, k_all, v_all, layer, starts, visible,
+                           nh, nkv, slots)

@@ -39,6 +39,7 @@
 // for blocks of 64 rows at a time (long prefills), which does not matter to any row either.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -715,6 +716,51 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   return out;
 }
 
+// `attention` for several sequences in one call: sequence j's rows qkv[row_starts[j] : row_starts[j+1]] over its
+// own cache (k_all[j][layer], v_all[j][layer]), the sequences spread over the threads. Each sequence runs exactly
+// `attention` (inside a parallel region its own parallel_for runs inline, and no split changes its arithmetic),
+// so every row is bitwise what the per-sequence call gives; this only saves the calls and fills both cores when
+// each sequence's attention is too small to split (one new token over a short cache). Sequences sharing a cache
+// tensor run one after another.
+at::Tensor attention_many(const at::Tensor& qkv, const std::vector<int64_t>& row_starts, const at::Tensor& cos,
+                          const at::Tensor& sin, const std::vector<at::Tensor>& positions,
+                          const std::vector<at::Tensor>& k_all, const std::vector<at::Tensor>& v_all, int64_t layer,
+                          const std::vector<int64_t>& starts, const std::vector<std::optional<at::Tensor>>& visible,
+                          int64_t n_heads, int64_t n_kv_heads,
+                          const std::vector<std::optional<at::Tensor>>& write_slots) {
+  const int64_t S = static_cast<int64_t>(positions.size());
+  TORCH_CHECK(S > 0 && static_cast<int64_t>(row_starts.size()) == S + 1 && static_cast<int64_t>(k_all.size()) == S &&
+                  static_cast<int64_t>(v_all.size()) == S && static_cast<int64_t>(starts.size()) == S &&
+                  static_cast<int64_t>(visible.size()) == S && static_cast<int64_t>(write_slots.size()) == S,
+              "attention_many: one entry per sequence in positions, k_all, v_all, starts, visible and write_slots, "
+              "and row_starts with one more");
+  check_f32(qkv, "attention_many", "qkv", 2);
+  TORCH_CHECK(row_starts[0] == 0 && row_starts[S] == qkv.size(0), "attention_many: row_starts must run from 0 to ",
+              qkv.size(0));
+  bool shared = false;
+  for (int64_t j = 0; j < S; ++j) {
+    TORCH_CHECK(row_starts[j + 1] >= row_starts[j], "attention_many: row_starts must not decrease");
+    TORCH_CHECK(k_all[j].dim() == 4 && v_all[j].dim() == 4 && layer >= 0 && layer < k_all[j].size(0) &&
+                    layer < v_all[j].size(0),
+                "attention_many: k_all and v_all must be [layers, n_kv_heads, capacity, head_dim] and layer in range");
+    for (int64_t i = 0; i < j; ++i) shared = shared || k_all[i].is_same(k_all[j]) || v_all[i].is_same(v_all[j]);
+  }
+  std::vector<at::Tensor> outs(static_cast<size_t>(S));
+  auto one = [&](int64_t j) {
+    at::Tensor k = k_all[j].select(0, layer), v = v_all[j].select(0, layer);
+    outs[j] = attention(qkv.narrow(0, row_starts[j], row_starts[j + 1] - row_starts[j]).contiguous(), cos, sin,
+                        positions[j], k, v, starts[j], visible[j], n_heads, n_kv_heads, write_slots[j]);
+  };
+  if (shared) {
+    for (int64_t j = 0; j < S; ++j) one(j);
+  } else {
+    at::parallel_for(0, S, 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) one(j);
+    });
+  }
+  return S == 1 ? outs[0] : at::cat(outs);
+}
+
 // One decoder layer of one sequence whose four linears are packed GGUF weights, in a single call: the same
 // calls the Python forward makes per layer (qkv, attention, o, add_rms_norm, gate|up, silu_mul, down,
 // add_rms_norm), so every value is bitwise the same, without ~8 Python-level calls and tensor views per layer.
@@ -755,6 +801,14 @@ void register_layer_ops(pybind11::module& m) {
         pybind11::arg("eps"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"),
         pybind11::arg("k_all"), pybind11::arg("v_all"), pybind11::arg("layer"), pybind11::arg("start"),
         pybind11::arg("visible"), pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"),
+        pybind11::arg("write_slots"));
+  m.def("attention_many", &attention_many,
+        "attention for several sequences in one call: sequence j's rows qkv[row_starts[j]:row_starts[j+1]] over "
+        "k_all[j][layer] / v_all[j][layer] with its positions, start, visible and write_slots, as `attention` "
+        "computes them (bitwise), the sequences spread over the threads; returns the rows' outputs in order",
+        pybind11::arg("qkv"), pybind11::arg("row_starts"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("positions"), pybind11::arg("k_all"), pybind11::arg("v_all"), pybind11::arg("layer"),
+        pybind11::arg("starts"), pybind11::arg("visible"), pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"),
         pybind11::arg("write_slots"));
   m.def("attention", &attention,
         "RoPE, KV-cache write and GQA attention of q new tokens over a prefix of `start` cached tokens plus the "

@@ -334,6 +334,9 @@ class LeanLlama:
         x = self.embed.rows(ids)  # [T, hidden], the residual stream (updated in place by add_rms_norm)
         h = ops.rms_norm(x, self.layers[0].in_norm, eps)
         fused = len(requests) == 1 and hasattr(ops, "packed_layer")
+        # Several sequences: their attention in one native call per layer (row starts, k and v caches, write slots).
+        many = ([a for a, _ in bounds] + [row], [r.cache.k for r in requests], [r.cache.v for r in requests],
+                [r.write_slots for r in requests]) if len(requests) > 1 and hasattr(ops, "attention_many") else None
         for i, layer in enumerate(self.layers):
             next_norm = self.norm if i + 1 == len(self.layers) else self.layers[i + 1].in_norm
             packed = layer.packed_weights() if fused else None
@@ -344,11 +347,16 @@ class LeanLlama:
                                      r.write_slots)
             else:
                 qkv = layer.project_qkv(h)  # [T, (nh + 2 nkv) d]
-                parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
-                                       requests[j].cache.v[i], starts[j], visible[j], self.n_heads, self.n_kv_heads,
-                                       requests[j].write_slots)
-                         for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]: every sequence over its own cache
-                o = layer.attention_output(parts[0] if len(parts) == 1 else torch.cat(parts))  # [T, hidden]
+                if many is not None:  # every sequence over its own cache, in one call: [T, nh d]
+                    attn = ops.attention_many(qkv, many[0], self.cos, self.sin, positions, many[1], many[2], i,
+                                              starts, visible, self.n_heads, self.n_kv_heads, many[3])
+                else:
+                    parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
+                                           requests[j].cache.v[i], starts[j], visible[j], self.n_heads,
+                                           self.n_kv_heads, requests[j].write_slots)
+                             for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]: every sequence over its own cache
+                    attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+                o = layer.attention_output(attn)  # [T, hidden]
                 h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output
                 down = layer.mlp(h, ops)  # [T, hidden]
                 h = ops.add_rms_norm(x, down, next_norm, eps)  # x += mlp output
