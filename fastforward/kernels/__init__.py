@@ -10,6 +10,10 @@ The build (``torch.utils.cpp_extension``, 10-40 s, once) lands in ``$FASTFORWARD
 hash covering the source, the compiler flags, the CPU's flags and the torch/Python versions, so a binary is never
 reused on a machine it was not built for.
 
+The module also holds ``quant_mm`` (GGUF blocks multiplied packed: ``quant_gemm.cpp``, and on CPUs with AMX the
+tiled bf16 path of ``amx_gemm.cpp``, switched on per weight at load by :mod:`fastforward.linear`) and the layer ops
+(``layer_ops.cpp``).
+
 The build is for the best ISA the CPU has; ``FASTFORWARD_KERNEL_ISA=avx2`` picks the AVX2 build on an AVX-512 CPU
 (to compare), and ``FASTFORWARD_KERNEL_ISA=avx512-emulated`` builds the AVX-512 source against SIMDe's portable
 intrinsics so that its code path runs, slowly, on an AVX2 CPU (testing only: ``tests/test_kernels.py``).
