@@ -112,7 +112,8 @@ class PackedLinear:
             if kernel_layout:
                 self.data = data.contiguous()
             elif fmt in AMX_FORMATS and data.shape[0] % 16 == 0 and amx_in_use(native):
-                self.data = native.amx_tile(data.contiguous(), fmt, in_features)
+                self.data = data.contiguous() if owned else data.clone(memory_format=torch.contiguous_format)
+                native.amx_tile_(self.data, fmt, in_features)
                 self.kernel_fmt = native.TILED_FORMAT_BASE + fmt
             else:
                 self.data = data.contiguous() if owned else data.clone(memory_format=torch.contiguous_format)

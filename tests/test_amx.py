@@ -78,9 +78,9 @@ def test_no_amx_env_keeps_the_multiply_add_kernel(monkeypatch):
 
 def test_a_tiled_weight_is_refused_where_it_cannot_be():
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        NATIVE.amx_tile(random_blocks(3, 20, 64), 3, 64)
+        NATIVE.amx_tile_(random_blocks(3, 20, 64), 3, 64)
     with pytest.raises(RuntimeError, match="no tiled layout"):
-        NATIVE.amx_tile(random_blocks(12, 16, 256), 12, 256)
+        NATIVE.amx_tile_(random_blocks(12, 16, 256), 12, 256)
     lin = PackedLinear(random_blocks(3, 16, 64), 3, 64, native=NATIVE)
     with pytest.raises(RuntimeError, match="columns"):
         lin(torch.randn(2, 32))

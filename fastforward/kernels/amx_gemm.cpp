@@ -93,23 +93,25 @@ void check_tileable(const at::Tensor& w, int fmt, int64_t K) {
               K / 32 * gguf_block_bytes(fmt), " bytes, the tensor has ", w.size(1));
 }
 
-// GGUF rows -> tiled layout (a new tensor of the same shape and bytes).
-at::Tensor amx_tile(const at::Tensor& w, int64_t fmt_in, int64_t K) {
+// GGUF rows -> tiled layout, in place: group g's 16 rows and its tiled group-blocks occupy the same bytes
+// (16 * row_bytes from g * 16 * row_bytes), so each group goes through a small copy and no second copy of the
+// weight is ever made.
+at::Tensor amx_tile_(at::Tensor& w, int64_t fmt_in, int64_t K) {
   const int fmt = static_cast<int>(fmt_in);
   check_tileable(w, fmt, K);
   const int64_t N = w.size(0), nb = K / 32, rb = w.size(1), gbb = group_block_bytes(fmt);
   const int ns = n_scales(fmt);
-  at::Tensor out = at::empty_like(w);
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
+  uint8_t* base = w.data_ptr<uint8_t>();
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
+    std::vector<uint8_t> rows(static_cast<size_t>(16 * rb));
+    for (int64_t g = g0; g < g1; ++g) {
+      std::memcpy(rows.data(), base + g * 16 * rb, rows.size());  // the group's GGUF rows
       for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* gb = dst + (g * nb + b) * gbb;
+        uint8_t* gb = base + (g * nb + b) * gbb;
         uint8_t* quants = gb + 32 * ns;
         if (fmt != kQ8_0) std::memset(quants, 0, 256);
         for (int n = 0; n < 16; ++n) {
-          const uint8_t* blk = src + (g * 16 + n) * rb + b * gguf_block_bytes(fmt);
+          const uint8_t* blk = rows.data() + n * rb + b * gguf_block_bytes(fmt);
           for (int s = 0; s < ns; ++s) std::memcpy(gb + s * 32 + n * 2, blk + 2 * s, 2);
           for (int k = 0; k < 32; ++k) {
             const int q = gguf_quant(blk, fmt, k);
@@ -121,8 +123,9 @@ at::Tensor amx_tile(const at::Tensor& w, int64_t fmt_in, int64_t K) {
           }
         }
       }
+    }
   });
-  return out;
+  return w;
 }
 
 // Tiled layout -> GGUF rows.
@@ -491,9 +494,9 @@ at::Tensor ff_amx_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Te
 void register_amx_gemm(pybind11::module& m) {
   m.attr("TILED_FORMAT_BASE") = kTiledBase;
   m.def("amx_ready", &amx_ready, "whether AMX tile products can run here (CPU flags and the OS's tile state)");
-  m.def("amx_tile", &amx_tile,
-        "GGUF rows [N, row_bytes] of Q4_0 / Q4_1 / Q8_0 (N % 16 == 0) -> the AMX kernel's tiled layout (a new "
-        "tensor, same bytes); its format code is TILED_FORMAT_BASE + type",
+  m.def("amx_tile_", &amx_tile_,
+        "in place: GGUF rows [N, row_bytes] of Q4_0 / Q4_1 / Q8_0 (N % 16 == 0) -> the AMX kernel's tiled layout "
+        "(same bytes, regrouped); its format code is TILED_FORMAT_BASE + type",
         pybind11::arg("w"), pybind11::arg("fmt"), pybind11::arg("K"));
   m.def("amx_untile", &amx_untile, "the tiled layout -> GGUF rows (a new tensor)", pybind11::arg("w"),
         pybind11::arg("fmt"), pybind11::arg("K"));
