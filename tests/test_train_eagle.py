@@ -105,3 +105,25 @@ def test_train_eagle_data_parallel_under_torchrun(setup, tmp_path):
     state = json.loads((out / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
     assert state["world_size"] == 2
     assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("method", ["eagle", "fasteagle", "falcon"])
+def test_drafters_train_under_bf16_autocast(setup, tmp_path, capsys, method):
+    """``--mixed-precision bf16``: the same loop under bf16 autocast (fp32 weights): finite losses, a drafter saved
+    that decodes losslessly; an unknown precision is refused in one line."""
+    model, data = setup
+    out = tmp_path / method
+    code, stdout, err = run_cli(capsys, "train", method, "--model", model, "--data", data, "--out", out,
+                                "--draft-vocab", 40, "--batch-size", 2, "--grad-accum", 1, "--threads", 1, "--quiet",
+                                "--max-steps", 2, "--mixed-precision", "bf16")
+    assert code == 0, err
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and all(math.isfinite(r["loss"]) for r in log)
+    state = json.loads((out / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    assert state["config"]["mixed_precision"] == "bf16"
+    line = assert_one_line_error(capsys, "train", method, "--model", model, "--data", data, "--out", tmp_path / "x",
+                                 "--mixed-precision", "fp8")
+    assert "--mixed-precision" in line
+    target = ff.load(str(model))
+    got = ff.generate(target, [5, 6, 7, 8], method, max_new_tokens=10, method_options={"drafter": str(out)})
+    assert got.token_ids == ff.generate(target, [5, 6, 7, 8], "ar", max_new_tokens=10).token_ids

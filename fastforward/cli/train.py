@@ -204,6 +204,9 @@ def add_drafter_arguments(p) -> None:
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="the first N training records only")
     p.add_argument("--seed", type=seed, default=0, help="initialisation and data order (default: 0)")
+    p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+                   help="bf16: the drafter's forward and loss under bf16 autocast, fp32 weights and optimizer (about "
+                        "2x faster on CPUs with AMX; default: no)")
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -216,7 +219,7 @@ def drafter_config(args, method: str, extra: dict):
         max_minutes=args.max_minutes, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
         max_length=args.max_length, warmup=args.warmup, weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm, save_every=args.save_every, seed=args.seed, limit=args.limit,
-        threads=args.threads, quiet=args.quiet, extra=extra)
+        threads=args.threads, quiet=args.quiet, mixed_precision=args.mixed_precision, extra=extra)
 
 
 def _train_drafter(cfg, method) -> int:

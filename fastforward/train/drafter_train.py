@@ -35,6 +35,7 @@ STATE_FILE = "trainer_state.json"
 LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "fastforward_train.json"
 COMMAND = "train"
+MIXED_PRECISION = ("no", "bf16")
 IDENTITY_KEYS = ("model", "data", "method", "seed", "max_length", "batch_size", "grad_accum", "lr", "warmup",
                  "weight_decay", "max_grad_norm", "limit", "extra")
 
@@ -60,6 +61,7 @@ class DrafterTrainConfig:
     limit: int | None = None
     threads: int | None = None
     quiet: bool = False
+    mixed_precision: str = "no"  # "bf16": the drafter's forward and loss under bf16 autocast (fp32 master weights)
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -77,6 +79,8 @@ class DrafterTrainConfig:
             raise UsageError(f"--max-minutes must be > 0, got {self.max_minutes}")
         if not 0 <= self.warmup < 1:
             raise UsageError(f"--warmup must be in [0, 1), got {self.warmup}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise UsageError(f"--mixed-precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
         if not Path(self.data).expanduser().is_dir():
             raise UsageError(f"--data {self.data}: not a folder (give a 'fastforward make-data' output folder)")
         if not (Path(self.data).expanduser() / "responses.jsonl").is_file():
@@ -226,7 +230,9 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out).expanduser()
     check_output_dir(out, COMMAND)
-    accelerator = Accelerator()
+    # bf16: autocast around the drafter's forward and loss (weights, gradients and optimizer stay fp32); on CPUs with
+    # AMX or AVX512-BF16 it roughly halves the step time. `accelerate launch --mixed_precision bf16` sets it too.
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision if cfg.mixed_precision != "no" else None)
     check_launcher(accelerator)
     main = accelerator.is_main_process
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -276,7 +282,7 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
     n_train = sum(p.numel() for p in params)
     say(f"{method.name}: {len(seqs)} training sequences ({len(held_recs)} records held out), {total} steps of "
         f"{cfg.batch_size * cfg.grad_accum * world} sequences ({total * cfg.grad_accum / per_epoch:.2f} epochs), "
-        f"{n_train / 1e6:.2f}M parameters trained, lr {cfg.lr:g}; loaded in {time.perf_counter() - t_load:.1f}s"
+        f"{n_train / 1e6:.2f}M parameters trained, lr {cfg.lr:g}, precision {accelerator.mixed_precision}; loaded in {time.perf_counter() - t_load:.1f}s"
         + (f"; resuming from step {start}" if resume else ""))
     if main:
         mark_output_dir(out, COMMAND)
@@ -331,7 +337,8 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
                 # where the run is, for losses with a schedule or randomness of their own (a pure function of m)
                 batch.update(seed=random.Random(f"{cfg.seed}:{m}").getrandbits(62), epoch=m // per_epoch,
                              epochs=math.ceil(total * cfg.grad_accum / per_epoch))
-                loss, metrics = method.loss(drafter, batch)
+                with accelerator.autocast():
+                    loss, metrics = method.loss(drafter, batch)
                 accelerator.backward(loss / cfg.grad_accum)
                 loss_sum += float(loss.detach()) / cfg.grad_accum
                 for k, v in metrics.items():
