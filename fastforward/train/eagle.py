@@ -17,7 +17,7 @@ from ..drafters.calibration import CONFIG_KEY as CALIBRATION_KEY
 from ..drafters.checkpoint import save_eagle3
 from ..drafters.eagle import Eagle3Drafter
 from ..drafters.vocab import DraftVocab
-from .drafter_train import DrafterMethod
+from .drafter_train import DrafterMethod, soft_cross_entropy
 
 DEFAULT_DRAFT_VOCAB = 16384
 DEFAULT_TTT_STEPS = 5
@@ -68,9 +68,8 @@ class EagleTraining(DrafterMethod):
         for k, (lg, p, lab) in enumerate(zip(logits, targets, labels, strict=True)):
             if lab.numel() == 0:
                 continue
-            ce = -(p * lg.log_softmax(-1)).sum(-1).mean()
+            ce, metrics[f"acc{k}"] = soft_cross_entropy(lg, p, lab)
             total = total + STEP_WEIGHT**k * ce
-            metrics[f"acc{k}"] = float((lg.argmax(-1) == lab).float().mean())
         return total, metrics
 
     def save(self, drafter, folder: Path) -> None:

@@ -22,7 +22,7 @@ from ..drafters.calibration import CONFIG_KEY as CALIBRATION_KEY
 from ..drafters.eagle import target_embedding_rows
 from ..drafters.fasteagle import FastEagleDrafter, save_fasteagle
 from ..drafters.vocab import DraftVocab
-from .drafter_train import DrafterMethod
+from .drafter_train import DrafterMethod, soft_cross_entropy
 
 DEFAULT_LAYERS = 4
 DEFAULT_DRAFT_VOCAB = 8192
@@ -70,8 +70,8 @@ class FastEagleTraining(DrafterMethod):
             if bool(sel.any()):
                 p = (f_next[sel] @ head.t()).softmax(-1)
                 lg = inner.logits(h[sel])
-                term = term + self.ce_weight * -(p * lg.log_softmax(-1)).sum(-1).mean()
-                metrics[f"acc{i}"] = float((lg.argmax(-1) == lab[sel]).float().mean())
+                ce, metrics[f"acc{i}"] = soft_cross_entropy(lg, p, lab[sel])
+                term = term + self.ce_weight * ce
             total = total + weight * term
         return total, metrics
 
