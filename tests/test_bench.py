@@ -546,9 +546,14 @@ def test_kill_midway_and_resume(tmp_path):
     assert rc == 130 and "run the same command again to resume" in err
     first = lines()
     assert 10 <= first < expected
-    rc, _ = start_and_stop(signal.SIGKILL, first + 10)  # kill -9
+    rc, err = start_and_stop(signal.SIGTERM, first + 10)  # kill (a scheduler's notice): stops as Ctrl-C does
+    assert rc == 143 and "terminated" in err and "run the same command again to resume" in err
+    assert "Traceback" not in err, err
+    second = lines()
+    assert second >= first + 10
+    rc, _ = start_and_stop(signal.SIGKILL, second + 10)  # kill -9
     assert rc == -signal.SIGKILL
-    assert lines() >= first + 10
+    assert lines() >= second + 10
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in results.read_text().splitlines()]

@@ -127,3 +127,36 @@ def test_drafters_train_under_bf16_autocast(setup, tmp_path, capsys, method):
     target = ff.load(str(model))
     got = ff.generate(target, [5, 6, 7, 8], method, max_new_tokens=10, method_options={"drafter": str(out)})
     assert got.token_ids == ff.generate(target, [5, 6, 7, 8], "ar", max_new_tokens=10).token_ids
+
+
+def test_sigterm_stops_training_with_a_checkpoint(setup, tmp_path):
+    """``kill`` (SIGTERM, as a batch scheduler sends before its deadline) stops training the way Ctrl-C does: a
+    checkpoint at the step reached, exit code 143, one line saying how to resume; the same command then resumes."""
+    import signal
+    import time
+
+    model, data = setup
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "fastforward.cli", "train", "eagle", "--model", str(model), "--data", str(data),
+           "--out", str(out), "--draft-vocab", "40", "--ttt-steps", "2", "--batch-size", "2", "--grad-accum", "1",
+           "--threads", "1", "--save-every", "100000", "--max-steps", "100000", "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "train_log.jsonl"
+    deadline = time.time() + 120
+    while (not log.exists() or len(log.read_text().splitlines()) < 3) and proc.poll() is None \
+            and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "terminated" in lines[0] and "re-run the same command" in lines[0], err
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    ckpt = sorted((out / "checkpoints").glob("step-*"))
+    assert len(ckpt) == 1 and ckpt[0].name == f"step-{steps[-1]:06d}"  # nothing trained is lost
+    done = subprocess.run(cmd[:-5] + ["--max-steps", str(steps[-1] + 1), "--quiet"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, steps[-1] + 2))

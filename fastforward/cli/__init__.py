@@ -83,6 +83,37 @@ def _one_line(text) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a batch scheduler's notice, ``timeout``), raised where the command is so that it stops as
+    on Ctrl-C: keeping what it finished (a checkpoint, flushed records, a partial report)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def _stop_on_sigterm():
+    """Route SIGTERM through the commands' Ctrl-C path (main thread only); returns a function restoring the handler
+    before (``main`` may run inside another program, tests among them)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    before = signal.signal(signal.SIGTERM, _raise_terminated)
+    return lambda: signal.signal(signal.SIGTERM, before)
+
+
+def _was_terminated(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or an exception it was raised while handling is a SIGTERM (commands re-raise Ctrl-C with
+    their own message)."""
+    while exc is not None:
+        if isinstance(exc, _Terminated):
+            return True
+        exc = exc.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -102,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", False):
         print(f"fastforward: error: the '{args.command}' command is not available in this build", file=sys.stderr)
         return 2
+    restore = _stop_on_sigterm()
     try:
         mod = importlib.import_module(args._module)
         if isinstance(getattr(args, "model", None), str):
@@ -114,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastforward: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # the command kept what it finished; its message says where
+        terminated = _was_terminated(exc)
         sys.stdout.flush()
-        print(f"\nfastforward: interrupted{': ' + _one_line(exc) if str(exc) else ''}", file=sys.stderr)
-        return 130
+        print(f"\nfastforward: {'terminated' if terminated else 'interrupted'}"
+              f"{': ' + _one_line(exc) if str(exc) else ''}", file=sys.stderr)
+        return 143 if terminated else 130
     except BrokenPipeError:
         return 1
     except Exception as exc:  # a bug, not bad input: say so in one line unless debugging
@@ -132,4 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastforward: internal error: {type(exc).__name__}: {_one_line(exc)} "
               "(set FASTFORWARD_DEBUG=1 for a traceback)", file=sys.stderr)
         return 1
+    finally:
+        restore()
 
