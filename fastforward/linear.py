@@ -155,8 +155,8 @@ class PackedLinear:
         """One weight whose outputs are the parts' outputs in order (q|k|v, gate|up), or None when the parts
         differ in format or inputs."""
         first = parts[0]
-        if first.data is None or any(p.kernel_fmt != first.kernel_fmt or p.in_features != first.in_features or p.data is None
-                                     for p in parts):
+        if first.data is None or any(p.kernel_fmt != first.kernel_fmt or p.in_features != first.in_features
+                                     or p.data is None for p in parts):
             return None
         return PackedLinear(torch.cat([p.data for p in parts]), first.fmt, first.in_features, native=first.native,
                             kernel_layout=True, kernel_fmt=first.kernel_fmt)

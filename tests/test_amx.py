@@ -1,6 +1,7 @@
 """The AMX kernel (``kernels/amx_gemm.cpp``): the tiled layout holds the file's bytes, rows decode to exactly the
 reference dequantisation, products match the dequantised fp32 product, rows are bitwise independent of the other
-rows in the call (and of the thread count: tests/test_quant.py), and ``FASTFORWARD_NO_AMX=1`` keeps the multiply-add kernel."""
+rows in the call (and of the thread count: tests/test_quant.py), and ``FASTFORWARD_NO_AMX=1`` keeps the multiply-add
+kernel."""
 
 import pytest
 import torch
@@ -9,7 +10,6 @@ from hypothesis import strategies as st
 
 from fastforward import kernels
 from fastforward.linear import AMX_FORMATS, PACKED_FORMATS, PackedLinear, amx_in_use, dequantize
-
 from tests.test_quant import random_blocks
 
 NATIVE = kernels.load_native()

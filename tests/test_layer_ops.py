@@ -441,7 +441,7 @@ def test_attention_many_is_bitwise_each_sequence_alone(ops, shared):
     specs = [(1, 300, None), (5, 70, "tree"), (3, 0, "causal"), (1, 1000, None), (8, 64, "tree")]
     qkvs, positions, starts, visible, slots, k_all, v_all = [], [], [], [], [], [], []
     g = torch.Generator().manual_seed(7)
-    for j, (q, start, kind) in enumerate(specs):
+    for q, start, kind in specs:
         qkvs.append(torch.randn(q, (nh + 2 * nkv) * d, generator=g))
         vis = None if kind is None else (torch.ones(q, q, dtype=torch.bool).tril() if kind == "causal" else
                                          _parents_to_visible(_random_parents(q, g)))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..train.cllm import CLLM, LOSSES, check_loss_settings, check_trajectories, trajectories_file
+from ..train.drafter_train import MIXED_PRECISION
 from ..train.msn import MSN
 from ..train.trainer import DEFAULT_LORA_RANK, TrainConfig, report, train
 from ..train.trajectories import META
@@ -204,7 +205,7 @@ def add_drafter_arguments(p) -> None:
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="the first N training records only")
     p.add_argument("--seed", type=seed, default=0, help="initialisation and data order (default: 0)")
-    p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no",
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="no",
                    help="bf16: the drafter's forward and loss under bf16 autocast, fp32 weights and optimizer (about "
                         "2x faster on CPUs with AMX; default: no)")
     add_threads_argument(p)

@@ -197,7 +197,8 @@ class LeanLlama:
             n_heads=hp["n_heads"], n_kv_heads=hp["n_kv_heads"], head_dim=hp["head_dim"],
             hidden_size=hp["hidden_size"], intermediate_size=hp["intermediate_size"], eps=hp["eps"],
             embed=embed, head=head, norm=vector(t["output_norm.weight"]), layers=layers, cos=cos, sin=sin,
-            matmul_kernel=(f"quant-{packed_kernel_name(native)} ({'/'.join(kinds)})" if native is not None else "mkl (dequantised)"),
+            matmul_kernel=(f"quant-{packed_kernel_name(native)} ({'/'.join(kinds)})" if native is not None
+                           else "mkl (dequantised)"),
         )
 
     def _linears(self) -> list:

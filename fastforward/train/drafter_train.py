@@ -80,7 +80,8 @@ class DrafterTrainConfig:
         if not 0 <= self.warmup < 1:
             raise UsageError(f"--warmup must be in [0, 1), got {self.warmup}")
         if self.mixed_precision not in MIXED_PRECISION:
-            raise UsageError(f"--mixed-precision must be one of {', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
+            raise UsageError(f"--mixed-precision must be one of {', '.join(MIXED_PRECISION)}, "
+                             f"got {self.mixed_precision!r}")
         if not Path(self.data).expanduser().is_dir():
             raise UsageError(f"--data {self.data}: not a folder (give a 'fastforward make-data' output folder)")
         if not (Path(self.data).expanduser() / "responses.jsonl").is_file():
@@ -293,7 +294,8 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
     n_train = sum(p.numel() for p in params)
     say(f"{method.name}: {len(seqs)} training sequences ({len(held_recs)} records held out), {total} steps of "
         f"{cfg.batch_size * cfg.grad_accum * world} sequences ({total * cfg.grad_accum / per_epoch:.2f} epochs), "
-        f"{n_train / 1e6:.2f}M parameters trained, lr {cfg.lr:g}, {'bf16 autocast' if cfg.mixed_precision == 'bf16' else 'fp32'}; loaded in {time.perf_counter() - t_load:.1f}s"
+        f"{n_train / 1e6:.2f}M parameters trained, lr {cfg.lr:g}, "
+        f"{'bf16 autocast' if cfg.mixed_precision == 'bf16' else 'fp32'}; loaded in {time.perf_counter() - t_load:.1f}s"
         + (f"; resuming from step {start}" if resume else ""))
     if main:
         mark_output_dir(out, COMMAND)
