@@ -99,7 +99,7 @@ class PackedLinear:
     ``kernel_layout=True`` says it already is in the kernel's (a concatenation of such weights)."""
 
     def __init__(self, data: torch.Tensor, fmt: int, in_features: int, *, native=None, kernel_layout: bool = False,
-                 owned: bool = False, kernel_fmt: int | None = None):
+                 owned: bool = False, kernel_fmt: int | None = None, allow_amx: bool = True):
         name, qk, nb = PACKED_FORMATS[fmt]
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != in_features // qk * nb:
             raise ValueError(f"a {name} weight with {in_features} inputs needs [out, {in_features // qk * nb}] uint8")
@@ -111,7 +111,7 @@ class PackedLinear:
         if native is not None:
             if kernel_layout:
                 self.data = data.contiguous()
-            elif fmt in AMX_FORMATS and data.shape[0] % 16 == 0 and amx_in_use(native):
+            elif allow_amx and fmt in AMX_FORMATS and data.shape[0] % 16 == 0 and amx_in_use(native):
                 self.data = data.contiguous() if owned else data.clone(memory_format=torch.contiguous_format)
                 native.amx_tile_(self.data, fmt, in_features)
                 self.kernel_fmt = native.TILED_FORMAT_BASE + fmt
@@ -160,6 +160,34 @@ class PackedLinear:
             return None
         return PackedLinear(torch.cat([p.data for p in parts]), first.fmt, first.in_features, native=first.native,
                             kernel_layout=True, kernel_fmt=first.kernel_fmt)
+
+
+class DraftLinear:
+    """A packed weight kept in both kernel layouts, each call taking the faster for its number of rows: the
+    multiply-add kernel up to ``few_rows`` rows (one row costs it about half what the AMX tile round trip does on
+    a drafter's small matrices), the AMX kernel above. Rows of calls of different sizes are then **not** bitwise
+    equal, so this is only for weights whose outputs need not be: a drafter's (it proposes; the target's
+    verification decides). Without AMX it is one :class:`PackedLinear`."""
+
+    def __init__(self, data: torch.Tensor, fmt: int, in_features: int, *, native, few_rows: int = 3):
+        self.few = PackedLinear(data.clone(), fmt, in_features, native=native, owned=True, allow_amx=False)
+        many = PackedLinear(data, fmt, in_features, native=native, owned=True)
+        self.many = many if many.kernel_fmt != self.few.kernel_fmt else None
+        self.few_rows = few_rows
+        self.out_features, self.in_features = self.few.out_features, in_features
+        self.format_name = self.few.format_name
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.many is None or x.shape[0] <= self.few_rows:
+            return self.few(x)
+        return self.many(x)
+
+    def dense(self) -> torch.Tensor:
+        return self.few.dense()
+
+    @property
+    def nbytes(self) -> int:
+        return self.few.nbytes + (0 if self.many is None else self.many.nbytes)
 
 
 def quantize(w: torch.Tensor, format_name: str) -> torch.Tensor:

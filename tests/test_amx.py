@@ -84,3 +84,21 @@ def test_a_tiled_weight_is_refused_where_it_cannot_be():
     lin = PackedLinear(random_blocks(3, 16, 64), 3, 64, native=NATIVE)
     with pytest.raises(RuntimeError, match="columns"):
         lin(torch.randn(2, 32))
+
+
+@pytest.mark.parametrize("fmt", AMX_FORMATS, ids=IDS)
+def test_a_draft_linear_takes_the_multiply_add_kernel_for_few_rows_and_amx_for_more(fmt):
+    """A drafter's weight is kept in both layouts: up to ``few_rows`` rows go to the multiply-add kernel, more to
+    the AMX tiles; either way the product is the dequantised weight's (to fp32 summation order)."""
+    from fastforward.linear import DraftLinear
+
+    data = random_blocks(fmt, 48, 96)
+    lin = DraftLinear(data.clone(), fmt, 96, native=NATIVE, few_rows=3)
+    assert lin.few.kernel_fmt == fmt and lin.many.kernel_fmt == NATIVE.TILED_FORMAT_BASE + fmt
+    w = dequantize(data, fmt, 96)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        y = lin(x)
+        assert torch.equal(y, (lin.few if rows <= 3 else lin.many)(x))
+        assert torch.allclose(y, x @ w.T, atol=1e-4, rtol=1e-5)
+    assert lin.nbytes == 2 * data.numel()

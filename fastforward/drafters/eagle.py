@@ -412,25 +412,36 @@ def later_rows_window(later_selects: list[torch.Tensor], T: int) -> torch.Tensor
     return start.unsqueeze(1) + torch.arange(W)
 
 
+# ``weights=`` choices of a drafter at decode time: packed blocks the native kernel multiplies, or fp32.
+DRAFTER_WEIGHTS = ("auto", "q8_0", "q4_0", "fp32")
+AUTO_DRAFTER_FORMAT = "Q4_0"  # what ``auto`` packs when the native kernels build (docs/drafters.md: as accepted as
+# Q8_0, and a drafter call reads half the bytes)
+
+
 def decode_linear_factory(weights: str):
     """``linear(w [out, in]) -> callable``: a drafter weight as the lean forward's linear at decode time -- packed
-    ``Q8_0`` blocks through the native kernel (``auto`` when it builds, ``q8_0`` required) or fp32 (``fp32``). A
-    drafter only proposes, so this rounding never changes the output."""
+    ``Q8_0`` or ``Q4_0`` blocks through the native kernel (``auto``: ``AUTO_DRAFTER_FORMAT`` when the kernels
+    build; with AMX, in both kernels' layouts, each call taking the faster for its rows:
+    :class:`~fastforward.linear.DraftLinear`) or fp32 (``fp32``). A drafter only proposes, so this rounding never
+    changes the output."""
     from ..kernels import load_native
-    from ..linear import DenseLinear, PackedLinear, quantize
+    from ..linear import FORMAT_IDS, DenseLinear, DraftLinear, quantize
 
+    if weights not in DRAFTER_WEIGHTS:
+        raise UsageError(f"drafter weights must be one of {', '.join(DRAFTER_WEIGHTS)}, got {weights!r}")
     native = None
     try:
-        native = load_native() if weights in ("auto", "q8_0") else None
+        native = load_native() if weights != "fp32" else None
     except Exception:  # noqa: BLE001 - no compiler: the plain path
         native = None
-    if weights == "q8_0" and native is None:
-        raise UsageError("drafter weights q8_0 need the native kernels, which did not build on this machine")
+    if weights != "auto" and weights != "fp32" and native is None:
+        raise UsageError(f"drafter weights {weights} need the native kernels, which did not build on this machine")
+    packed = AUTO_DRAFTER_FORMAT if weights == "auto" else weights.upper()
 
     def linear(w: torch.Tensor):
         w = w.detach().float().contiguous()
         if native is not None and w.shape[1] % 32 == 0:
-            return PackedLinear(quantize(w, "Q8_0"), 8, w.shape[1], native=native, owned=True)
+            return DraftLinear(quantize(w, packed), FORMAT_IDS[packed], w.shape[1], native=native)
         return DenseLinear(w)
 
     linear.layer_ops = native if native is not None and hasattr(native, "attention") else None
@@ -438,10 +449,10 @@ def decode_linear_factory(weights: str):
 
 
 class Eagle3Runner:
-    """The drafter at decode time: the weights as the lean forward's linears (fp32, or packed ``Q8_0`` blocks the
-    native kernel multiplies -- the drafter only proposes, so its rounding never changes the output), its own KV
-    cache of committed rows, and draft rows written after them and dropped after each proposal. With the native
-    kernels, the row-wise ops are the target's native layer ops (RMSNorm, RoPE + KV write + masked attention,
+    """The drafter at decode time: the weights as the lean forward's linears (fp32, or packed blocks the native
+    kernel multiplies, ``Q4_0`` by default -- the drafter only proposes, so its rounding never changes the output),
+    its own KV cache of committed rows, and draft rows written after them and dropped after each proposal. With the
+    native kernels, the row-wise ops are the target's native layer ops (RMSNorm, RoPE + KV write + masked attention,
     SiLU*mul), which spare the ~20 small torch ops a drafter row otherwise costs."""
 
     def __init__(self, drafter: Eagle3Drafter, target, capacity: int, weights: str = "auto"):
@@ -565,7 +576,10 @@ class Eagle3Runner:
 
     def log_probs(self, h: torch.Tensor) -> torch.Tensor:
         """[r, draft_vocab] log-probabilities of the next token."""
-        return self.head(rms_norm(h, self.final_norm, self.eps).contiguous()).log_softmax(-1)
+        h = h.float().contiguous()
+        normed = rms_norm(h, self.final_norm, self.eps) if self.ops is None else \
+            self.ops.rms_norm(h, self.final_norm, self.eps)
+        return self.head(normed.contiguous()).log_softmax(-1)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

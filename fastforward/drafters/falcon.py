@@ -225,9 +225,10 @@ def load_falcon(folder, target) -> FalconDrafter:
 
 
 class FalconRunner:
-    """The drafter at decode time: its weights as the lean forward's linears (``Q8_0`` through the native kernel when
-    it builds -- the drafter only proposes, so rounding never changes the output), a KV cache of committed rows, and
-    a scratch area after them for the rows of the current draft's later passes (dropped at the next draft).
+    """The drafter at decode time: its weights as the lean forward's linears (``Q4_0`` blocks through the native
+    kernel when it builds -- the drafter only proposes, so rounding never changes the output), a KV cache of
+    committed rows, and a scratch area after them for the rows of the current draft's later passes (dropped at the
+    next draft).
 
     With one decoder layer a row's K/V depend only on the row's own input, not on the mask, so a committed row's K/V
     stay valid whichever block it later belongs to: the first pass of a draft only re-reads the last k committed rows

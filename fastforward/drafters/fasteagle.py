@@ -250,7 +250,7 @@ def load_fasteagle(folder, target) -> FastEagleDrafter:
 
 
 class FastEagleRunner:
-    """The drafter at decode time: its weights as the lean forward's linears (packed ``Q8_0`` through the native
+    """The drafter at decode time: its weights as the lean forward's linears (packed ``Q4_0`` blocks through the native
     kernel when it builds -- the drafter only proposes, so rounding never changes the output), and one KV cache per
     layer holding committed (accepted) rows only."""
 

@@ -50,7 +50,7 @@ import torch
 from ..costs import machine_cost_curve
 from ..drafters.calibration import FLOOR, calibration_of
 from ..drafters.checkpoint import load_eagle3
-from ..drafters.eagle import Eagle3Runner
+from ..drafters.eagle import DRAFTER_WEIGHTS, Eagle3Runner
 from ..drafters.features import engine_layers
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
@@ -130,6 +130,8 @@ class EagleProposer(Proposer):
         run, k = self.runner, self.topk
         root_pos = state.root_position
         depth = self.depth if state.max_draft_depth is None else min(self.depth, state.max_draft_depth)
+        # no deeper than the tree can reach: a chain of n - 1 drafts under the root at most
+        depth = min(depth, self.nodes - 1 if self.nodes else self.max_nodes - 1, state.remaining)
         if depth < 1 or self.back_off.skipping():  # no draft worth its rows in a shared forward, or backing off
             self._n["steps"] += 1
             self._n["nodes"] += 1
@@ -231,7 +233,7 @@ def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, 
     check_int("eagle", "nodes", nodes, 0, 256)
     check_int("eagle", "max_nodes", max_nodes, 2, 256)
     check_int("eagle", "backoff", backoff, 0, 1024)
-    check_choice("eagle", "weights", weights, ("auto", "q8_0", "fp32"))
+    check_choice("eagle", "weights", weights, DRAFTER_WEIGHTS)
     check_bool("eagle", "calibrated", calibrated)
     check_bool("eagle", "price_calls", price_calls)
     check_bool("eagle", "backoff_on_loss", backoff_on_loss)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..costs import machine_cost_curve
+from ..drafters.eagle import DRAFTER_WEIGHTS
 from ..drafters.falcon import FalconRunner, load_falcon
 from ..drafters.features import FINAL
 from ..engine import DecodeState, Proposal, Proposer, StepResult
@@ -210,7 +211,7 @@ def falcon(target, *, drafter: str | None = None, topk: int = 4, passes: int = 2
     check_int("falcon", "max_nodes", max_nodes, 2, 256)
     check_int("falcon", "backoff", backoff, 0, 1024)
     check_bool("falcon", "backoff_on_loss", backoff_on_loss)
-    check_choice("falcon", "weights", weights, ("auto", "q8_0", "fp32"))
+    check_choice("falcon", "weights", weights, DRAFTER_WEIGHTS)
     runner = falcon_runner(target, drafter, weights)
     return FalconProposer(runner, topk=topk, passes=passes, frontier=frontier, nodes=nodes, max_nodes=max_nodes,
                           backoff=backoff, backoff_on_loss=backoff_on_loss)

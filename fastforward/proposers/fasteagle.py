@@ -33,6 +33,7 @@ import torch
 
 from ..costs import machine_cost_curve
 from ..drafters.calibration import calibration_of
+from ..drafters.eagle import DRAFTER_WEIGHTS
 from ..drafters.fasteagle import FastEagleRunner, load_fasteagle
 from ..drafters.features import engine_layers
 from ..engine import DecodeState, Proposal, Proposer, StepResult
@@ -185,7 +186,7 @@ def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int =
     check_bool("fasteagle", "fixed", fixed)
     check_int("fasteagle", "max_nodes", max_nodes, 2, 256)
     check_int("fasteagle", "backoff", backoff, 0, 1024)
-    check_choice("fasteagle", "weights", weights, ("auto", "q8_0", "fp32"))
+    check_choice("fasteagle", "weights", weights, DRAFTER_WEIGHTS)
     check_bool("fasteagle", "calibrated", calibrated)
     check_bool("fasteagle", "backoff_on_loss", backoff_on_loss)
     runner = fasteagle_runner(target, drafter, weights)
