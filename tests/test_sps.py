@@ -428,6 +428,27 @@ def test_train_draft_model_smoke(tmp_path, capsys):
     assert (out / "checkpoints" / "step-000006").is_dir() and (out / "model.safetensors").is_file()
 
 
+def test_train_draft_model_under_bf16_autocast(tmp_path, capsys):
+    """``--mixed-precision bf16``: finite losses, the setting recorded, a draft model that drafts losslessly; an
+    unknown precision refused in one line."""
+    model = tiny_hf_folder(tmp_path / "model", max_positions=128, layers=3)
+    data = _responses(tmp_path / "data")
+    out = tmp_path / "out"
+    common = ["train", "draft-model", "--model", model, "--data", data, "--layers", 2, "--batch-size", 2,
+              "--grad-accum", 1, "--threads", 1, "--quiet"]
+    code, stdout, err = run_cli(capsys, *common, "--out", out, "--max-steps", 2, "--mixed-precision", "bf16")
+    assert code == 0, err
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and all(math.isfinite(r["loss"]) for r in log)
+    state = json.loads((out / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    assert state["config"]["mixed_precision"] == "bf16"
+    assert "--mixed-precision" in assert_one_line_error(capsys, *common, "--out", tmp_path / "x",
+                                                         "--mixed-precision", "fp8")
+    target = ff.load(str(model))
+    got = ff.generate(target, [5, 6, 7, 8], "sps", max_new_tokens=10, method_options={"draft": str(out), "k": 2})
+    assert got.token_ids == ff.generate(target, [5, 6, 7, 8], "ar", max_new_tokens=10).token_ids
+
+
 def test_train_draft_model_bad_input(tmp_path, capsys):
     model = tiny_hf_folder(tmp_path / "model", max_positions=128)
     data = _responses(tmp_path / "data", n=3)

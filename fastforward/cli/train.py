@@ -205,11 +205,15 @@ def add_drafter_arguments(p) -> None:
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="the first N training records only")
     p.add_argument("--seed", type=seed, default=0, help="initialisation and data order (default: 0)")
-    p.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="no",
-                   help="bf16: the drafter's forward and loss under bf16 autocast, fp32 weights and optimizer (about "
-                        "2x faster on CPUs with AMX; default: no)")
+    add_mixed_precision_argument(p)
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def add_mixed_precision_argument(p) -> None:
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISION, default="no",
+                   help="bf16: the forward and loss under bf16 autocast, fp32 weights and optimizer (about 2x faster "
+                        "on CPUs with AMX; default: no)")
 
 
 def drafter_config(args, method: str, extra: dict):
@@ -366,6 +370,7 @@ def add_draft_model_arguments(p) -> None:
     t.add_argument("--keep-checkpoints", type=positive_int, default=1, help="checkpoints kept (default: 1)")
     t.add_argument("--eval-records", type=nonnegative_int, default=32,
                    help="held-out records scored before and after training (default: %(default)s)")
+    add_mixed_precision_argument(t)
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -382,6 +387,7 @@ def run_draft_model(args) -> int:
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, warmup=args.warmup,
         schedule=args.schedule, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         eval_records=args.eval_records, threads=args.threads, quiet=args.quiet,
+        mixed_precision=args.mixed_precision,
     )
     cfg.validate()  # before loading anything
     target = ff.load(args.model, threads=args.threads)

@@ -426,6 +426,7 @@ class DraftTrainConfig:
     eval_records: int = 32
     threads: int | None = None
     quiet: bool = False
+    mixed_precision: str = "no"  # "bf16": forward and loss under bf16 autocast (fp32 weights and optimizer)
 
     def responses_file(self) -> Path:
         from ..train.make_data import RESPONSES
@@ -442,6 +443,9 @@ class DraftTrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+        from ..train.drafter_train import check_mixed_precision
+
+        check_mixed_precision(self.mixed_precision)
         if not isinstance(self.eval_records, int) or self.eval_records < 0:
             raise UsageError(f"--eval-records must be an integer >= 0, got {self.eval_records}")
         if self.max_length < 2:
@@ -591,6 +595,7 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
 
     from ..paths import mark_output_dir
     from ..train.data import subsample
+    from ..train.drafter_train import mixed_precision_autocast
     from ..train.launcher import check_launcher
     from ..train.make_data import read_training_records
     from ..train.trainer import (
@@ -718,6 +723,7 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
     bar = tqdm(total=total_steps, initial=start_step, desc="train draft-model", unit="step", disable=quiet,
                file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
     t0 = time.perf_counter()
+    autocast = mixed_precision_autocast(accelerator.device.type, cfg.mixed_precision)
     try:
         while step < total_steps:
             t_step = time.perf_counter()
@@ -732,7 +738,8 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
             for i, batch in enumerate(batches):
                 ctx = accelerator.no_sync(model) if i < len(batches) - 1 else nullcontext()
                 with ctx:
-                    s, c = model(batch["input_ids"], batch["attention_mask"], batch["labels"])
+                    with autocast:
+                        s, c = model(batch["input_ids"], batch["attention_mask"], batch["labels"])
                     # DDP averages gradients over processes: scale by world for the global token mean
                     accelerator.backward(s * (world / max(total_tokens, 1.0)))
                 loss_sum += s.detach().float()
