@@ -8,10 +8,11 @@ levels derives depths, the ancestor mask and root-to-leaf paths with tensor oper
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .errors import UsageError
@@ -25,14 +26,23 @@ class TreeShape:
     """
 
     parents: torch.Tensor  # [n] long, parents[0] == -1
+    #: the nodes' depths when the caller knows them already (a drafter that built the tree level by level): checked
+    #: against the parents in one step instead of derived node by node
+    known_depths: InitVar[torch.Tensor | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, known_depths):
         self.parents = torch.as_tensor(self.parents, dtype=torch.long)
-        p = self.parents
-        if p.ndim != 1 or p.numel() == 0 or int(p[0]) != -1:
+        p = self.parents.numpy()  # the checks in numpy: a tree is built every decode step, and small torch ops cost
+        if p.ndim != 1 or p.size == 0 or p[0] != -1:
             raise UsageError("a tree needs its root at index 0 with parent -1")
-        if p.numel() > 1 and not bool(((p[1:] >= 0) & (p[1:] < torch.arange(1, p.numel()))).all()):
+        if p.size > 1 and not ((p[1:] >= 0) & (p[1:] < np.arange(1, p.size))).all():
             raise UsageError("every non-root node's parent must be an earlier node")
+        if known_depths is not None:
+            d = torch.as_tensor(known_depths, dtype=torch.long)
+            dn = d.numpy()
+            if dn.shape != p.shape or dn[0] != 0 or not (dn[1:] == dn[p[1:]] + 1).all():
+                raise UsageError("known_depths must be 0 at the root and one more than each node's parent's")
+            self.__dict__["depths"] = d  # the cached property, filled
 
     def __len__(self) -> int:
         return self.parents.numel()

@@ -1,5 +1,5 @@
-"""Rerank: the tree a drafter with per-node path probabilities proposes (EAGLE-2's rerank, shared by ``eagle`` and
-``falcon``).
+"""Rerank: the tree a drafter with per-node path probabilities proposes (EAGLE-2's rerank, shared by ``eagle``,
+``falcon`` and ``rest``).
 
 Candidates are nodes under the root with a *path probability* (the product of draft probabilities along the path,
 an estimate of the chance the target accepts the node). Ranked by it, a parent always precedes its children (its
@@ -10,33 +10,45 @@ probabilities) / t(n)`` on this machine's cost curve t -- or a fixed n.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..tree import DraftTree, TreeShape
 
-
-def rank(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """Candidate indices by path probability, descending; shallower first on ties."""
-    order = torch.sort(depths, stable=True).indices
-    return order[torch.sort(scores[order], descending=True, stable=True).indices]
+# A draft has tens of candidates: the work here is a handful of calls on small arrays, done in numpy (each call
+# costs a fraction of a small torch op's, and the decode step pays every one of them). Inputs may be torch tensors
+# or numpy arrays.
 
 
-def best_size(probs: torch.Tensor, curve_ms: torch.Tensor | None, limit: int, nodes: int = 0) -> int:
+def _np(x) -> np.ndarray:
+    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def rank(scores, depths) -> torch.Tensor:
+    """Candidate indices by path probability, descending; shallower first on ties (then by index)."""
+    return torch.from_numpy(np.lexsort((_np(depths), -_np(scores))))
+
+
+def best_size(probs, curve_ms, limit: int, nodes: int = 0) -> int:
     """n (root included, 1..limit) for ranked path probabilities ``probs`` [>= limit - 1]: ``nodes`` when fixed, else
     the n maximising ``(1 + sum of the first n - 1) / t(n)`` (``curve_ms[n - 1]`` = t(n))."""
     if nodes:
         return min(nodes, limit)
-    gain = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64), probs[: limit - 1].double().cumsum(0)])
-    return int((gain / curve_ms[:limit]).argmax()) + 1
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(_np(probs)[: limit - 1], dtype=np.float64)])
+    return int(np.argmax(gain / _np(curve_ms)[:limit])) + 1
 
 
-def build_tree(chosen: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-               root: int) -> DraftTree:
+def build_tree(chosen, tokens, parents, depths, root: int) -> DraftTree:
     """The tree of the ``chosen`` candidates (closed under parents; -1 = the root) with target-id ``tokens``."""
-    chosen = chosen[torch.sort(depths[chosen], stable=True).indices]  # parents before children
-    index = torch.full((tokens.numel(),), -1, dtype=torch.long)
-    index[chosen] = torch.arange(1, chosen.numel() + 1)
-    tree_parents = torch.cat([torch.tensor([-1]), torch.where(parents[chosen] < 0, 0, index[parents[chosen]])])
-    if bool((tree_parents[1:] < 0).any()):
+    chosen, parents, depths = _np(chosen), _np(parents), _np(depths)
+    chosen = chosen[np.argsort(depths[chosen], kind="stable")]  # parents before children
+    index = np.full(parents.size, -1, dtype=np.int64)
+    index[chosen] = np.arange(1, chosen.size + 1)
+    up = parents[chosen]
+    tree_parents = np.concatenate([[-1], np.where(up < 0, 0, index[np.maximum(up, 0)])])
+    if (tree_parents[1:] < 0).any():
         raise RuntimeError("rerank: a chosen node's parent was not chosen")
-    return DraftTree(torch.cat([torch.tensor([root]), tokens[chosen]]), TreeShape(tree_parents))
+    shape = TreeShape(torch.from_numpy(tree_parents), known_depths=torch.from_numpy(
+        np.concatenate([[0], depths[chosen]]).astype(np.int64)))
+    tokens = np.concatenate([[root], _np(tokens)[chosen]]).astype(np.int64)
+    return DraftTree(torch.from_numpy(tokens), shape)
