@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 
@@ -133,3 +134,20 @@ def check_proposal_rows(method: str, rows: int, settings: str, max_context: int 
         raise UsageError(f"{method}: {settings} put {rows} tokens in every forward; at most {limit} are allowed "
                          f"(the smaller of {MAX_PROPOSAL_ROWS} and the model's context)")
     return rows
+
+
+def token_ids_problem(ids, vocab_size: int | None = None, *, allow_empty: bool = False) -> str | None:
+    """What is wrong with ``ids`` as a record's token ids (None: nothing): a list of integer ids >= 0 (not bools),
+    non-empty unless ``allow_empty``, each below ``vocab_size`` when it is given. The one check of the token-id
+    fields of make-data records, of PASTA's record files and of a REST datastore."""
+    if not isinstance(ids, list) or not (ids or allow_empty):
+        return "must be a list of token ids" if allow_empty else "must be a non-empty list of token ids"
+    bad_type = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+    if bad_type is not None:
+        return f"must hold integer token ids, not {json.dumps(bad_type)}"
+    outside = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if outside is None:
+        return None
+    if vocab_size is None:
+        return f"has a negative token id {outside}"
+    return f"has token id {outside} outside the target's vocabulary of {vocab_size}"

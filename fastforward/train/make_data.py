@@ -37,6 +37,7 @@ from ..engine import Proposer
 from ..errors import UsageError
 from ..jsonl import jsonl_records
 from ..paths import cache_root, check_output_dir, check_output_file, data_root, mark_output_dir
+from ..validation import token_ids_problem
 from .data import check_heldout, located_records, parse_paths, text_field
 
 RESPONSES = "responses.jsonl"
@@ -177,23 +178,6 @@ def _numbered_records(out: Path, repair: bool = False) -> list[tuple[int, object
 def read_records(out: Path, repair: bool = False) -> list[dict]:
     """The records of ``out/responses.jsonl``; with ``repair``, a torn last line (a killed writer) is cut off."""
     return [rec for _, rec in _numbered_records(out, repair)]
-
-
-def token_ids_problem(ids, vocab_size: int | None = None, *, allow_empty: bool = False) -> str | None:
-    """What is wrong with ``ids`` as a record's token ids (None: nothing): a list of integer ids >= 0 (not bools),
-    non-empty unless ``allow_empty``, each below ``vocab_size`` when it is given. The one check of the token-id
-    fields of make-data records and of PASTA's record files."""
-    if not isinstance(ids, list) or not (ids or allow_empty):
-        return "must be a list of token ids" if allow_empty else "must be a non-empty list of token ids"
-    bad_type = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
-    if bad_type is not None:
-        return f"must hold integer token ids, not {json.dumps(bad_type)}"
-    outside = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
-    if outside is None:
-        return None
-    if vocab_size is None:
-        return f"has a negative token id {outside}"
-    return f"has token id {outside} outside the target's vocabulary of {vocab_size}"
 
 
 def check_training_record(rec, where: str, vocab_size: int) -> None:

@@ -27,8 +27,8 @@ from ..errors import PastaSyntaxError, UsageError
 from ..jsonl import jsonl_records
 from ..pasta.language import PastaVocab, add_pasta_tokens, parse_ids
 from ..pasta.sft import pasta_batch, pasta_token_losses
+from ..validation import token_ids_problem
 from .data import Encoded, parse_paths, subsample
-from .make_data import token_ids_problem
 
 
 def read_jsonl(paths: str) -> list[dict]:
