@@ -46,6 +46,12 @@ def kernels_dir() -> Path:
     return cache_root() / "kernels"
 
 
+def made_data_dir(model_name: str) -> Path:
+    """Where ``fastforward make-data`` writes a model's responses by default (and where ``rest`` looks for them)."""
+    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(str(model_name)).name)
+    return cache_root() / "data" / slug
+
+
 def _data_candidates() -> list[Path]:
     checkout = PACKAGE_DIR.parent  # the repository root for an editable install
     cwd = Path.cwd()

@@ -246,7 +246,7 @@ def test_bad_datastore_files_are_one_line_errors(tiny, tmp_path, content, fragme
 @pytest.mark.parametrize("options,fragment", [
     ({}, "give a datastore"),
     ({"datastore": "/nonexistent/store.jsonl"}, "does not exist"),
-    ({"datastore": 3}, "give a datastore"),
+    ({"datastore": 3}, "must be a path"),
     ({"nodes": 1}, "nodes"),
     ({"nodes": -1}, "nodes"),
     ({"max_depth": 0}, "max_depth"),
@@ -271,3 +271,16 @@ def test_rest_in_a_batch_equals_solo_ar(packed, tmp_path):
         ("pld", {}), ("rest", {"datastore": store, "context": "off", "nodes": 3})], strict=True)]
     results = ff.generate_batch(packed, requests, max_batch_tokens=64)
     assert [r.token_ids for r in results] == solo
+
+
+def test_rest_finds_make_data_default_output(tiny, tmp_path, monkeypatch):
+    """Without a datastore option, make-data's default output for the model is used when it exists."""
+    from fastforward.paths import made_data_dir
+
+    monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path))
+    with pytest.raises(UsageError, match="give a datastore"):
+        make_proposer("rest", tiny)
+    folder = made_data_dir(tiny.name)
+    folder.mkdir(parents=True)
+    write_datastore(folder / "responses.jsonl", [[5, 6, 7, 8]])
+    assert len(make_proposer("rest", tiny).store) == 4

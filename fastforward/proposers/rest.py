@@ -34,6 +34,7 @@ from ..costs import AcceptanceEstimate, best_chain_length, machine_cost_curve
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from ..jsonl import jsonl_records
+from ..paths import made_data_dir
 from ..tree import DraftTree, chain_shape
 from ..validation import token_ids_problem
 from . import register
@@ -415,10 +416,11 @@ def _trie(rows: np.ndarray, store_rows: int):
 def rest(target, *, datastore: str = "", max_depth: int = 8, candidates: int = 64, nodes: int = 0,
          max_nodes: int = 24, context: str = "first") -> RetrievalProposer:
     """``datastore``: a make-data folder (the target's own answers; the held-out split is left out) or a JSONL file
-    of records with ``response_ids`` or ``text``; ``max_depth``: the deepest draft; ``candidates``: the most
-    continuations read per step; ``nodes``: a fixed size of the datastore's trees (root included; 0 = sized by this
-    machine's cost curve, at most ``max_nodes``); ``context``: ``first`` = the context's own match (as ``pld``) when
-    it has one worth drafting, else the datastore; ``merge`` = one tree of both; ``off`` = the datastore alone."""
+    of records with ``response_ids`` or ``text`` (default: make-data's default output for this model, if written);
+    ``max_depth``: the deepest draft; ``candidates``: the most continuations read per step; ``nodes``: a fixed size
+    of the datastore's trees (root included; 0 = sized by this machine's cost curve, at most ``max_nodes``);
+    ``context``: ``first`` = the context's own match (as ``pld``) when it has one worth drafting, else the
+    datastore; ``merge`` = one tree of both; ``off`` = the datastore alone."""
     check_int("rest", "max_depth", max_depth, 1, 64)
     check_int("rest", "candidates", candidates, 1, 4096)
     check_int("rest", "max_nodes", max_nodes, 2, 256)
@@ -426,7 +428,12 @@ def rest(target, *, datastore: str = "", max_depth: int = 8, candidates: int = 6
     if nodes == 1:
         raise UsageError("rest: option nodes must be 0 (sized by the cost curve) or at least 2, got 1")
     check_choice("rest", "context", context, CONTEXT_MODES)
-    if not isinstance(datastore, (str, Path)) or not str(datastore):
-        raise UsageError("rest: give a datastore: -o datastore=PATH (a 'fastforward make-data' folder, or a JSONL "
-                         "file of records with response_ids or text)")
+    if not isinstance(datastore, (str, Path)):
+        raise UsageError(f"rest: option datastore must be a path, got {datastore!r}")
+    if not str(datastore):  # make-data's default output for this model, when there is one
+        datastore = made_data_dir(target.name)
+        if not (datastore / "responses.jsonl").is_file():
+            raise UsageError("rest: give a datastore: -o datastore=PATH (a 'fastforward make-data' folder, or a JSONL "
+                             f"file of records with response_ids or text); without one, {datastore} is used once "
+                             "'fastforward make-data' has written it")
     return RetrievalProposer(datastore_for(target, datastore), max_depth, candidates, nodes, max_nodes, context)

@@ -36,7 +36,7 @@ import torch
 from ..engine import Proposer
 from ..errors import UsageError
 from ..jsonl import jsonl_records
-from ..paths import cache_root, check_output_dir, check_output_file, data_root, mark_output_dir
+from ..paths import check_output_dir, check_output_file, data_root, made_data_dir, mark_output_dir
 from ..validation import token_ids_problem
 from .data import check_heldout, located_records, parse_paths, text_field
 
@@ -164,8 +164,7 @@ def write_heldout_prompts(path, sources=None, *, heldout: float = DEFAULT_HELDOU
 
 
 def default_out(model_name: str) -> Path:
-    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(str(model_name)).name)
-    return cache_root() / "data" / slug
+    return made_data_dir(model_name)
 
 
 def _numbered_records(out: Path, repair: bool = False) -> list[tuple[int, object]]:
