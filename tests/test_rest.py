@@ -284,3 +284,24 @@ def test_rest_finds_make_data_default_output(tiny, tmp_path, monkeypatch):
     folder.mkdir(parents=True)
     write_datastore(folder / "responses.jsonl", [[5, 6, 7, 8]])
     assert len(make_proposer("rest", tiny).store) == 4
+
+
+@pytest.mark.parametrize("options,content,fragment", [
+    ([], None, "give a datastore"),
+    (["-o", "datastore=/nonexistent/folder"], None, "does not exist"),
+    (["-o", "datastore={store}"], '{"response_ids": [1, 2]}\n{"text": 5}\n', "store.jsonl:2: a datastore record"),
+    (["-o", "datastore={store}", "-o", "context=both"], '{"response_ids": [1, 2]}\n', "context must be one of"),
+])
+def test_cli_refuses_bad_datastores_in_one_line(tmp_path, monkeypatch, capsys, options, content, fragment):
+    from cli_helpers import one_line_exit_2
+
+    from fastforward.testing import tiny_hf_folder
+
+    monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path / "cache"))  # no make-data output to fall back on
+    folder = str(tiny_hf_folder(tmp_path / "tiny"))
+    store = tmp_path / "store.jsonl"
+    if content is not None:
+        store.write_text(content)
+    options = [o.format(store=store) for o in options]
+    line = one_line_exit_2(capsys, "generate", "hi", "--model", folder, "--method", "rest", *options)
+    assert fragment in line, line
