@@ -74,7 +74,9 @@ class TokenStore:
         self.keys = {n: np.zeros(0, dtype=np.int64) for n in NGRAMS}
         self.starts = {n: np.zeros(0, dtype=np.int64) for n in NGRAMS}
         self.sequences = 0
-        self.calibration = ScoreCalibration()  # how far the target follows this store's drafts, learned as it runs
+        # how far the target follows this store's drafts, learned as it runs: greedy requests (the target's argmax)
+        # and sampled ones (its samples, which leave the drafts more often) apart
+        self.calibrations = {True: ScoreCalibration(), False: ScoreCalibration()}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -332,7 +334,8 @@ class RetrievalProposer(Proposer):
             return None
         node_tokens, parents, depths, raw, chained, paths, begins_at = trie
         alpha = self.estimates[chain_n].alpha if chain_n else 0.0
-        scores = np.maximum(self.store.calibration(raw, depths, matched), np.where(chained, alpha ** depths, 0.0))
+        calibration = self.store.calibrations[state.sampling.greedy]
+        scores = np.maximum(calibration(raw, depths, matched), np.where(chained, alpha ** depths, 0.0))
         # no node above its parent (so the ranking puts parents first): the running minimum down each row's path
         along = np.minimum.accumulate(np.where(paths >= 0, scores[paths], 1.0), axis=1)
         scores = along[begins_at, depths - 1]
@@ -364,7 +367,7 @@ class RetrievalProposer(Proposer):
             n = len(step.proposal.tree) - 1  # the draft: only the nodes verified count)
             accepted = np.zeros(raw.size, dtype=bool)
             accepted[np.asarray(step.verdict.path[1:], dtype=np.int64) - 1] = True
-            self.store.calibration.update(raw[:n], depths[:n], matched, accepted[:n])
+            self.store.calibrations[state.sampling.greedy].update(raw[:n], depths[:n], matched, accepted[:n])
 
     def stats(self) -> dict:
         return {
