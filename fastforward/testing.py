@@ -255,6 +255,24 @@ def exact_joint(target, prompt, cfg, steps: int = 3) -> dict[tuple, float]:
     return probs
 
 
+def sampled_continuations(target, prompt, new_proposer, cfg, samples: int, steps: int = 3):
+    """Decode ``steps`` tokens after ``prompt`` ``samples`` times (seeds 0, 1, ...) with a fresh proposer from
+    ``new_proposer()`` each time: (counts of each continuation, runs that drafted at depth 1, accepted draft tokens)
+    -- the observed side of a chi-square test against :func:`exact_joint`, and proof the drafted path ran."""
+    from .engine import GenerationStats, decode_steps
+
+    counts: dict[tuple, int] = {}
+    drafted = accepted = 0
+    for seed in range(samples):
+        stats = GenerationStats("sampled")
+        toks = tuple(t for chunk in decode_steps(target, prompt, new_proposer(), max_new_tokens=steps, sampling=cfg,
+                                                 seed=seed, stats=stats) for t in chunk)
+        counts[toks] = counts.get(toks, 0) + 1
+        drafted += bool(stats.depth_attempts and stats.depth_attempts[0])
+        accepted += sum(stats.depth_accepts)
+    return counts, drafted, accepted
+
+
 def pooled_chi2(exact: dict[tuple, float], counts: dict[tuple, int]) -> tuple[float, int]:
     """Pearson chi-square of observed ``counts`` against ``exact`` probabilities, cells with an expected count under 5
     pooled into one; returns (chi2, number of unpooled cells)."""

@@ -10,13 +10,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastforward as ff
-from fastforward.engine import GenerationStats, decode_steps
 from fastforward.model import TargetModel
 from fastforward.proposers import make_proposer
 from fastforward.proposers.jacobi import JacobiProposer, init_tokens
 from fastforward.proposers.lookahead import LookaheadProposer, window_mask
 from fastforward.proposers.pld import prompt_lookup
-from fastforward.testing import TinyTokenizer, chi2_critical, exact_joint, pooled_chi2, tiny_llama_hf, tiny_target
+from fastforward.testing import (
+    TinyTokenizer,
+    chi2_critical,
+    exact_joint,
+    pooled_chi2,
+    sampled_continuations,
+    tiny_llama_hf,
+    tiny_target,
+)
 from fastforward.verify import SamplingConfig
 
 # FF_EXAMPLES=200 for the acceptance run; the default keeps the suite quick.
@@ -356,16 +363,8 @@ def test_sampling_distribution_chi_square(tiny_vocab, method, options, cfg):
     prompt = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
     samples = 3000
     exact = exact_joint(target, prompt, cfg)
-    counts: dict[tuple, int] = {}
-    drafted = accepted = 0
-    for seed in range(samples):
-        stats = GenerationStats(method)
-        prop = make_proposer(method, target, **options)
-        toks = [t for chunk in decode_steps(target, prompt, prop, max_new_tokens=3, sampling=cfg, seed=seed,
-                                            stats=stats) for t in chunk]
-        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
-        drafted += bool(stats.depth_attempts and stats.depth_attempts[0])
-        accepted += sum(stats.depth_accepts)
+    counts, drafted, accepted = sampled_continuations(target, prompt, lambda: make_proposer(method, target, **options),
+                                                      cfg, samples)
     assert drafted > 0.9 * samples and accepted > 0.03 * samples  # the drafted path is really exercised
     chi2, df = pooled_chi2(exact, counts)
     assert sum(counts.values()) == samples and set(counts) <= set(exact)

@@ -14,11 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastforward as ff
-from fastforward.engine import GenerationStats, decode_steps
 from fastforward.errors import UsageError
 from fastforward.proposers import make_proposer
 from fastforward.proposers.rest import CONTEXT_MODES, MATCH_WINDOW, ScoreCalibration, TokenStore, _trie, datastore_for
-from fastforward.testing import chi2_critical, exact_joint, pooled_chi2, tiny_target
+from fastforward.testing import chi2_critical, exact_joint, pooled_chi2, sampled_continuations, tiny_target
 from fastforward.verify import SamplingConfig
 
 EXAMPLES = settings(max_examples=int(os.environ.get("FF_EXAMPLES", 60)), deadline=None, derandomize=True,
@@ -98,16 +97,8 @@ def test_rest_sampling_distribution_chi_square(tmp_path):
     cfg = SamplingConfig(1.0)
     samples = 3000
     exact = exact_joint(target, prompt, cfg)
-    counts: dict[tuple, int] = {}
-    drafted = accepted = 0
-    for seed in range(samples):
-        stats = GenerationStats("rest")
-        prop = make_proposer("rest", target, datastore=store, nodes=4, context="merge")
-        toks = [t for chunk in decode_steps(target, prompt, prop, max_new_tokens=3, sampling=cfg, seed=seed,
-                                            stats=stats) for t in chunk]
-        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
-        drafted += bool(stats.depth_attempts and stats.depth_attempts[0])
-        accepted += sum(stats.depth_accepts)
+    counts, drafted, accepted = sampled_continuations(
+        target, prompt, lambda: make_proposer("rest", target, datastore=store, nodes=4, context="merge"), cfg, samples)
     assert drafted > 0.9 * samples and accepted > 0.03 * samples  # the drafted path is really exercised
     chi2, df = pooled_chi2(exact, counts)
     assert sum(counts.values()) == samples and set(counts) <= set(exact) and df >= 20

@@ -1,5 +1,6 @@
-"""Back-off for drafters that keep caches in step (``eagle``, ``fasteagle``, ``falcon``): keeping a drafter's cache
-current costs a pass every step, which a step that then drafts nothing does not earn back. After a look whose best
+"""Back-off for drafters that keep caches in step (``eagle``, ``fasteagle``, ``falcon``) and for ``rest``'s datastore
+lookups: keeping a drafter's cache current (or looking up the datastore) costs time every step, which a step that
+then drafts nothing does not earn back. After a look whose best
 choice was to draft nothing, skip looking for 1, 2, 4, ... up to ``limit`` steps (the proposer commits the skipped
 steps' accepted rows together at the next look: r rows cost about what one does). A draft that paid for itself
 resets it.
@@ -12,8 +13,6 @@ text stops paying for looks there. Only which steps draft changes, never the out
 from __future__ import annotations
 
 import time
-
-import torch
 
 
 class BackOff:
@@ -50,14 +49,15 @@ class BackOff:
             self.skip = min(2**self.idle, self.limit)
             self.idle += 1
 
-    def verdict(self, accepted: int, curve_ms: torch.Tensor | None) -> None:
-        """The number of draft tokens the target accepted from the last draft (``curve_ms[n - 1]`` = t(n))."""
+    def verdict(self, accepted: int, curve_ms) -> None:
+        """The number of draft tokens the target accepted from the last draft (``curve_ms[n - 1]`` = t(n), a 1-D
+        tensor or array)."""
         if self._open is None:
             return
         nodes, look_ms = self._open
         self._open = None
         t1 = float(curve_ms[0])
-        cost = look_ms + float(curve_ms[min(nodes, curve_ms.numel()) - 1]) - t1
+        cost = look_ms + float(curve_ms[min(nodes, len(curve_ms)) - 1]) - t1
         if accepted * t1 >= cost:
             self.idle = 0
         else:

@@ -12,7 +12,7 @@ request's own context and earlier outputs the same way.) Two sources:
   context tokens make a trie; a node's raw share is the fraction of them that pass through it, ``count / (M + 1)``.
   Raw shares overstate how often the target agrees, the more so the shorter the match and the deeper the node, so
   a node's score is the rate at which the target has accepted such nodes so far (:class:`ScoreCalibration`, by
-  match length, depth and raw share; learned as requests run, shared by them).
+  match length, depth and raw share; learned as requests run, shared by them, greedy and sampled ones apart).
 
 With ``context="first"`` (the default) a step drafts the context's chain when it has one worth its rows, else the
 datastore's tree; ``"merge"`` makes one tree of both (a node both propose takes the larger score: the chain's node
@@ -38,6 +38,7 @@ from ..paths import made_data_dir
 from ..tree import DraftTree, chain_shape
 from ..validation import token_ids_problem
 from . import register
+from ._backoff import BackOff
 from ._options import check_choice, check_int
 from ._rerank import best_size, build_tree, rank
 from .pld import NgramIndex
@@ -48,6 +49,7 @@ MATCH_WINDOW = 16  # how far back a match is measured (only the longest matches'
 SCAN = 4  # occurrences measured per continuation read (the latest ones)
 SEPARATOR = -1  # between the store's sequences
 CONTEXT_MODES = ("first", "merge", "off")  # how the context's own match joins the datastore's drafts
+BACKOFF_LIMIT = 8  # at most this many steps without a datastore lookup after looks that did not pay
 
 
 def _keys(windows: np.ndarray) -> np.ndarray:
@@ -284,6 +286,7 @@ class RetrievalProposer(Proposer):
 
     def _reset(self) -> None:
         self.estimates = {n: AcceptanceEstimate() for n in range(1, self.index.max_ngram + 1)}
+        self.back_off = BackOff(BACKOFF_LIMIT)
         self.steps = self.from_store = self.from_context = self.drafted = 0
         self.pending = None
 
@@ -321,6 +324,9 @@ class RetrievalProposer(Proposer):
                 self.pending = (chain_n, chain[:k].tolist(), np.zeros(k), np.arange(1, k + 1), 0)
                 return Proposal(DraftTree(torch.cat([tokens[-1:], chain[:k]]), chain_shape(k + 1)))
             chain, chain_n = None, 0  # not worth its rows: the datastore alone
+        if self.back_off.skipping():  # the datastore's recent looks drafted nothing, or nothing that paid
+            return None
+        self.back_off.looking()
         rows, matched = self.store.continuations(tokens[-MATCH_WINDOW:].numpy(), self.candidates, depth)
         store_rows = rows.shape[0]
         if chain_n:  # "merge": the chain joins the datastore's rows
@@ -343,7 +349,9 @@ class RetrievalProposer(Proposer):
         limit = min(self.max_nodes, scores.size + 1)
         n = best_size(scores[order], self.curve_ms, limit, self.nodes)
         if n <= 1:
+            self.back_off.drafted_nothing()
             return None
+        self.back_off.drafted(n)
         self.from_store += store_rows > 0
         self.from_context += chain_n > 0
         self.drafted += n - 1
@@ -358,6 +366,7 @@ class RetrievalProposer(Proposer):
             return
         chain_n, chain, raw, depths, matched = self.pending
         self.pending = None
+        self.back_off.verdict(step.verdict.accepted, self.curve_ms)  # judges a datastore tree (a chain: no-op)
         target_tokens = step.new_tokens  # the target's tokens at depths 1, 2, ...: accepted ones, then its own
         if chain_n:
             known = min(len(chain), len(target_tokens))
