@@ -25,7 +25,7 @@ from fastforward.server import BackgroundServer, Limits, create_app  # noqa: E40
 from fastforward.testing import tiny_hf_folder  # noqa: E402
 
 MODEL = "tiny"
-TINY_METHODS = ["ar", "jacobi", "pld", "lookahead", "tr-jacobi", "sps"]
+TINY_METHODS = ["ar", "jacobi", "pld", "rest", "lookahead", "tr-jacobi", "sps"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,11 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(folder):
-    return ff.load(str(folder))
+    target = ff.load(str(folder))
+    # rest's datastore: the model's own answer to the test conversation (so its drafts are tried and accepted)
+    answer = ff.generate(target, MESSAGES, "ar", max_new_tokens=24).token_ids
+    (folder / "store.jsonl").write_text(json.dumps({"response_ids": answer}) + "\n")
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,8 @@ def client(server):
 
 
 def options_for(method, folder):
-    return {"draft": str(folder), "k": 3} if method == "sps" else {}
+    return {"draft": str(folder), "k": 3} if method == "sps" else \
+        {"datastore": str(folder / "store.jsonl")} if method == "rest" else {}
 
 
 def ext(method, folder, **more):
