@@ -146,6 +146,8 @@ SERVE_CASES = [
     (["--max-body-bytes", "0"], "--max-body-bytes"),
     (["--threads", str(usable_cpus() + 1)], "--threads"),
     (["--method", "bogus"], "unknown method"),
+    (["--method", "pld", "-o", "warp=9"], "no option"),
+    (["--method", "pld", "-o", "k=1", "-o", "k=2"], "given twice"),
     (["--bogus"], "unrecognized arguments"),
 ]
 

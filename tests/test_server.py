@@ -21,6 +21,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 import fastforward as ff  # noqa: E402
+from fastforward.errors import UsageError  # noqa: E402
 from fastforward.server import BackgroundServer, Limits, create_app  # noqa: E402
 from fastforward.testing import tiny_hf_folder  # noqa: E402
 
@@ -483,3 +484,29 @@ def test_commands_refuse_bad_arguments_in_one_line(capsys, argv, fragment):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert fragment in err and len(err.splitlines()) == 1
+
+
+def test_default_method_options_apply_under_a_requests_own(target, folder):
+    """serve --method rest -o datastore=...: requests naming no method decode with rest and the server's options;
+    a request for rest with options of its own keeps the server's datastore under them; the output is AR's."""
+    store = str(folder / "store.jsonl")
+    app = create_app(target, model_name=MODEL, max_batch_tokens=64, default_method="rest",
+                     default_options={"datastore": store})
+    ref = ff.generate(target, MESSAGES, "ar", max_new_tokens=16)
+    with BackgroundServer(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        card = client.models.list().data[0].model_extra["fastforward"]
+        assert card["default_method"] == "rest" and card["default_options"] == {"datastore": store}
+        for extra in ({"fastforward": {"token_ids": True}},
+                      {"fastforward": {"method": "rest", "options": {"max_depth": 3}, "token_ids": True}}):
+            r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+                                               extra_body=extra)
+            ext_ = r.model_extra["fastforward"]
+            assert ext_["method"] == "rest" and ext_["token_ids"] == ref.token_ids
+            assert ext_["stats"]["num_draft_tokens"] > 0
+
+
+def test_default_method_options_are_checked_before_serving(target, tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        create_app(target, model_name=MODEL, default_method="rest",
+                   default_options={"datastore": str(tmp_path / "nothing.jsonl")})

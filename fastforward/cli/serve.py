@@ -9,7 +9,14 @@ from ..bench.serve_load import DEFAULT_METHODS
 from ..errors import UsageError
 from ..model import DEFAULT_MODEL
 from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
-from .options import add_model_arguments, nonnegative_int, positive_int, thread_count
+from .options import (
+    add_method_option_argument,
+    add_model_arguments,
+    nonnegative_int,
+    parse_options,
+    positive_int,
+    thread_count,
+)
 
 SERVE_HINT = "install the server's dependencies with: pip install -e '.[serve]' (fastapi, uvicorn)"
 
@@ -24,6 +31,8 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the --model value)")
     p.add_argument("--method", default="ar", help="decoding method of requests that name none (default: ar)")
+    add_method_option_argument(p, help="an option of --method, for the requests that use it (under their own "
+                                       "options), e.g. --method rest -o datastore=DIR (repeatable)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=None, metavar="N",
                    help="rows per shared forward (default: sized from this machine's cost curve)")
     p.add_argument("--max-running", type=positive_int, default=16,
@@ -152,10 +161,12 @@ def run(args, name: str) -> int:
         import uvicorn  # noqa: F401
     except ModuleNotFoundError:
         raise UsageError(f"'fastforward serve' needs fastapi and uvicorn: {SERVE_HINT}") from None
-    from ..proposers import available_methods
+    from ..proposers import available_methods, check_method_options
 
     if args.method not in available_methods():
         raise UsageError(f"unknown method '{args.method}'; available: {', '.join(available_methods())}")
+    default_options = parse_options(args.option)
+    check_method_options(args.method, default_options)  # the names, before loading; the values once it is loaded
     import fastforward as ff
 
     from ..server import Limits, create_app, serve
@@ -166,7 +177,8 @@ def run(args, name: str) -> int:
     model_name = args.served_model_name or args.model
     app = create_app(target, model_name=model_name, default_method=args.method, limits=limits,
                      max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
-                     max_waiting=args.max_waiting, prefix_cache_tokens=args.prefix_cache_tokens)
+                     max_waiting=args.max_waiting, prefix_cache_tokens=args.prefix_cache_tokens,
+                     default_options=default_options)
     print(f"fastforward serve: {model_name} on http://{args.host}:{args.port} (page at /, OpenAI API at /v1, "
           f"{app.state.max_batch_tokens} rows per shared forward)", file=sys.stderr, flush=True)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)

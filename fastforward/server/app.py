@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import batch_token_budget
 from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
-from ..proposers import available_methods
+from ..proposers import available_methods, make_proposer
 from ..version import __version__
 from .metrics import Metrics
 from .page import PAGE
@@ -46,12 +46,17 @@ def _json_safe(value):
 
 def create_app(target, *, model_name: str, default_method: str = "ar", limits: Limits | None = None,
                max_batch_tokens: int | None = None, max_running: int = 16, max_waiting: int = 64,
-               aliases: tuple[str, ...] = (), prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> FastAPI:
-    """The server's app for a loaded ``target``; the decode thread starts and stops with the app."""
+               aliases: tuple[str, ...] = (), prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+               default_options: dict | None = None) -> FastAPI:
+    """The server's app for a loaded ``target``; the decode thread starts and stops with the app. ``default_options``
+    are options of ``default_method``, under a request's own: checked here by building that method's proposer once
+    (a bad value is a :class:`UsageError` before the server listens)."""
     limits = limits or Limits()
     methods = available_methods()
     if default_method not in methods:
         raise ValueError(f"unknown default method '{default_method}'")
+    default_options = dict(default_options or {})
+    make_proposer(default_method, target, **default_options)
     served = (model_name, *[a for a in aliases if a != model_name])
     metrics = Metrics()
     budget = max_batch_tokens or batch_token_budget(target)
@@ -111,7 +116,9 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "fastforward",
                 "max_model_len": target.max_context,
-                "fastforward": {"default_method": default_method, "max_batch_tokens": budget,
+                "fastforward": {"default_method": default_method,
+                                "default_options": {k: _json_safe(v) for k, v in default_options.items()},
+                                "max_batch_tokens": budget,
                                 "methods": {m.name: {"summary": m.summary, "lossless": m.lossless,
                                                      "options": {k: _json_safe(v) for k, v in m.options().items()}}
                                             for m in methods.values()}}}
@@ -155,7 +162,8 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
 
     async def generate(request: Request, kind: str, endpoint: str):
         body = await read_json(request)
-        parsed = parse(kind, body, served=served, default_method=default_method, limits=limits)
+        parsed = parse(kind, body, served=served, default_method=default_method, limits=limits,
+                       default_options=default_options)
         ticket = scheduler.submit(parsed, asyncio.get_running_loop())
         try:
             kind_, payload = await ticket.queue.get()

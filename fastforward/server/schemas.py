@@ -140,10 +140,13 @@ def _max_tokens(body: dict, limits: Limits) -> int:
 EXTENSION_FIELDS = ("method", "options", "trace", "token_ids")
 
 
-def _extension(body: dict, default_method: str) -> tuple[str, dict, bool, bool]:
+def _extension(body: dict, default_method: str, default_options: dict | None = None) -> tuple[str, dict, bool, bool]:
+    """(method, options, trace, token_ids) of the request's ``fastforward`` extension; the server's options of its
+    default method (``serve --method M -o KEY=VALUE``) apply under the request's own when it uses that method."""
+    defaults = dict(default_options or {})
     ext = body.get("fastforward")
     if ext is None:
-        return default_method, {}, False, False
+        return default_method, defaults, False, False
     if not isinstance(ext, dict):
         raise bad(f"'fastforward' must be an object {{\"method\": ..., \"options\": {{...}}}}, got "
                   f"{_type_name(ext)}", "fastforward")
@@ -162,6 +165,8 @@ def _extension(body: dict, default_method: str) -> tuple[str, dict, bool, bool]:
     if not isinstance(options, dict):
         raise bad(f"'fastforward.options' must be an object of option name -> value, got {_type_name(options)}",
                   "fastforward.options")
+    if method == default_method:
+        options = {**defaults, **options}
     flags = []
     for name in ("trace", "token_ids"):
         flag = ext.get(name, False)
@@ -227,7 +232,8 @@ def _prompt(body: dict):
     raise bad(f"'prompt' must be a string or an array of token ids, got {_type_name(prompt)}", "prompt")
 
 
-def parse(kind: str, body, *, served: tuple[str, ...], default_method: str, limits: Limits) -> ParsedRequest:
+def parse(kind: str, body, *, served: tuple[str, ...], default_method: str, limits: Limits,
+          default_options: dict | None = None) -> ParsedRequest:
     """Check an OpenAI chat (``kind="chat"``) or completions body; raises :class:`APIError`."""
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {_type_name(body)}")
@@ -254,7 +260,7 @@ def parse(kind: str, body, *, served: tuple[str, ...], default_method: str, limi
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise bad(f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
-    method, options, trace, token_ids = _extension(body, default_method)
+    method, options, trace, token_ids = _extension(body, default_method, default_options)
     if kind == "chat":
         prompt, chat = _messages(body), True
     else:
