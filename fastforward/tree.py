@@ -12,7 +12,6 @@ from dataclasses import InitVar, dataclass
 from functools import cached_property
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .errors import UsageError
@@ -32,17 +31,25 @@ class TreeShape:
 
     def __post_init__(self, known_depths):
         self.parents = torch.as_tensor(self.parents, dtype=torch.long)
-        p = self.parents.numpy()  # the checks in numpy: a tree is built every decode step, and small torch ops cost
-        if p.ndim != 1 or p.size == 0 or p[0] != -1:
+        p = self.parents
+        if p.ndim != 1 or p.numel() == 0 or int(p[0]) != -1:
             raise UsageError("a tree needs its root at index 0 with parent -1")
-        if p.size > 1 and not ((p[1:] >= 0) & (p[1:] < np.arange(1, p.size))).all():
+        if p.numel() > 1 and not bool(((p[1:] >= 0) & (p[1:] < torch.arange(1, p.numel()))).all()):
             raise UsageError("every non-root node's parent must be an earlier node")
         if known_depths is not None:
             d = torch.as_tensor(known_depths, dtype=torch.long)
-            dn = d.numpy()
-            if dn.shape != p.shape or dn[0] != 0 or not (dn[1:] == dn[p[1:]] + 1).all():
+            if d.shape != p.shape or int(d[0]) != 0 or not bool((d[1:] == d[p[1:]] + 1).all()):
                 raise UsageError("known_depths must be 0 at the root and one more than each node's parent's")
             self.__dict__["depths"] = d  # the cached property, filled
+
+    @classmethod
+    def from_checked(cls, parents: torch.Tensor, depths: torch.Tensor) -> TreeShape:
+        """A shape whose builder has already checked, in its own arrays, what ``__init__`` would (the root at 0,
+        every parent an earlier node, each depth one more than its parent's): built without checking again."""
+        shape = cls.__new__(cls)
+        shape.parents = parents
+        shape.__dict__["depths"] = depths
+        return shape
 
     def __len__(self) -> int:
         return self.parents.numel()

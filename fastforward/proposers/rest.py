@@ -345,7 +345,7 @@ class RetrievalProposer(Proposer):
         # no node above its parent (so the ranking puts parents first): the running minimum down each row's path
         along = np.minimum.accumulate(np.where(paths >= 0, scores[paths], 1.0), axis=1)
         scores = along[begins_at, depths - 1]
-        order = rank(scores, depths).numpy()
+        order = rank(scores, depths)
         limit = min(self.max_nodes, scores.size + 1)
         n = best_size(scores[order], self.curve_ms, limit, self.nodes)
         if n <= 1:
