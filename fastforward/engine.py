@@ -111,6 +111,9 @@ class Proposer:
     hidden_layers: tuple[int, ...] = ()
     #: a SequenceRun subclass that decodes this method instead of draft-then-verify (None: the engine's own)
     run_class = None
+    #: whether it learns from finished requests for later ones (``finish``): a benchmark refuses such a method, as
+    #: its questions' answers (and the warm-up's) would draft for one another
+    learns_across_requests = False
     #: whether its drafts carry draft probabilities when sampling (verified by recursive rejection, which draws
     #: from the run's generator: such a draft must not be cut, or a seeded answer would depend on the batch)
     drafts_with_probabilities = False
@@ -128,6 +131,10 @@ class Proposer:
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
         """Called after each verification, with the state already advanced by ``step.new_tokens``."""
+
+    def finish(self, state: DecodeState) -> None:
+        """Called once when the run ends (finished or cancelled): ``state.tokens`` is the prompt and what was
+        emitted. For methods that learn across requests."""
 
     def stats(self) -> dict:
         """Method-specific statistics for the run report."""
@@ -305,6 +312,7 @@ class SequenceRun:
         self.stats.wall_time = time.perf_counter() - self._t_start
         self.stats.method_stats = self.proposer.stats()
         self.cache = None  # free the KV memory as soon as the run ends
+        self.proposer.finish(self.state)  # after the timing: what a method learns for later requests is not this one's
 
     # -- the three steps -----------------------------------------------------------------------------------------
     def prefill(self) -> list[int]:

@@ -296,3 +296,54 @@ def test_cli_refuses_bad_datastores_in_one_line(tmp_path, monkeypatch, capsys, o
     options = [o.format(store=store) for o in options]
     line = one_line_exit_2(capsys, "generate", "hi", "--model", folder, "--method", "rest", *options)
     assert fragment in line, line
+
+
+def test_learned_generations_draft_for_later_requests(tmp_path):
+    """learn=True: a finished generation joins the datastore, so the same question again is drafted from it (far
+    more tokens per forward), and both answers are AR's; learn=False adds nothing."""
+    from fastforward.proposers import rest as rest_module
+
+    target = tiny_target(backend="lean", seed=3)  # its own store registry entry: no other test's generations
+    prompt = [5, 17, 42, 8, 13]
+    want = ff.generate(target, prompt, "ar", max_new_tokens=40).token_ids
+    opts = {"datastore": "none", "learn": True, "context": "off", "nodes": 6}
+    first = ff.generate(target, prompt, "rest", max_new_tokens=40, method_options=opts)
+    second = ff.generate(target, prompt, "rest", max_new_tokens=40, method_options=opts)
+    assert first.token_ids == second.token_ids == want
+    assert first.stats.method_stats["steps_with_datastore_match"] == 0  # the store was empty
+    assert second.stats.tau > 2.0 and second.stats.tau > first.stats.tau
+    assert len(rest_module.datastore_for(target, None)) == 2 * len(want)
+    # a datastore file learns too, and only with learn=True
+    path = write_datastore(tmp_path / "s.jsonl", [[1, 2, 3]])
+    store = rest_module.datastore_for(target, path)
+    ff.generate(target, prompt, "rest", max_new_tokens=40, method_options={"datastore": path})
+    assert len(store) == 3
+    ff.generate(target, prompt, "rest", max_new_tokens=40, method_options={"datastore": path, "learn": True})
+    assert len(store) == 3 + len(want)
+
+
+def test_learning_stops_at_the_limit(monkeypatch):
+    from fastforward.proposers import rest as rest_module
+
+    monkeypatch.setattr(rest_module, "LEARN_LIMIT", 10)
+    store = TokenStore(vocab_size=50)
+    store.learn([1, 2, 3, 4, 5, 6])
+    store.learn([7, 8, 9, 10, 11])  # would pass the limit: not added
+    store.learn([12, 13, 14, 15])
+    assert len(store) == 10 and store.learned == 10
+
+
+def test_datastore_none_needs_learning(tiny):
+    with pytest.raises(UsageError, match="needs learn=True"):
+        make_proposer("rest", tiny, datastore="none")
+    with pytest.raises(UsageError, match="learn"):
+        make_proposer("rest", tiny, datastore="none", learn="yes")
+
+
+def test_the_benchmark_refuses_a_learning_method(tiny, tiny_datastore):
+    from fastforward.bench.methods import check_spec_on, parse_spec
+
+    spec = parse_spec(f"rl=rest:datastore={tiny_datastore}:learn=True")
+    with pytest.raises(UsageError, match="learns from earlier requests"):
+        check_spec_on(spec, tiny)
+    check_spec_on(parse_spec(f"r=rest:datastore={tiny_datastore}"), tiny)  # without learning: fine

@@ -133,9 +133,13 @@ def check_spec_on(spec: MethodSpec, target) -> None:
     if spec.kind != "method":
         return
     try:
-        make_proposer(spec.method, target, **spec.options)
+        proposer = make_proposer(spec.method, target, **spec.options)
     except FastForwardError as exc:
         raise UsageError(f"--methods {spec.label}: {exc}") from None
+    if proposer.learns_across_requests:
+        raise UsageError(f"--methods {spec.label}: it learns from earlier requests, so the run's answers (the "
+                         "warm-up's and other methods' answers to the same question) would draft for one another; "
+                         "benchmark it without learning")
 
 
 def effective_options(spec: MethodSpec) -> dict:

@@ -39,7 +39,7 @@ from ..tree import DraftTree, chain_shape
 from ..validation import token_ids_problem
 from . import register
 from ._backoff import BackOff
-from ._options import check_choice, check_int
+from ._options import check_bool, check_choice, check_int
 from ._rerank import best_size, build_tree, rank
 from .pld import NgramIndex
 
@@ -50,6 +50,7 @@ SCAN = 4  # occurrences measured per continuation read (the latest ones)
 SEPARATOR = -1  # between the store's sequences
 CONTEXT_MODES = ("first", "merge", "off")  # how the context's own match joins the datastore's drafts
 BACKOFF_LIMIT = 8  # at most this many steps without a datastore lookup after looks that did not pay
+LEARN_LIMIT = 2_000_000  # the most tokens a datastore learns from finished generations (then it stops adding)
 
 
 def _keys(windows: np.ndarray) -> np.ndarray:
@@ -76,6 +77,7 @@ class TokenStore:
         self.keys = {n: np.zeros(0, dtype=np.int64) for n in NGRAMS}
         self.starts = {n: np.zeros(0, dtype=np.int64) for n in NGRAMS}
         self.sequences = 0
+        self.learned = 0  # tokens added from finished generations (see RetrievalProposer.finish)
         # how far the target follows this store's drafts, learned as it runs: greedy requests (the target's argmax)
         # and sampled ones (its samples, which leave the drafts more often) apart
         self.calibrations = {True: ScoreCalibration(), False: ScoreCalibration()}
@@ -107,6 +109,12 @@ class TokenStore:
                 self.starts[n] = np.insert(self.starts[n], at, starts)
             self.tokens = tokens
             self.sequences += len(parts)
+
+    def learn(self, sequence) -> None:
+        """Add a finished generation, until LEARN_LIMIT tokens have been learned (then nothing more is added)."""
+        if len(sequence) and self.learned + len(sequence) <= LEARN_LIMIT:
+            self.add([sequence])
+            self.learned += len(sequence)
 
     def continuations(self, context: np.ndarray, limit: int, depth: int) -> tuple[np.ndarray, int]:
         """The tokens that follow the longest suffix of ``context`` (int array, last token last) in the store, and
@@ -187,16 +195,22 @@ def read_datastore(target, path) -> list[list[int]]:
 
 def datastore_for(target, path) -> TokenStore:
     """The :class:`TokenStore` of ``path`` for ``target``: read and indexed once per process (re-read if the file
-    changes), shared by every request."""
-    file = datastore_file(path).resolve()
-    stat = file.stat()
-    key = (str(file), stat.st_mtime_ns, stat.st_size)
+    changes), shared by every request. ``path`` None: the target's store of learned generations only (empty until
+    requests with ``learn`` finish)."""
+    if path is None:
+        key = None
+    else:
+        file = datastore_file(path).resolve()
+        stat = file.stat()
+        key = (str(file), stat.st_mtime_ns, stat.st_size)
     with _STORES_LOCK:
         stores = _STORES.setdefault(target, {})
         if key not in stores:
             store = TokenStore(target.vocab_size)
-            store.add(read_datastore(target, file))
-            stores.clear()  # an older version of a file is not kept
+            if key is not None:
+                store.add(read_datastore(target, file))
+                for old in [k for k in stores if k is not None and k[0] == key[0]]:
+                    del stores[old]  # an older version of the file is not kept
             stores[key] = store
         return stores[key]
 
@@ -275,8 +289,8 @@ class RetrievalProposer(Proposer):
     name = "rest"
 
     def __init__(self, store: TokenStore, max_depth: int = 8, candidates: int = 64, nodes: int = 0,
-                 max_nodes: int = 24, context: str = "first", max_ngram: int = 3):
-        self.store = store
+                 max_nodes: int = 24, context: str = "first", max_ngram: int = 3, learn: bool = False):
+        self.store, self.learns_across_requests = store, learn
         self.max_depth, self.candidates, self.context = max_depth, candidates, context
         self.nodes, self.max_nodes = nodes, nodes or max_nodes
         self.index = NgramIndex(max_ngram, 1)
@@ -378,6 +392,10 @@ class RetrievalProposer(Proposer):
             accepted[np.asarray(step.verdict.path[1:], dtype=np.int64) - 1] = True
             self.store.calibrations[state.sampling.greedy].update(raw[:n], depths[:n], matched, accepted[:n])
 
+    def finish(self, state: DecodeState) -> None:
+        if self.learns_across_requests:  # this generation joins the datastore for the requests after it
+            self.store.learn(state.tokens[state.prompt_length :].tolist())
+
     def stats(self) -> dict:
         return {
             "lookups": self.steps,
@@ -426,13 +444,15 @@ def _trie(rows: np.ndarray, store_rows: int):
     source="He et al. 2024, REST: Retrieval-Based Speculative Decoding, arXiv 2311.08252",
 )
 def rest(target, *, datastore: str = "", max_depth: int = 8, candidates: int = 64, nodes: int = 0,
-         max_nodes: int = 24, context: str = "first") -> RetrievalProposer:
+         max_nodes: int = 24, context: str = "first", learn: bool = False) -> RetrievalProposer:
     """``datastore``: a make-data folder (the target's own answers; the held-out split is left out) or a JSONL file
     of records with ``response_ids`` or ``text`` (default: make-data's default output for this model, if written);
     ``max_depth``: the deepest draft; ``candidates``: the most continuations read per step; ``nodes``: a fixed size
     of the datastore's trees (root included; 0 = sized by this machine's cost curve, at most ``max_nodes``);
     ``context``: ``first`` = the context's own match (as ``pld``) when it has one worth drafting, else the
-    datastore; ``merge`` = one tree of both; ``off`` = the datastore alone."""
+    datastore; ``merge`` = one tree of both; ``off`` = the datastore alone; ``learn``: each finished generation
+    joins the datastore for the requests after it (SuffixDecoding's cache of earlier outputs, up to LEARN_LIMIT
+    tokens per datastore; with ``datastore="none"``, a store of learned generations alone)."""
     check_int("rest", "max_depth", max_depth, 1, 64)
     check_int("rest", "candidates", candidates, 1, 4096)
     check_int("rest", "max_nodes", max_nodes, 2, 256)
@@ -440,12 +460,18 @@ def rest(target, *, datastore: str = "", max_depth: int = 8, candidates: int = 6
     if nodes == 1:
         raise UsageError("rest: option nodes must be 0 (sized by the cost curve) or at least 2, got 1")
     check_choice("rest", "context", context, CONTEXT_MODES)
-    if not isinstance(datastore, (str, Path)):
+    check_bool("rest", "learn", learn)
+    if datastore is not None and not isinstance(datastore, (str, Path)):
         raise UsageError(f"rest: option datastore must be a path, got {datastore!r}")
-    if not str(datastore):  # make-data's default output for this model, when there is one
+    if datastore is None or str(datastore) == "none":
+        if not learn:
+            raise UsageError("rest: datastore=none needs learn=True (a store of learned generations alone)")
+        datastore = None
+    elif not str(datastore):  # make-data's default output for this model, when there is one
         datastore = made_data_dir(target.name)
         if not (datastore / "responses.jsonl").is_file():
             raise UsageError("rest: give a datastore: -o datastore=PATH (a 'fastforward make-data' folder, or a JSONL "
                              f"file of records with response_ids or text); without one, {datastore} is used once "
-                             "'fastforward make-data' has written it")
-    return RetrievalProposer(datastore_for(target, datastore), max_depth, candidates, nodes, max_nodes, context)
+                             "'fastforward make-data' has written it (or datastore=none learn=True)")
+    return RetrievalProposer(datastore_for(target, datastore), max_depth, candidates, nodes, max_nodes, context,
+                             learn=learn)
