@@ -33,15 +33,27 @@ def test_product_matches_dense_and_rows_are_bitwise_independent(fmt, n_out):
     k = 544
     lin = PackedLinear(random_blocks(fmt, n_out, k, seed=fmt + n_out), fmt, k, native=NATIVE)
     assert lin.kernel_fmt != fmt
-    x = torch.randn(40, k)
+    n = 150  # up to two tall passes of four 16-row blocks and a remainder
+    x = torch.randn(n, k)
     ref = x.double() @ lin.dense().double().T
     out = lin(x)
     # the same bound as the multiply-add kernel's test: a sum of exact products, in another order
     assert (out.double() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
-    alone = torch.cat([lin(x[i : i + 1]) for i in range(40)])
-    for m in (1, 2, 3, 5, 8, 15, 16, 17, 33, 40):
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(n)])
+    assert torch.equal(out, alone)
+    for m in (1, 2, 3, 5, 8, 15, 16, 17, 31, 32, 33, 40, 48, 63, 64, 65, 79, 96, 128, 129):
         assert torch.equal(lin(x[:m]), alone[:m]), m
-        assert torch.equal(lin(x[40 - m :]), alone[40 - m :]), m
+        assert torch.equal(lin(x[n - m :]), alone[n - m :]), m
+
+
+@pytest.mark.parametrize("fmt", AMX_FORMATS, ids=IDS)
+@pytest.mark.parametrize("k", [32, 64, 96])  # one, two and three weight blocks per row: the ring's smallest cases
+def test_tall_products_of_short_rows_are_the_rows_alone(fmt, k):
+    lin = PackedLinear(random_blocks(fmt, 48, k, seed=fmt + k), fmt, k, native=NATIVE)
+    x = torch.randn(100, k)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(100)])
+    for m in (32, 48, 64, 100):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -57,6 +57,11 @@ int n_scales(int fmt) { return fmt == kQ4_1 ? 2 : 1; }
 int64_t quant_bytes(int fmt) { return fmt == kQ8_0 ? 32 : 16; }                       // per 32 weights
 int64_t gguf_block_bytes(int fmt) { return 2 * n_scales(fmt) + quant_bytes(fmt); }  // 18, 20, 34
 int64_t group_block_bytes(int fmt) { return 16 * gguf_block_bytes(fmt); }            // 16 rows x one block
+// The same for a format known at compile time (the kernel's templates): scales, then the quants of a B tile.
+template <int F>
+constexpr int n_scales_of() { return F == kQ4_1 ? 2 : 1; }
+template <int F>
+constexpr int64_t group_block_bytes_of() { return 32 * n_scales_of<F>() + (F == kQ8_0 ? 512 : 256); }
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -246,6 +251,11 @@ constexpr int kMaxRows = 16;
 // L1 alone 4.98 ms; 16 KB into L2 3.86; plus 2 KB into L1 3.65 (1 KB 3.70, 4 KB 3.91; 32 or 64 KB into L2 no better).
 constexpr int64_t kPrefetchAhead = 16384, kPrefetchNear = 2048;
 
+// The first 64-byte boundary at or after p (scratch vectors hold 32 spare elements for it).
+inline uint16_t* align64(uint16_t* p) {
+  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
 // bf16 bits of the small integer v (exact).
 inline uint16_t bf16_bits(float v) {
   uint32_t u;
@@ -309,16 +319,15 @@ inline void decode_b(const uint8_t* quants, __m512i table, uint16_t* bt) {
   }
 }
 
-// Rows [0, R) of the activations (split into a, block sums xs) times groups [g0, g1) of the tiled weight, two
-// groups at a time. Tiles: 0, 1, 2 = the h, m, l pieces of the R rows for one block (R x 32 bf16 each), 3 and 4 =
-// the two groups' B tiles, 5 and 6 = their sums (R x 16 fp32): C = ((0 + A_h B) + A_m B) + A_l B, each element
-// in the tile unit's fixed order, the same for any R.
-template <int F, int R>
-void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w, int64_t g0, int64_t g1, float* out,
-                int64_t N) {
-  constexpr int kNs = F == kQ4_1 ? 2 : 1;
-  constexpr int64_t kQuantBytes = F == kQ8_0 ? 512 : 256;
-  const int64_t nb = K / 32, gbb = 32 * kNs + kQuantBytes;
+#define FF_INLINE inline __attribute__((always_inline))
+
+// The pieces shared by the row-block loops below.
+
+// Tiles 0, 1, 2, 5, 6 of R rows (A pieces and sums), 3 and 4 of 16 (B tiles); returns the thread's previous
+// configuration. Another library may have configured the tiles of this thread (OpenMP threads are shared:
+// llama.cpp's AMX kernels configure theirs once per thread and keep it), so `tiles_end` puts it back.
+template <int R>
+FF_INLINE TileConfig tiles_begin() {
   TileConfig cfg;
   for (int t : {0, 1, 2, 5, 6}) {
     cfg.rows[t] = R;
@@ -328,11 +337,76 @@ void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w,
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  // Another library may have configured the tiles of this thread (OpenMP threads are shared: llama.cpp's AMX
-  // kernels configure theirs once per thread and keep it), so the thread's configuration is put back at the end.
   TileConfig before;
   _tile_storeconfig(&before);
   _tile_loadconfig(&cfg);
+  return before;
+}
+
+FF_INLINE void tiles_end(const TileConfig& before) {
+  if (before.palette != 0)
+    _tile_loadconfig(&before);
+  else
+    _tile_release();
+}
+
+// A group-block's B tile into dst, asking for the weights kPrefetchAhead / kPrefetchNear further on.
+template <int F>
+FF_INLINE void decode_group_block(const uint8_t* gb, __m512i table, uint16_t* dst) {
+  constexpr int64_t gbb = 32 * n_scales_of<F>() + (F == kQ8_0 ? 512 : 256);
+  for (int64_t off = 0; off < gbb; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchAhead + off), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchNear + off), _MM_HINT_T0);
+  }
+  decode_b<F>(gb + 32 * n_scales_of<F>(), table, dst);
+}
+
+// One step's tile products: the row block's pieces (h at ab, m and l piece_stride elements further on, rows
+// a_stride bytes apart) times the two groups' B tiles, sums into c0 and c1: C = ((0 + A_h B) + A_m B) + A_l B.
+FF_INLINE void tile_products(const uint16_t* ab, int64_t piece_stride, int64_t a_stride, const uint16_t* b0,
+                             const uint16_t* b1, float* c0, float* c1) {
+  _tile_loadd(3, b0, 64);
+  _tile_loadd(4, b1, 64);
+  _tile_loadd(0, ab, a_stride);
+  _tile_loadd(1, ab + piece_stride, a_stride);
+  _tile_loadd(2, ab + 2 * piece_stride, a_stride);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_dpbf16ps(5, 0, 3);
+  _tile_dpbf16ps(6, 0, 4);
+  _tile_dpbf16ps(5, 1, 3);
+  _tile_dpbf16ps(6, 1, 4);
+  _tile_dpbf16ps(5, 2, 3);
+  _tile_dpbf16ps(6, 2, 4);
+  _tile_stored(5, c0, 64);
+  _tile_stored(6, c1, 64);
+}
+
+// One group-block's sums c (R x 16) into the R rows' accumulators: acc = fma(d, S, acc), then for Q4_1
+// acc = fma(m, X, acc) with X = the row's block sum (xb[i * nb]).
+template <int F, int R>
+FF_INLINE void scale_block(const uint8_t* gb, const float* c, const float* xb, int64_t nb, __m512* acc) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
+  if constexpr (F == kQ4_1) {
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32)));
+    for (int i = 0; i < R; ++i) {
+      acc[i] = _mm512_fmadd_ps(d, _mm512_load_ps(c + i * 16), acc[i]);
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xb[i * nb]), acc[i]);
+    }
+  } else {
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(d, _mm512_load_ps(c + i * 16), acc[i]);
+  }
+}
+
+// Rows [0, R) of the activations (split into a, block sums xs) times groups [g0, g1) of the tiled weight, two
+// groups at a time. Tiles: 0, 1, 2 = the h, m, l pieces of the R rows for one block (R x 32 bf16 each), 3 and 4 =
+// the two groups' B tiles, 5 and 6 = their sums (R x 16 fp32): C = ((0 + A_h B) + A_m B) + A_l B, each element
+// in the tile unit's fixed order, the same for any R.
+template <int F, int R>
+void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w, int64_t g0, int64_t g1, float* out,
+                int64_t N) {
+  const int64_t nb = K / 32, gbb = group_block_bytes_of<F>();
+  const TileConfig before = tiles_begin<R>();
   // Software-pipelined over the thread's pair-blocks j = pair * nb + b, in order: B tiles are decoded kAhead
   // pair-blocks before the tile unit loads them (a tile load of freshly stored bytes waits for the stores to drain:
   // decoding just before the load cost twice the time), and pair-block j's sums are read back after j + 1's tile
@@ -341,7 +415,6 @@ void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w,
   alignas(64) uint16_t bt[kRing][2][16 * 32];
   alignas(64) float cbuf[2][2][R * 16];
   const __m512i table = nibble_table(F == kQ4_0 ? -8 : 0);
-  const int64_t a_stride = K * 2;  // bytes between A rows
   const int64_t groups = g1 - g0, pairs = (groups + 1) / 2, J = pairs * nb;
   const bool odd = groups % 2 == 1;  // the last pair has one group (its second B tile repeats the first)
   auto group_block = [&](int64_t j, int half) {  // bytes of pair-block j's group `half`
@@ -350,34 +423,8 @@ void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w,
   };
   auto decode = [&](int64_t j) {
     const bool single = odd && j / nb == pairs - 1;
-    for (int half = 0; half < (single ? 1 : 2); ++half) {
-      const uint8_t* gb = group_block(j, half);
-      for (int64_t off = 0; off < gbb; off += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchAhead + off), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchNear + off), _MM_HINT_T0);
-      }
-      decode_b<F>(gb + 32 * kNs, table, bt[j % kRing][half]);
-    }
+    for (int half = 0; half < (single ? 1 : 2); ++half) decode_group_block<F>(group_block(j, half), table, bt[j % kRing][half]);
     if (single) std::memcpy(bt[j % kRing][1], bt[j % kRing][0], sizeof bt[0][0]);
-  };
-  // Pair-block j's tile products: the two groups' sums into cbuf[j & 1].
-  auto issue = [&](int64_t j) {
-    const uint16_t* ab = a + (j % nb) * 32;
-    _tile_loadd(3, bt[j % kRing][0], 64);
-    _tile_loadd(4, bt[j % kRing][1], 64);
-    _tile_loadd(0, ab, a_stride);
-    _tile_loadd(1, ab + R * K, a_stride);
-    _tile_loadd(2, ab + 2 * R * K, a_stride);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_dpbf16ps(5, 0, 3);
-    _tile_dpbf16ps(6, 0, 4);
-    _tile_dpbf16ps(5, 1, 3);
-    _tile_dpbf16ps(6, 1, 4);
-    _tile_dpbf16ps(5, 2, 3);
-    _tile_dpbf16ps(6, 2, 4);
-    _tile_stored(5, cbuf[j & 1][0], 64);
-    _tile_stored(6, cbuf[j & 1][1], 64);
   };
   __m512 acc[2][R];
   // Pair-block j's sums into the accumulators (a group's blocks in ascending order); a group's last block writes
@@ -385,22 +432,10 @@ void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w,
   auto accumulate = [&](int64_t j) {
     const int64_t b = j % nb;
     const bool single = odd && j / nb == pairs - 1;
-    for (int half = 0; half < 2; ++half) {
-      if (half == 1 && single) break;
+    for (int half = 0; half < (single ? 1 : 2); ++half) {
       if (b == 0)
         for (int i = 0; i < R; ++i) acc[half][i] = _mm512_setzero_ps();
-      const uint8_t* gb = group_block(j, half);
-      const float* c = cbuf[j & 1][half];
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
-      if constexpr (F == kQ4_1) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32)));
-        for (int i = 0; i < R; ++i) {
-          acc[half][i] = _mm512_fmadd_ps(d, _mm512_load_ps(c + i * 16), acc[half][i]);
-          acc[half][i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nb + b]), acc[half][i]);
-        }
-      } else {
-        for (int i = 0; i < R; ++i) acc[half][i] = _mm512_fmadd_ps(d, _mm512_load_ps(c + i * 16), acc[half][i]);
-      }
+      scale_block<F, R>(group_block(j, half), cbuf[j & 1][half], xs + b, nb, acc[half]);
       if (b == nb - 1) {
         const int64_t g = g0 + 2 * (j / nb) + half;
         for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + i * N + g * 16, acc[half][i]);
@@ -410,14 +445,107 @@ void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w,
   for (int64_t j = 0; j < std::min<int64_t>(kAhead, J); ++j) decode(j);
   for (int64_t j = 0; j < J; ++j) {
     if (j + kAhead < J) decode(j + kAhead);
-    issue(j);
+    tile_products(a + (j % nb) * 32, R * K, K * 2, bt[j % kRing][0], bt[j % kRing][1], cbuf[j & 1][0],
+                  cbuf[j & 1][1]);
     if (j > 0) accumulate(j - 1);
   }
   if (J > 0) accumulate(J - 1);
-  if (before.palette != 0)
-    _tile_loadconfig(&before);
-  else
-    _tile_release();
+  tiles_end(before);
+}
+
+// Tall calls (prefills, wide verify steps): S blocks of 16 rows (a: the h pieces of all 16 S rows, then their m
+// pieces, then their l pieces; xs [16 S, nb]) share each decoded B tile, so the weights are decoded and streamed
+// once per 16 S rows instead of once per 16. The row blocks take turns over each pair of groups: its B tiles are
+// decoded once, for the first row block, into a ring that holds the pair's nb blocks and the kAhead of the next
+// pair, and every row block then runs run_groups<F, 16>'s steps over that pair (the same tile products, the same
+// scaling in ascending block order), so every row is bitwise what it gets alone.
+template <int F, int S>
+void run_groups_tall(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w, int64_t g0, int64_t g1,
+                     float* out, int64_t N) {
+  constexpr int R = 16, kAhead = 2;
+  constexpr int64_t kTile = 16 * 32;  // bf16 values in a B tile
+  const int64_t nb = K / 32, gbb = group_block_bytes_of<F>(), ring = nb + kAhead;
+  const TileConfig before = tiles_begin<R>();
+  thread_local std::vector<uint16_t> bt_store;
+  if (static_cast<int64_t>(bt_store.size()) < ring * 2 * kTile + 32) bt_store.resize(ring * 2 * kTile + 32);
+  uint16_t* bt = align64(bt_store.data());
+  alignas(64) float cbuf[2][2][R * 16];
+  const __m512i table = nibble_table(F == kQ4_0 ? -8 : 0);
+  const int64_t groups = g1 - g0, pairs = (groups + 1) / 2;
+  const bool odd = groups % 2 == 1;
+  // A step: pair `pair` (groups g0 + 2 pair and the next), row block c, weight block b; its B tiles in ring slot
+  // `slot` (the pair's blocks take nb consecutive slots from `base`). Advanced by counting, without divisions.
+  struct Step {
+    int64_t pair = 0, c = 0, b = 0, base = 0;
+  };
+  auto next = [&](Step& t) {
+    if (++t.b < nb) return;
+    t.b = 0;
+    if (++t.c < S) return;
+    t.c = 0;
+    ++t.pair;
+    t.base = (t.base + nb) % ring;
+  };
+  auto slot = [&](const Step& t) {
+    const int64_t q = t.base + t.b;
+    return q < ring ? q : q - ring;
+  };
+  auto single = [&](const Step& t) { return odd && t.pair == pairs - 1; };
+  auto group_block = [&](const Step& t, int half) { return w + ((g0 + 2 * t.pair + half) * nb + t.b) * gbb; };
+  auto b_tile = [&](const Step& t, int half) { return bt + (slot(t) * 2 + half) * kTile; };
+  auto decode = [&](const Step& t) {
+    if (t.c != 0) return;  // decoded for the pair's first row block
+    for (int half = 0; half < (single(t) ? 1 : 2); ++half) decode_group_block<F>(group_block(t, half), table, b_tile(t, half));
+    if (single(t)) std::memcpy(b_tile(t, 1), b_tile(t, 0), kTile * sizeof(uint16_t));
+  };
+  __m512 acc[2][R];
+  auto accumulate = [&](const Step& t, const float (*c)[R * 16]) {
+    const int64_t rows0 = t.c * R;
+    for (int half = 0; half < (single(t) ? 1 : 2); ++half) {
+      if (t.b == 0)
+        for (int i = 0; i < R; ++i) acc[half][i] = _mm512_setzero_ps();
+      scale_block<F, R>(group_block(t, half), c[half], xs + rows0 * nb + t.b, nb, acc[half]);
+      if (t.b == nb - 1) {
+        float* o = out + rows0 * N + (g0 + 2 * t.pair + half) * 16;
+        for (int i = 0; i < R; ++i) _mm512_storeu_ps(o + i * N, acc[half][i]);
+      }
+    }
+  };
+  const int64_t J = pairs * S * nb;
+  Step ahead, now, prev;
+  for (int64_t j = 0; j < std::min<int64_t>(kAhead, J); ++j, next(ahead)) decode(ahead);
+  for (int64_t j = 0; j < J; ++j) {
+    if (j + kAhead < J) {
+      decode(ahead);
+      next(ahead);
+    }
+    tile_products(a + now.c * R * K + now.b * 32, S * R * K, K * 2, b_tile(now, 0), b_tile(now, 1), cbuf[j & 1][0],
+                  cbuf[j & 1][1]);
+    if (j > 0) accumulate(prev, cbuf[(j - 1) & 1]);
+    prev = now;
+    next(now);
+  }
+  if (J > 0) accumulate(prev, cbuf[(J - 1) & 1]);
+  tiles_end(before);
+}
+
+template <int F, int S>
+void run_tall_fixed(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w, int64_t N, float* out) {
+  const int64_t groups = N / 16, pairs = (groups + 1) / 2;  // threads take whole pairs of groups
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    run_groups_tall<F, S>(a, xs, K, w, 2 * p0, std::min(groups, 2 * p1), out, N);
+  });
+}
+
+constexpr int kMaxBlocks = 4;  // row blocks of 16 per tall pass
+
+// 2..kMaxBlocks blocks of 16 rows.
+template <int F, int S = kMaxBlocks>
+void run_tall(int blocks, const uint16_t* a, const float* xs, int64_t K, const uint8_t* w, int64_t N, float* out) {
+  if constexpr (S > 2) {
+    if (blocks < S) return run_tall<F, S - 1>(blocks, a, xs, K, w, N, out);
+  }
+  run_tall_fixed<F, S>(a, xs, K, w, N, out);
 }
 
 template <int F, int R>
@@ -438,13 +566,30 @@ void run_rows(int rows, const uint16_t* a, const float* xs, int64_t K, const uin
 
 template <int F>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out) {
-  std::vector<uint16_t> a(static_cast<size_t>(3 * kMaxRows * K));
-  std::vector<float> xs(F == kQ4_1 ? static_cast<size_t>(kMaxRows * (K / 32)) : 0);
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+  // The pieces and block sums of the rows of one pass, in per-thread scratch that only grows (no allocation or
+  // zero-filling per call: for one row that was ~9 MB of memset per forward).
+  const int64_t pass_rows = M >= 2 * kMaxRows ? kMaxRows * kMaxBlocks : std::min<int64_t>(M, kMaxRows);
+  thread_local std::vector<uint16_t> a_store;
+  thread_local std::vector<float> xs_store;
+  if (static_cast<int64_t>(a_store.size()) < 3 * pass_rows * K + 32)
+    a_store.resize(static_cast<size_t>(3 * pass_rows * K + 32));
+  if (F == kQ4_1 && static_cast<int64_t>(xs_store.size()) < pass_rows * (K / 32))
+    xs_store.resize(static_cast<size_t>(pass_rows * (K / 32)));
+  uint16_t* a = align64(a_store.data());  // every A tile row one cache line (K * 2 bytes is a multiple of 64)
+  float* xs = xs_store.data();
+  int64_t m0 = 0;
+  while (M - m0 >= 2 * kMaxRows) {  // tall passes: 2..kMaxBlocks whole row blocks at a time
+    const int blocks = static_cast<int>(std::min<int64_t>(kMaxBlocks, (M - m0) / kMaxRows));
+    split_activations(x + m0 * K, blocks * kMaxRows, K, a);
+    if constexpr (F == kQ4_1) block_sums(x + m0 * K, blocks * kMaxRows, K, xs);
+    run_tall<F>(blocks, a, xs, K, w, N, out + m0 * N);
+    m0 += blocks * kMaxRows;
+  }
+  for (; m0 < M; m0 += kMaxRows) {
     const int R = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-    split_activations(x + m0 * K, R, K, a.data());
-    if constexpr (F == kQ4_1) block_sums(x + m0 * K, R, K, xs.data());
-    run_rows<F>(R, a.data(), xs.data(), K, w, N, out + m0 * N);
+    split_activations(x + m0 * K, R, K, a);
+    if constexpr (F == kQ4_1) block_sums(x + m0 * K, R, K, xs);
+    run_rows<F>(R, a, xs, K, w, N, out + m0 * N);
   }
 }
 
