@@ -423,7 +423,8 @@ void run_groups(const uint16_t* a, const float* xs, int64_t K, const uint8_t* w,
   };
   auto decode = [&](int64_t j) {
     const bool single = odd && j / nb == pairs - 1;
-    for (int half = 0; half < (single ? 1 : 2); ++half) decode_group_block<F>(group_block(j, half), table, bt[j % kRing][half]);
+    for (int half = 0; half < (single ? 1 : 2); ++half)
+      decode_group_block<F>(group_block(j, half), table, bt[j % kRing][half]);
     if (single) std::memcpy(bt[j % kRing][1], bt[j % kRing][0], sizeof bt[0][0]);
   };
   __m512 acc[2][R];
@@ -495,7 +496,8 @@ void run_groups_tall(const uint16_t* a, const float* xs, int64_t K, const uint8_
   auto b_tile = [&](const Step& t, int half) { return bt + (slot(t) * 2 + half) * kTile; };
   auto decode = [&](const Step& t) {
     if (t.c != 0) return;  // decoded for the pair's first row block
-    for (int half = 0; half < (single(t) ? 1 : 2); ++half) decode_group_block<F>(group_block(t, half), table, b_tile(t, half));
+    for (int half = 0; half < (single(t) ? 1 : 2); ++half)
+      decode_group_block<F>(group_block(t, half), table, b_tile(t, half));
     if (single(t)) std::memcpy(b_tile(t, 1), b_tile(t, 0), kTile * sizeof(uint16_t));
   };
   __m512 acc[2][R];
