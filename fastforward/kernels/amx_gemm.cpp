@@ -16,8 +16,8 @@
 // block, ascending, the tile unit accumulates S = ((0 + A_h B) + A_m B) + A_l B for the row (three tile products
 // into one sum tile; each element of a tile product depends only on its own row and column), then
 // acc = fma(d, S, acc) and, for Q4_1, acc = fma(m, X, acc) with X = the block's activation sum (two 16-lane halves
-// added, then Isa::hsum's tree). How many rows share a tile and how columns are split over threads never changes
-// that arithmetic.
+// added, then Isa::hsum's tree). How many rows share a tile, how many 16-row blocks share a decoded B tile (tall
+// calls of 32 rows or more: up to four) and how columns are split over threads never changes that arithmetic.
 //
 // Layout ("tiled"): a weight [N, K] with N % 16 == 0 is regrouped at load into groups of 16 output rows; for group
 // g and block b (contiguous, b fastest) come the 16 rows' fp16 scales (d x 16, then for Q4_1 m x 16), then the
