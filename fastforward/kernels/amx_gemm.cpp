@@ -353,7 +353,7 @@ FF_INLINE void tiles_end(const TileConfig& before) {
 // A group-block's B tile into dst, asking for the weights kPrefetchAhead / kPrefetchNear further on.
 template <int F>
 FF_INLINE void decode_group_block(const uint8_t* gb, __m512i table, uint16_t* dst) {
-  constexpr int64_t gbb = 32 * n_scales_of<F>() + (F == kQ8_0 ? 512 : 256);
+  constexpr int64_t gbb = group_block_bytes_of<F>();
   for (int64_t off = 0; off < gbb; off += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchAhead + off), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetchNear + off), _MM_HINT_T0);
