@@ -20,6 +20,7 @@ instead of counting mismatches.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -71,6 +72,23 @@ def require_llama_cpp():
         raise UsageError(f"llama-cpp-python is installed but does not load ({first}); reinstall it: "
                          f"{LLAMACPP_INSTALL}") from None
     return llama_cpp
+
+
+def llama_cpp_system_info() -> str | None:
+    """llama.cpp's own account of the build it runs (``llama_print_system_info``: the CPU features it was compiled
+    for and found -- AVX2, AVX512, AMX_INT8, OPENMP ... -- and its backends), or None when llama-cpp-python is not
+    imported (it is never imported here just to ask). Recorded with every llama.cpp number: its speed depends on
+    which of its kernels this build has."""
+    llama_cpp = sys.modules.get("llama_cpp")
+    if llama_cpp is None or not hasattr(llama_cpp, "llama_print_system_info"):
+        return None
+    try:
+        info = llama_cpp.llama_print_system_info()
+    except Exception:  # a broken build: the numbers are recorded without it
+        return None
+    if isinstance(info, bytes):
+        info = info.decode("utf-8", errors="replace")
+    return " ".join(str(info).split()) or None
 
 
 def gguf_path(model_name: str):

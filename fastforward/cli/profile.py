@@ -15,9 +15,10 @@ import torch
 
 import fastforward as ff
 
-from ..bench.peers import gguf_path, llama_cpp_forward_costs, require_llama_cpp
+from ..bench.peers import gguf_path, llama_cpp_forward_costs, llama_cpp_system_info, require_llama_cpp
 from ..costs import DEFAULT_QS, measure_forward_costs
 from ..errors import UsageError
+from ..machine import achieved_bandwidth, forward_read_bytes, measure_read_bandwidth
 from .options import add_model_arguments, max_new_tokens, positive_int
 
 DEFAULTS = {"q": ",".join(map(str, DEFAULT_QS)), "kv": 300, "repeats": 15}
@@ -98,8 +99,11 @@ def run(args, name: str) -> int:
         "matmul": getattr(target.backend, "matmul_kernel", "hf"),
         "torch": torch.__version__, "python": sys.version.split()[0], "cpu": platform.processor() or platform.machine(),
     }
+    if gguf is not None:
+        info["llama_cpp_system_info"] = llama_cpp_system_info()
+    memory = memory_use(target, qs, args.kv, lean)
     if args.json:
-        print(json.dumps({"info": info, "ms": {"engine": lean, "hf": hf, "llama.cpp": llama}}))
+        print(json.dumps({"info": info, "ms": {"engine": lean, "hf": hf, "llama.cpp": llama}, "memory": memory}))
         return 0
     print(f"forward cost, median ms, KV cache {args.kv} tokens, {info['threads']} threads, "
           f"backend {target.backend_name}, matmul {info['matmul']}, torch {torch.__version__}")
@@ -114,7 +118,46 @@ def run(args, name: str) -> int:
     print(f"| fastforward t(q)/t({qs[0]}) | " + " | ".join(f"{lean[q] / base:.2f}" for q in qs) + " |")
     if llama:
         print(f"| llama.cpp t(q)/t({qs[0]}) | " + " | ".join(f"{llama[q] / llama[qs[0]]:.2f}" for q in qs) + " |")
+    if memory.get("weight_gb_per_s"):
+        print("| fastforward weights read, GB/s (% of measured) | " + " | ".join(
+            f"{memory['weight_gb_per_s'][q]:.1f} ({100 * memory['weight_fraction_of_bandwidth'][q]:.0f}%)"
+            for q in qs) + " |")
+    print(describe_memory(memory))
+    if gguf is not None:
+        print(f"llama.cpp system_info: {info['llama_cpp_system_info'] or '(not available)'}")
     return 0
+
+
+def memory_use(target, qs: list[int], kv: int, lean: dict) -> dict:
+    """The machine's measured read bandwidth, what one forward reads (lean backend only) and the bandwidth each
+    t(q) achieves on its weights, as a fraction of the measured one. Measured after the forwards, with the run's
+    threads, so the 1 GiB buffer never shares memory with them."""
+    bandwidth = measure_read_bandwidth()
+    out = {"read_bandwidth": bandwidth.as_dict()}
+    reads = {q: forward_read_bytes(target.backend, q=q, kv=kv) for q in qs}
+    if any(r is None for r in reads.values()):
+        return out
+    out["forward_read_bytes"] = reads
+    out["weight_gb_per_s"] = {q: achieved_bandwidth(reads[q]["weights"], lean[q]) for q in qs}
+    out["total_gb_per_s"] = {q: achieved_bandwidth(reads[q]["total"], lean[q]) for q in qs}
+    out["weight_fraction_of_bandwidth"] = {q: out["weight_gb_per_s"][q] / bandwidth.gb_per_s for q in qs}
+    return out
+
+
+def describe_memory(memory: dict) -> str:
+    """One line: the measured read bandwidth and what the first q's forward reads of it."""
+    bw = memory["read_bandwidth"]
+    line = (f"memory read bandwidth {bw['gb_per_s']:.1f} GB/s ({bw['method']}, {bw['buffer_bytes'] / 2**30:.1f} GiB, "
+            f"{bw['threads']} threads, best of {bw['repeats']})")
+    reads = memory.get("forward_read_bytes")
+    if not reads:
+        return line + "; bytes per forward: not counted for this backend"
+    q = next(iter(reads))
+    r = reads[q]
+    return (line + f"; t({q}) reads {r['weights'] / 1e6:.1f} MB of weights (the embedding: its rows only, unless "
+            f"tied to the head) and {r['kv_cache'] / 1e6:.1f} MB of KV cache: {memory['weight_gb_per_s'][q]:.1f} "
+            f"GB/s of weights ({100 * memory['weight_fraction_of_bandwidth'][q]:.0f}% of the measured bandwidth), "
+            f"{memory['total_gb_per_s'][q]:.1f} GB/s in all")
 
 
 def _run_stream(args) -> int:

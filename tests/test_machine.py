@@ -1,0 +1,89 @@
+"""The machine's read bandwidth and the bytes a forward reads (``fastforward/machine.py``), and how ``fastforward
+profile`` reports them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_helpers import run_cli
+
+import fastforward.cli.profile as profile_cli
+from fastforward.errors import UsageError
+from fastforward.machine import (
+    MIN_BUFFER_BYTES,
+    Bandwidth,
+    achieved_bandwidth,
+    forward_read_bytes,
+    measure_read_bandwidth,
+)
+from fastforward.testing import tiny_gguf_target, tiny_hf_folder
+
+
+def test_read_bandwidth_is_measured_with_the_given_threads():
+    before = torch.get_num_threads()
+    bw = measure_read_bandwidth(MIN_BUFFER_BYTES, repeats=2, threads=1)
+    assert bw.threads == 1 and bw.repeats == 2 and bw.buffer_bytes == MIN_BUFFER_BYTES
+    assert 0.05 < bw.gb_per_s < 5000  # any real memory system
+    assert torch.get_num_threads() == before  # the caller's thread count is left as it was
+    assert json.loads(json.dumps(bw.as_dict()))["gb_per_s"] == bw.gb_per_s
+
+
+@pytest.mark.parametrize("kw, match", [({"buffer_bytes": 1 << 20}, "buffer must be"),
+                                       ({"buffer_bytes": 1 << 40}, "buffer must be"),
+                                       ({"repeats": 0}, "repeats must be"), ({"repeats": 10**6}, "repeats must be")])
+def test_read_bandwidth_bounds(kw, match):
+    with pytest.raises(UsageError, match=match):
+        measure_read_bandwidth(**kw)
+
+
+def test_achieved_bandwidth():
+    assert achieved_bandwidth(10**9, 100.0) == pytest.approx(10.0)  # 1 GB in 0.1 s
+
+
+def _kv_bytes(backend, tokens: int) -> int:
+    return 2 * backend.n_layers * backend.n_kv_heads * backend.head_dim * 4 * tokens
+
+
+def test_tied_embedding_is_read_in_full_as_the_head(tmp_path):
+    target, _ = tiny_gguf_target(tmp_path / "tied.gguf", tied=True)
+    backend = target.backend
+    reads = forward_read_bytes(backend, q=1, kv=10)
+    assert backend.embed is backend.head
+    assert reads["weights"] == backend.weight_bytes  # every weight once, the table (= the head) in full
+    assert reads["kv_cache"] == _kv_bytes(backend, 11) and reads["total"] == reads["weights"] + reads["kv_cache"]
+
+
+def test_untied_embedding_reads_only_its_rows(tmp_path):
+    target, _ = tiny_gguf_target(tmp_path / "untied.gguf", tied=False, vocab_size=96)
+    backend = target.backend
+    assert backend.embed is not backend.head
+    row = backend.embed.nbytes // 96
+    one, three = forward_read_bytes(backend, q=1), forward_read_bytes(backend, q=3)
+    assert one["weights"] == backend.weight_bytes - backend.embed.nbytes + row
+    assert three["weights"] == one["weights"] + 2 * row
+
+
+def test_a_backend_without_weights_is_not_counted():
+    assert forward_read_bytes(object()) is None
+
+
+def test_profile_prints_the_bandwidth_and_puts_it_in_json(tmp_path, capsys, monkeypatch):
+    """The table gets a GB/s row and a line on the measured bandwidth; --json a "memory" object (measured here with
+    a small buffer: the command's own is 1 GiB)."""
+    monkeypatch.setattr(profile_cli, "measure_read_bandwidth",
+                        lambda: Bandwidth(10.0, MIN_BUFFER_BYTES, 1, 1, "torch.sum over float32"))
+    folder = tiny_hf_folder(tmp_path / "tiny", max_positions=128)
+    argv = ["profile", "--model", folder, "--q", "1,2", "--kv", "8", "--repeats", "1", "--no-hf", "--threads", "1"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert "| fastforward weights read, GB/s (% of measured) |" in out
+    assert "memory read bandwidth 10.0 GB/s" in out and "t(1) reads" in out
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    memory = json.loads(out)["memory"]
+    assert memory["read_bandwidth"]["gb_per_s"] == 10.0
+    reads = memory["forward_read_bytes"]["1"]
+    assert reads["weights"] > 0 and reads["kv_cache"] > 0
+    assert memory["weight_fraction_of_bandwidth"]["1"] == pytest.approx(memory["weight_gb_per_s"]["1"] / 10.0)
