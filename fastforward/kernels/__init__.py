@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("native.cpp", "skinny_gemm.cpp", "quant_gemm.cpp", "layer_ops.cpp", "amx_gemm.cpp")]
+SOURCES = [HERE / name for name in ("native.cpp", "skinny_gemm.cpp", "quant_gemm.cpp", "layer_ops.cpp", "amx_gemm.cpp",
+                                     "q8_gemm.cpp")]
 HEADERS = [HERE / "isa.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-DFF_ISA_AVX512"],
@@ -48,6 +49,26 @@ ISA_ENV = "FASTFORWARD_KERNEL_ISA"
 # Without OpenMP, at::parallel_for runs on one thread; no contraction of a*b+c into fma beyond the explicit ones,
 # so that weights decode to exactly the values the reference dequantisation gives.
 BASE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+# The integer kernel's one multiply-accumulate instruction (vpdpbusd), where the CPU has it: AVX-512 VNNI (with the
+# 256-bit forms of AVX512VL), or AVX-VNNI on CPUs without AVX-512. Without either, AVX2's vpmaddubsw + vpmaddwd
+# compute the same integers. The emulated AVX-512 build takes the VNNI path too (SIMDe), so that it is tested here.
+VNNI_FLAGS = {
+    "avx512": ({"avx512_vnni", "avx512vl", "avx512bw"}, ["-mavx512vnni", "-mavx512vl", "-mavx512bw", "-DFF_VNNI_512"]),
+    "avx2": ({"avx_vnni"}, ["-mavxvnni", "-DFF_VNNI_AVX"]),
+    "avx512-emulated": (set(), ["-DFF_VNNI_512"]),
+}
+# FASTFORWARD_NO_VNNI=1 builds the AVX2 integer path on a CPU with VNNI (to compare the two).
+NO_VNNI_ENV = "FASTFORWARD_NO_VNNI"
+
+
+def isa_flags(isa: str, flags: set[str] | None = None) -> list[str]:
+    """The compiler flags of a build for ``isa`` on a CPU with ``flags`` (default: this CPU's)."""
+    flags = cpu_flags() if flags is None else flags
+    extra = []
+    needs, vnni = VNNI_FLAGS.get(isa, (None, []))
+    if needs is not None and needs <= flags and os.environ.get(NO_VNNI_ENV, "") in ("", "0"):
+        extra = vnni
+    return BASE_FLAGS + ISA_FLAGS[isa] + extra
 
 _lock = threading.Lock()
 _state: dict = {}  # "module": the native module, or None once tried and unavailable
@@ -144,7 +165,7 @@ def load_native():
         if isa is None:
             print("fastforward: no AVX2/AVX-512 on this CPU; using torch matmuls", file=sys.stderr)
             return None
-        flags = BASE_FLAGS + ISA_FLAGS[isa]
+        flags = isa_flags(isa)
         try:
             from ..paths import default_cache_root, kernels_dir
 

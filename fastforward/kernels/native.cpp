@@ -8,11 +8,13 @@ void register_skinny_gemm(pybind11::module& m);
 void register_quant_gemm(pybind11::module& m);
 void register_layer_ops(pybind11::module& m);
 void register_amx_gemm(pybind11::module& m);
+void register_q8_gemm(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_skinny_gemm(m);
   register_quant_gemm(m);
   register_layer_ops(m);
   register_amx_gemm(m);
+  register_q8_gemm(m);
   m.attr("isa") = ff::kIsaName;
 }

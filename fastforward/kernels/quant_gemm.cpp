@@ -39,6 +39,10 @@
 bool ff_is_tiled(int64_t fmt);
 at::Tensor ff_amx_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K);
 at::Tensor ff_amx_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids);
+// q8_gemm.cpp: weights in the integer kernel's panel layout (format codes Q8_FORMAT_BASE + type).
+bool ff_is_q8(int64_t fmt);
+at::Tensor ff_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K);
+at::Tensor ff_q8_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids);
 
 namespace {
 
@@ -594,6 +598,7 @@ void dispatch(int fmt, Fn&& fn) {
 // out[M, N] = x[M, K] @ dequantize(w)^T
 at::Tensor quant_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K) {
   if (ff_is_tiled(fmt)) return ff_amx_mm(x_in, w, fmt, K);
+  if (ff_is_q8(fmt)) return ff_q8_mm(x_in, w, fmt, K);
   check_weight(w, static_cast<int>(fmt), K);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "quant_mm: x must be a 2-D fp32 CPU tensor");
@@ -611,6 +616,7 @@ at::Tensor quant_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, in
 // The fp32 values of the given rows of w (an embedding lookup), decoded exactly as quant_mm uses them.
 at::Tensor quant_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids_in) {
   if (ff_is_tiled(fmt)) return ff_amx_rows(w, fmt, K, ids_in);
+  if (ff_is_q8(fmt)) return ff_q8_rows(w, fmt, K, ids_in);
   check_weight(w, static_cast<int>(fmt), K);
   TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong, "quant_rows: ids must be 1-D int64");
   const at::Tensor ids = ids_in.contiguous();
@@ -663,6 +669,91 @@ at::Tensor regroup_block_scales_(at::Tensor& w, int64_t fmt, int64_t K, bool spl
 }
 
 }  // namespace
+
+// The fp32 values of GGUF-layout rows, element by element as the reference dequantisation (gguf-py) computes them
+// -- one rounding per product or sum, in its order -- for every packed format: the embedding rows of a weight kept
+// in another layout (q8_gemm.cpp's panels). Plain C++: a lookup decodes a few rows.
+void ff_decode_gguf_rows(const uint8_t* rows, int64_t n_rows, int64_t row_bytes, int fmt, int64_t K, float* out) {
+  auto half = [](const uint8_t* p) { return fp16(p); };
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const uint8_t* row = rows + r * row_bytes;
+    float* o = out + r * K;
+    switch (fmt) {
+      case kQ4_0: case kQ4_1: case 6: case 7: case kQ8_0: {
+        const int bb = fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : fmt == 6 ? 22 : fmt == 7 ? 24 : 34;
+        for (int64_t b = 0; b < K / 32; ++b) {
+          const uint8_t* blk = row + b * bb;
+          const float d = half(blk);
+          if (fmt == kQ8_0) {
+            for (int k = 0; k < 32; ++k) o[32 * b + k] = static_cast<float>(static_cast<int8_t>(blk[2 + k])) * d;
+            continue;
+          }
+          const bool with_min = fmt == kQ4_1 || fmt == 7, q5 = fmt == 6 || fmt == 7;
+          const float m = with_min ? half(blk + 2) : 0.0f;
+          uint32_t qh = 0;
+          if (q5) std::memcpy(&qh, blk + (with_min ? 4 : 2), 4);
+          const uint8_t* qs = blk + 2 + (with_min ? 2 : 0) + (q5 ? 4 : 0);
+          for (int k = 0; k < 32; ++k) {
+            int q = k < 16 ? (qs[k] & 0x0F) : (qs[k - 16] >> 4);
+            if (q5) q |= static_cast<int>((qh >> k) & 1u) << 4;
+            const float v = with_min ? d * static_cast<float>(q) + m
+                                     : d * static_cast<float>(q - (q5 ? 16 : 8));
+            o[32 * b + k] = v;
+          }
+        }
+        break;
+      }
+      case kQ4_K: case 13: {
+        const int bb = fmt == kQ4_K ? 144 : 176;
+        for (int64_t b = 0; b < K / 256; ++b) {
+          const uint8_t* blk = row + b * bb;
+          const uint8_t* sc6 = blk + 4;
+          const uint8_t* qh = blk + 16;
+          const uint8_t* qs = blk + (fmt == kQ4_K ? 16 : 48);
+          for (int j = 0; j < 8; ++j) {
+            int sc, mn;
+            if (j < 4) {
+              sc = sc6[j] & 0x3F;
+              mn = sc6[j + 4] & 0x3F;
+            } else {
+              sc = (sc6[j + 4] & 0x0F) | ((sc6[j - 4] >> 2) & 0x30);
+              mn = (sc6[j + 4] >> 4) | ((sc6[j] >> 2) & 0x30);
+            }
+            const float dsc = half(blk) * static_cast<float>(sc), dmn = half(blk + 2) * static_cast<float>(mn);
+            for (int k = 0; k < 32; ++k) {
+              int q = (qs[32 * (j >> 1) + k] >> (4 * (j & 1))) & 0x0F;
+              if (fmt == 13) q |= ((qh[k] >> j) & 1) << 4;
+              o[256 * b + 32 * j + k] = dsc * static_cast<float>(q) - dmn;
+            }
+          }
+        }
+        break;
+      }
+      case kQ6_K: {
+        for (int64_t b = 0; b < K / 256; ++b) {
+          const uint8_t* blk = row + b * 210;
+          const float d = half(blk + 208);
+          for (int e = 0; e < 256; ++e) {
+            const int h = e / 128, i = e % 128;
+            const int lo = i < 64 ? (blk[64 * h + i] & 0x0F) : (blk[64 * h + i - 64] >> 4);
+            const int hi = (blk[128 + 32 * h + i % 32] >> (2 * (i / 32))) & 3;
+            const float ds = d * static_cast<float>(static_cast<int8_t>(blk[192 + e / 16]));
+            o[256 * b + e] = ds * static_cast<float>((lo | (hi << 4)) - 32);
+          }
+        }
+        break;
+      }
+      case kBF16: {
+        for (int64_t k = 0; k < K; ++k) {
+          const uint32_t bits = static_cast<uint32_t>(row[2 * k] | (row[2 * k + 1] << 8)) << 16;
+          std::memcpy(o + k, &bits, 4);
+        }
+        break;
+      }
+      default: TORCH_CHECK(false, "decode: unsupported GGML type ", fmt);
+    }
+  }
+}
 
 // For the other sources of the module (layer_ops.cpp's fused layer): the same product.
 at::Tensor ff_quant_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) { return quant_mm(x, w, fmt, K); }

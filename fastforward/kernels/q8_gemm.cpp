@@ -1,0 +1,880 @@
+// q8_mm: out[M, N] = x[M, K] @ W^T in llama.cpp's integer arithmetic for GGUF weights (fastforward/arithmetic.py
+// defines it element by element and is the reference these kernels match bitwise).
+//
+// Activation rows are quantised per row and per block as llama.cpp's x86 code does for the weight's format (Q8_0
+// for Q4_0 / Q5_0 / Q8_0, Q8_1 for Q4_1 / Q5_1, Q8_K for the K-quants); each block's dot product is an exact
+// integer (u8 x s8 products summed in int16 / int32 -- never overflowing, see the bounds at each kernel); each
+// block's integer is scaled in fp32 and added to the output in block order. Only those few fp32 operations round,
+// in one fixed order, so a row's result depends on nothing but that row and the weights: not on the other rows of
+// the call, the tile a row falls in, the threads, or the instruction set (AVX2 maddubs, AVX-VNNI or AVX-512 VNNI
+// vpdpbusd give the same integers).
+//
+// Weight layout ("panels"): the weight's rows are regrouped at load (q8_pack) into panels of 8 rows. For each
+// block, a panel holds the 8 rows' fp16 scales side by side (one vcvtph2ps gives all 8) and then the quants as
+// "slices": 32 bytes holding 4 consecutive quant bytes of each of the 8 rows. A slice is multiplied by 4 bytes of
+// the activation row broadcast to all 8 lanes, so each 32-bit lane accumulates one weight row's dot product and
+// no horizontal reduction is ever needed: lane r of the block's integer vector is row r's integer. Per format
+// (per block of 8 rows; the GGUF bytes of the same 8 rows, regrouped; K-quants with their 6-bit scales unpacked):
+//   Q4_0 (32): d[8] | 4 slices                                  144 B (= 8 x 18)
+//   Q4_1 (32): d[8] | m[8] | 4 slices                           160 B
+//   Q5_0 (32): d[8] | qh'[8] (u32) | 4 slices                   176 B
+//   Q5_1 (32): d[8] | m[8] | qh'[8] | 4 slices                  192 B
+//   Q8_0 (32): d[8] | 8 slices                                  272 B
+//   Q4_K (256): d[8] | dmin[8] | sc[8 j][8 r] | mn[4][8 r][2] | 4 chunks x 8 slices        1184 B (8 x 144 + 32)
+//   Q5_K (256): as Q4_K, then 8 qh slices before the quants                                1440 B (8 x 176 + 32)
+//   Q6_K (256): d[8] | sc[16 i][8 r] (int8) | 2 halves x 8 x (ql slice A, ql slice B, qh slice H)   1680 B
+// A Q4 slice's low nibbles are elements 4s..4s+3 of the block, its high nibbles 16+4s..19+4s (the GGUF order).
+// Q5_0 / Q5_1's high bits are rearranged so that one shift and one mask put each slice's bits in place: bit
+// 8i + p of qh' is the high bit of element (p & 1) * 16 + 4 (p >> 1) + i. Q5_K's qh bytes need no rearranging:
+// bit p = 2c + h of qh byte k is the high bit of element 64c + 32h + k.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+
+// quant_gemm.cpp: fp32 values of GGUF-layout rows (the reference dequantisation), for embedding lookups.
+void ff_decode_gguf_rows(const uint8_t* rows, int64_t n_rows, int64_t row_bytes, int fmt, int64_t K, float* out);
+
+// The one u8 x s8 -> int32 multiply-accumulate of four byte pairs per lane, where the CPU has it.
+#if defined(FF_VNNI_512)
+#define FF_Q8_VNNI 1
+#define FF_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#elif defined(FF_VNNI_AVX)
+#define FF_Q8_VNNI 1
+#define FF_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#endif
+
+namespace {
+
+constexpr int64_t kQ8Base = 2048;  // format code of a panel-layout weight: kQ8Base + its GGML type
+constexpr int kRows = 8;           // weight rows per panel
+enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// ---- formats ---------------------------------------------------------------------------------------------------
+
+struct Layout {
+  int qk;           // weights per block
+  int gguf_bytes;   // bytes of one GGUF block
+  int panel_bytes;  // bytes of one block of a panel (8 rows)
+};
+
+bool q8_format(int f) {
+  switch (f) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    default: return false;
+  }
+}
+
+constexpr Layout layout_of(int f) {
+  switch (f) {
+    case kQ4_0: return {32, 18, 144};
+    case kQ4_1: return {32, 20, 160};
+    case kQ5_0: return {32, 22, 176};
+    case kQ5_1: return {32, 24, 192};
+    case kQ8_0: return {32, 34, 272};
+    case kQ4_K: return {256, 144, 1184};
+    case kQ5_K: return {256, 176, 1440};
+    case kQ6_K: return {256, 210, 1680};
+    default: return {0, 0, 0};
+  }
+}
+
+constexpr bool has_min(int f) { return f == kQ4_1 || f == kQ5_1; }
+constexpr bool is_q5(int f) { return f == kQ5_0 || f == kQ5_1; }
+constexpr bool is_k(int f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K; }
+constexpr int offset_of(int f) { return f == kQ4_0 ? 8 : f == kQ5_0 ? 16 : 0; }  // q - offset is the signed quant
+// Byte offsets inside a legacy panel block: the mins, the rearranged high bits, the quant slices.
+constexpr int min_at(int f) { return 16; }
+constexpr int qh_at(int f) { return has_min(f) ? 32 : 16; }
+constexpr int qs_at(int f) { return 16 + (has_min(f) ? 16 : 0) + (is_q5(f) ? 32 : 0); }
+// K-quant panel offsets.
+constexpr int kScAt = 32, kMnAt = 96, kQ5KQhAt = 160;
+constexpr int k_qs_at(int f) { return f == kQ5_K ? 416 : 160; }
+constexpr int kQ6ScAt = 16, kQ6HalfAt = 144, kQ6HalfBytes = 768;
+
+int64_t panel_row_bytes(int f, int64_t K) { return K / layout_of(f).qk * layout_of(f).panel_bytes; }
+
+// ---- packing (at load; plain C++) -------------------------------------------------------------------------------
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline void store_u32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+
+// Q5_0 / Q5_1: GGUF qh (bit e = element e's high bit) <-> qh' (bit 8i + p = element (p&1)*16 + 4(p>>1) + i's).
+uint32_t q5_rearrange(uint32_t qh) {
+  uint32_t out = 0;
+  for (int p = 0; p < 8; ++p)
+    for (int i = 0; i < 4; ++i) out |= ((qh >> ((p & 1) * 16 + 4 * (p >> 1) + i)) & 1u) << (8 * i + p);
+  return out;
+}
+uint32_t q5_restore(uint32_t qh2) {
+  uint32_t out = 0;
+  for (int p = 0; p < 8; ++p)
+    for (int i = 0; i < 4; ++i) out |= ((qh2 >> (8 * i + p)) & 1u) << ((p & 1) * 16 + 4 * (p >> 1) + i);
+  return out;
+}
+
+// Q4_K / Q5_K 12-byte scales <-> 8 six-bit scales and mins.
+void k_unpack_scales(const uint8_t* q, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 8; ++j) {
+    if (j < 4) {
+      sc[j] = q[j] & 63;
+      mn[j] = q[j + 4] & 63;
+    } else {
+      sc[j] = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+  }
+}
+void k_pack_scales(const uint8_t sc[8], const uint8_t mn[8], uint8_t q[12]) {
+  for (int j = 0; j < 4; ++j) {
+    q[j] = static_cast<uint8_t>((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+    q[j + 4] = static_cast<uint8_t>((mn[j] & 63) | ((mn[j + 4] >> 4) << 6));
+    q[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4));
+  }
+}
+
+// One block of one row between the GGUF layout (g) and its place in a panel block (P, row r); to_panel picks the
+// direction. Every byte of the GGUF block has exactly one place in the panel, so the two directions are inverse.
+template <bool to_panel>
+void move_block(int f, uint8_t* g, uint8_t* P, int r) {
+  auto mv = [&](uint8_t* gp, uint8_t* pp, int n) {
+    if (to_panel) std::memcpy(pp, gp, n); else std::memcpy(gp, pp, n);
+  };
+  if (!is_k(f)) {
+    mv(g, P + 2 * r, 2);  // d
+    int at = 2;
+    if (has_min(f)) {
+      mv(g + 2, P + min_at(f) + 2 * r, 2);
+      at = 4;
+    }
+    if (is_q5(f)) {
+      uint8_t* pq = P + qh_at(f) + 4 * r;
+      if (to_panel) store_u32(pq, q5_rearrange(load_u32(g + at))); else store_u32(g + at, q5_restore(load_u32(pq)));
+      at += 4;
+    }
+    const int slices = f == kQ8_0 ? 8 : 4;
+    for (int s = 0; s < slices; ++s) mv(g + at + 4 * s, P + qs_at(f) + 32 * s + 4 * r, 4);
+    return;
+  }
+  if (f == kQ6_K) {
+    mv(g + 208, P + 2 * r, 2);  // d
+    for (int i = 0; i < 16; ++i) mv(g + 192 + i, P + kQ6ScAt + 8 * i + r, 1);
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 8; ++t) {
+        uint8_t* base = P + kQ6HalfAt + kQ6HalfBytes * h + 96 * t + 4 * r;
+        mv(g + 64 * h + 4 * t, base, 4);            // A: ql bytes 4t.. of the half
+        mv(g + 64 * h + 32 + 4 * t, base + 32, 4);  // B: ql bytes 32+4t..
+        mv(g + 128 + 32 * h + 4 * t, base + 64, 4); // H: qh bytes 4t..
+      }
+    return;
+  }
+  // Q4_K, Q5_K
+  mv(g, P + 2 * r, 2);
+  mv(g + 2, P + 16 + 2 * r, 2);
+  uint8_t sc[8], mn[8];
+  if (to_panel) k_unpack_scales(g + 4, sc, mn);
+  for (int j = 0; j < 8; ++j) {
+    mv(sc + j, P + kScAt + 8 * j + r, 1);
+    mv(mn + j, P + kMnAt + 16 * (j >> 1) + 2 * r + (j & 1), 1);
+  }
+  if (!to_panel) k_pack_scales(sc, mn, g + 4);
+  int at = 16;
+  if (f == kQ5_K) {
+    for (int t = 0; t < 8; ++t) mv(g + 16 + 4 * t, P + kQ5KQhAt + 32 * t + 4 * r, 4);
+    at = 48;
+  }
+  for (int c = 0; c < 4; ++c)
+    for (int t = 0; t < 8; ++t) mv(g + at + 32 * c + 4 * t, P + k_qs_at(f) + 256 * c + 32 * t + 4 * r, 4);
+}
+
+void check_q8_weight(const at::Tensor& w, int f, int64_t K, bool panels) {
+  TORCH_CHECK(q8_format(f), "q8: GGML type ", f, " has no integer kernel");
+  const Layout L = layout_of(f);
+  TORCH_CHECK(K > 0 && K % L.qk == 0, "q8: K=", K, " is not a multiple of the block size ", L.qk);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
+              "q8: the weight must be a contiguous CPU uint8 tensor");
+  const int64_t rb = panels ? panel_row_bytes(f, K) / kRows : K / L.qk * L.gguf_bytes;
+  if (panels) {
+    TORCH_CHECK(w.size(0) % kRows == 0, "q8: a panel weight has a multiple of ", kRows, " rows");
+    TORCH_CHECK(w.size(1) * kRows == panel_row_bytes(f, K), "q8: a panel weight of ", K, " inputs takes ",
+                panel_row_bytes(f, K) / kRows, " bytes a row, the tensor has ", w.size(1));
+  } else {
+    TORCH_CHECK(w.size(1) == rb, "q8: a GGUF row of ", K, " weights takes ", rb, " bytes, the tensor has ",
+                w.size(1));
+  }
+}
+
+// GGUF rows [N, row_bytes] -> panels [ceil(N/8)*8, panel_row_bytes/8] (rows past N are zero: zero scales and
+// quants, whose products are 0 and whose outputs nobody reads).
+at::Tensor q8_pack(const at::Tensor& w, int64_t fmt, int64_t K) {
+  const int f = static_cast<int>(fmt);
+  check_q8_weight(w, f, K, false);
+  const Layout L = layout_of(f);
+  const int64_t N = w.size(0), nb = K / L.qk, gb = w.size(1);
+  const int64_t panels = (N + kRows - 1) / kRows, pb = panel_row_bytes(f, K);
+  at::Tensor out = at::zeros({panels * kRows, pb / kRows}, w.options());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int r = 0; r < kRows && p * kRows + r < N; ++r)
+        for (int64_t b = 0; b < nb; ++b)
+          move_block<true>(f, wp + (p * kRows + r) * gb + b * L.gguf_bytes, op + p * pb + b * L.panel_bytes, r);
+  });
+  return out;
+}
+
+// Rows `ids` of a panel weight back in the GGUF layout [len(ids), row_bytes].
+at::Tensor q8_unpack_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids_in) {
+  const int f = static_cast<int>(fmt);
+  check_q8_weight(w, f, K, true);
+  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong, "q8: ids must be 1-D int64");
+  const at::Tensor ids = ids_in.contiguous();
+  const Layout L = layout_of(f);
+  const int64_t nb = K / L.qk, gb = nb * L.gguf_bytes, pb = panel_row_bytes(f, K), R = ids.size(0);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < w.size(0), "q8: row ", idp[i], " out of range");
+  at::Tensor out = at::empty({R, gb}, w.options());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  uint8_t* wp = w.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t p = idp[i] / kRows;
+    const int r = static_cast<int>(idp[i] % kRows);
+    for (int64_t b = 0; b < nb; ++b) move_block<false>(f, op + i * gb + b * L.gguf_bytes, wp + p * pb + b * L.panel_bytes, r);
+  }
+  return out;
+}
+
+at::Tensor q8_unpack(const at::Tensor& w, int64_t fmt, int64_t K, int64_t N) {
+  TORCH_CHECK(N >= 0 && N <= w.size(0), "q8: N out of range");
+  return q8_unpack_rows(w, fmt, K, at::arange(N, at::TensorOptions().dtype(at::kLong)));
+}
+
+// ---- activation rows ----------------------------------------------------------------------------------------------
+
+// One call's quantised activation rows. Legacy formats (blocks of 32): q, d, and per block `off` = offset * sum(q)
+// (Q4_0: 8, Q5_0: 16) or `s` (Q8_1). K-quants (blocks of 256): q, d, bsums of 16 (bs16) and of 32 (bs32), int16.
+struct Acts {
+  int64_t K = 0, nb = 0;
+  const int8_t* q = nullptr;
+  const float* d = nullptr;
+  const int32_t* off = nullptr;
+  const float* s = nullptr;
+  const int16_t* bs16 = nullptr;
+  const int16_t* bs32 = nullptr;
+};
+
+inline float fp16_round(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// 32 floats times id, rounded half to even, as int8 (values within +-127) into q; returns their int32 lanes' sum.
+inline __m256i quantize32(const float* x, __m256 id, int8_t* q) {
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k)
+    i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), id),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p);
+  return sum;
+}
+
+inline float amax32(const float* x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+  for (int k = 1; k < 4; ++k) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * k)));
+  return hmax8(m);
+}
+
+// Q8_0 / Q8_1 (blocks of 32): llama.cpp's quantize_row_q8_0 / q8_1 (x86), plus the offset term or s.
+void quantize_row_32(const float* x, int64_t K, int offset, bool q8_1, int8_t* q, float* d, int32_t* off, float* s) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float amax = amax32(x + 32 * b);
+    const float dd = amax / 127.f;
+    const float id = amax != 0.0f ? 127.f / amax : 0.0f;
+    const int32_t sum = hsum_i32(quantize32(x + 32 * b, _mm256_set1_ps(id), q + 32 * b));
+    d[b] = fp16_round(dd);
+    off[b] = offset * sum;
+    if (q8_1) s[b] = fp16_round(dd * static_cast<float>(sum));
+  }
+}
+
+// Q8_K (blocks of 256): llama.cpp's quantize_row_q8_K_ref: the first element of largest magnitude sets the scale.
+void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs16, int16_t* bs32) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* xb = x + 256 * b;
+    __m256 m = _mm256_setzero_ps();
+    for (int k = 0; k < 256; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + k)));
+    const float amax = hmax8(m);
+    int8_t* qb = q + 256 * b;
+    if (!(amax > 0.0f)) {  // all zero (or NaN): llama.cpp's `if (!amax)`
+      d[b] = 0.0f;
+      std::memset(qb, 0, 256);
+      for (int j = 0; j < 16; ++j) bs16[16 * b + j] = 0;
+      for (int j = 0; j < 8; ++j) bs32[8 * b + j] = 0;
+      continue;
+    }
+    float mx = 0.0f;
+    for (int k = 0; k < 256; ++k)
+      if (std::fabs(xb[k]) == amax) {
+        mx = xb[k];
+        break;
+      }
+    const float iscale = -127.f / mx;
+    const __m256 vs = _mm256_set1_ps(iscale);
+    const __m256i cap = _mm256_set1_epi32(127);
+    for (int k = 0; k < 256; k += 32) {
+      __m256i i[4];
+      for (int u = 0; u < 4; ++u)
+        i[u] = _mm256_min_epi32(cap, _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(xb + k + 8 * u)),
+                                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+      p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + k), p);
+    }
+    for (int j = 0; j < 16; ++j) {
+      int sum = 0;
+      for (int k = 0; k < 16; ++k) sum += qb[16 * j + k];
+      bs16[16 * b + j] = static_cast<int16_t>(sum);
+    }
+    for (int j = 0; j < 8; ++j) bs32[8 * b + j] = static_cast<int16_t>(bs16[16 * b + 2 * j] + bs16[16 * b + 2 * j + 1]);
+    d[b] = 1.0f / iscale;
+  }
+}
+
+// The activation rows of one call, in a per-thread buffer reused across calls.
+Acts quantize_rows(const float* x, int64_t M, int64_t K, int f) {
+  thread_local std::vector<uint8_t> buf;
+  const bool k = is_k(f);
+  const int64_t nb = K / (k ? 256 : 32);
+  const int64_t q_bytes = (M * K + 63) / 64 * 64, f_bytes = (M * nb * 4 + 63) / 64 * 64;
+  const int64_t bs_bytes = k ? (M * nb * 24 * 2 + 63) / 64 * 64 : 0;
+  const size_t need = static_cast<size_t>(q_bytes + 3 * f_bytes + bs_bytes + 64);
+  if (buf.size() < need) buf.resize(need);
+  uint8_t* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+  Acts a;
+  a.K = K;
+  a.nb = nb;
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* d = reinterpret_cast<float*>(base + q_bytes);
+  int32_t* off = reinterpret_cast<int32_t*>(base + q_bytes + f_bytes);
+  float* s = reinterpret_cast<float*>(base + q_bytes + 2 * f_bytes);
+  int16_t* bs16 = reinterpret_cast<int16_t*>(base + q_bytes + 3 * f_bytes);
+  int16_t* bs32 = bs16 + M * nb * 16;
+  a.q = q, a.d = d, a.off = off, a.s = s, a.bs16 = bs16, a.bs32 = bs32;
+  const int offset = offset_of(f);
+  const bool q8_1 = has_min(f);
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (k)
+        quantize_row_k(x + m * K, K, q + m * K, d + m * nb, bs16 + m * nb * 16, bs32 + m * nb * 8);
+      else
+        quantize_row_32(x + m * K, K, offset, q8_1, q + m * K, d + m * nb, off + m * nb, s + m * nb);
+    }
+  });
+  return a;
+}
+
+// ---- kernels --------------------------------------------------------------------------------------------------
+
+using V = __m256i;
+
+inline V vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline V bcast4(const int8_t* p) {  // 4 activation bytes to every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline V bcast4(const int16_t* p) { return bcast4(reinterpret_cast<const int8_t*>(p)); }
+inline V nib_lo(V w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
+inline V nib_hi(V w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
+// Bit p of every byte of w moved to bit 4 (then masked): a Q5 high bit into place.
+template <int P>
+inline V bit_to_4(V w) {
+  V v;
+  if constexpr (P < 4) v = _mm256_slli_epi32(w, 4 - P);
+  else if constexpr (P > 4) v = _mm256_srli_epi32(w, P - 4);
+  else v = w;
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+inline V madd_ones(V p16) { return _mm256_madd_epi16(p16, _mm256_set1_epi16(1)); }
+inline __m256 cvt(V i) { return _mm256_cvtepi32_ps(i); }
+// int16 pairs [s_r, s_r] for r = 0..7 from 8 bytes (unsigned / signed)
+inline V pairs_u8(const uint8_t* p) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(x, x));
+}
+inline V pairs_s8(const uint8_t* p) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, x));
+}
+inline __m256 halfs8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+constexpr int64_t kAhead = 2048;  // bytes of the weight stream asked for ahead of use
+
+// acc[i] = acc[i] + (float(I[i]) * (dw * d_a)) [+ mw * s_a]: the fp32 part of a legacy block, in its fixed order.
+template <int F, int R>
+inline void legacy_scale(__m256 (&acc)[R], V (&I)[R], const Acts& a, int64_t m0, int64_t b, __m256 dw, __m256 mw) {
+  for (int i = 0; i < R; ++i) {
+    const int64_t ab = (m0 + i) * a.nb + b;
+    V t = I[i];
+    if constexpr (offset_of(F) != 0) t = _mm256_sub_epi32(t, _mm256_set1_epi32(a.off[ab]));
+    __m256 term = _mm256_mul_ps(cvt(t), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])));
+    if constexpr (has_min(F)) term = _mm256_add_ps(term, _mm256_mul_ps(mw, _mm256_set1_ps(a.s[ab])));
+    acc[i] = _mm256_add_ps(acc[i], term);
+  }
+}
+
+// Q4_0 / Q4_1 / Q5_0 / Q5_1: R activation rows x one panel. Integer bounds (maddubs: u8 x s8 pairs into int16):
+// a Q4 product pair is at most 2 * 15 * 127 = 3810, and eight of them (a block) 30480 < 32767; a Q5 pair at most
+// 2 * 31 * 127 = 7874, so two slices (four pairs, 31496) are summed in int16 before widening.
+template <int F, int R>
+void legacy_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+  constexpr Layout L = layout_of(F);
+  __m256 acc[R];
+  const int8_t* ar[R];
+  for (int i = 0; i < R; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    ar[i] = a.q + (m0 + i) * a.K;
+  }
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* P = panel + b * L.panel_bytes;
+    prefetch(P + kAhead);
+    prefetch(P + kAhead + 64);
+    const __m256 dw = halfs8(P);
+    __m256 mw = _mm256_setzero_ps();
+    if constexpr (has_min(F)) mw = halfs8(P + min_at(F));
+    V qh = _mm256_setzero_si256();
+    if constexpr (is_q5(F)) qh = vload(P + qh_at(F));
+    const uint8_t* qs = P + qs_at(F);
+    V I[R];
+    for (int i = 0; i < R; ++i) I[i] = _mm256_setzero_si256();
+#if defined(FF_Q8_VNNI)
+    auto slice = [&](auto sc) {
+      constexpr int s = decltype(sc)::value;
+      const V w = vload(qs + 32 * s);
+      V lo = nib_lo(w), hi = nib_hi(w);
+      if constexpr (is_q5(F)) {
+        lo = _mm256_or_si256(lo, bit_to_4<2 * s>(qh));
+        hi = _mm256_or_si256(hi, bit_to_4<2 * s + 1>(qh));
+      }
+      for (int i = 0; i < R; ++i) {
+        I[i] = FF_DPBUSD(I[i], lo, bcast4(ar[i] + 32 * b + 4 * s));
+        I[i] = FF_DPBUSD(I[i], hi, bcast4(ar[i] + 32 * b + 16 + 4 * s));
+      }
+    };
+    slice(std::integral_constant<int, 0>{});
+    slice(std::integral_constant<int, 1>{});
+    slice(std::integral_constant<int, 2>{});
+    slice(std::integral_constant<int, 3>{});
+#else
+    V p[R];
+    for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
+    auto slice = [&](auto sc) {
+      constexpr int s = decltype(sc)::value;
+      const V w = vload(qs + 32 * s);
+      V lo = nib_lo(w), hi = nib_hi(w);
+      if constexpr (is_q5(F)) {
+        lo = _mm256_or_si256(lo, bit_to_4<2 * s>(qh));
+        hi = _mm256_or_si256(hi, bit_to_4<2 * s + 1>(qh));
+      }
+      for (int i = 0; i < R; ++i)
+        p[i] = _mm256_add_epi16(p[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(ar[i] + 32 * b + 4 * s)),
+                                                       _mm256_maddubs_epi16(hi, bcast4(ar[i] + 32 * b + 16 + 4 * s))));
+      if constexpr (is_q5(F) && (s == 1 || s == 3)) {
+        for (int i = 0; i < R; ++i) {
+          I[i] = _mm256_add_epi32(I[i], madd_ones(p[i]));
+          p[i] = _mm256_setzero_si256();
+        }
+      }
+    };
+    slice(std::integral_constant<int, 0>{});
+    slice(std::integral_constant<int, 1>{});
+    slice(std::integral_constant<int, 2>{});
+    slice(std::integral_constant<int, 3>{});
+    if constexpr (!is_q5(F))
+      for (int i = 0; i < R; ++i) I[i] = madd_ones(p[i]);
+#endif
+    legacy_scale<F, R>(acc, I, a, m0, b, dw, mw);
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
+}
+
+// Q8_0: signed weights, so each slice multiplies |w| by the activation with w's sign (a pair is at most
+// 2 * 128 * 127 = 32512: widened to int32 at once).
+template <int R>
+void q8_0_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+  constexpr Layout L = layout_of(kQ8_0);
+  __m256 acc[R];
+  const int8_t* ar[R];
+  for (int i = 0; i < R; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    ar[i] = a.q + (m0 + i) * a.K;
+  }
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* P = panel + b * L.panel_bytes;
+    prefetch(P + kAhead);
+    prefetch(P + kAhead + 64);
+    prefetch(P + kAhead + 128);
+    prefetch(P + kAhead + 192);
+    const __m256 dw = halfs8(P);
+    V I[R];
+    for (int i = 0; i < R; ++i) I[i] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s) {
+      const V w = vload(P + qs_at(kQ8_0) + 32 * s);
+      const V aw = _mm256_sign_epi8(w, w);
+      for (int i = 0; i < R; ++i) {
+        const V sa = _mm256_sign_epi8(bcast4(ar[i] + 32 * b + 4 * s), w);
+#if defined(FF_Q8_VNNI)
+        I[i] = FF_DPBUSD(I[i], aw, sa);
+#else
+        I[i] = _mm256_add_epi32(I[i], madd_ones(_mm256_maddubs_epi16(aw, sa)));
+#endif
+      }
+    }
+    legacy_scale<kQ8_0, R>(acc, I, a, m0, b, dw, _mm256_setzero_ps());
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
+}
+
+// Q4_K / Q5_K: per 32-weight sub-block j, the int16 sums times its 6-bit scale (vpmaddwd with [sc, sc] pairs)
+// into the super-block's int32 I; the mins' term from the activation's sums of 32. Bounds: a Q4 sub-block's eight
+// pairs sum to at most 30480 in int16, a Q5 one's pairs are widened every four (31496); |I| <= 8 * 32 * 31 * 127 *
+// 63 < 2^31.
+template <int F, int R>
+void k4_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+  constexpr Layout L = layout_of(F);
+  __m256 acc[R];
+  const int8_t* ar[R];
+  for (int i = 0; i < R; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    ar[i] = a.q + (m0 + i) * a.K;
+  }
+  for (int64_t sb = 0; sb < a.nb; ++sb) {
+    const uint8_t* P = panel + sb * L.panel_bytes;
+    const __m256 dw = halfs8(P), dmin = halfs8(P + 16);
+    const uint8_t* qs = P + k_qs_at(F);
+    V I[R];
+    for (int i = 0; i < R; ++i) I[i] = _mm256_setzero_si256();
+    auto chunk_half = [&](int c, auto hc) {  // sub-block j = 2c + h: the low (h = 0) or high nibbles of chunk c
+      constexpr int h = decltype(hc)::value;
+      const int j = 2 * c + h;
+#if defined(FF_Q8_VNNI)
+      V S[R];
+      for (int i = 0; i < R; ++i) S[i] = _mm256_setzero_si256();
+#else
+      const V sc = pairs_u8(P + kScAt + 8 * j);
+      V p[R];
+      for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
+#endif
+      for (int t = 0; t < 8; ++t) {
+        const uint8_t* wp = qs + 256 * c + 32 * t;
+        prefetch(wp + kAhead);
+        const V w = vload(wp);
+        V x = h ? nib_hi(w) : nib_lo(w);
+        if constexpr (F == kQ5_K) {
+          const V qh = vload(P + kQ5KQhAt + 32 * t);
+          switch (j) {  // bit j of the qh byte is this sub-block's high bit
+            case 0: x = _mm256_or_si256(x, bit_to_4<0>(qh)); break;
+            case 1: x = _mm256_or_si256(x, bit_to_4<1>(qh)); break;
+            case 2: x = _mm256_or_si256(x, bit_to_4<2>(qh)); break;
+            case 3: x = _mm256_or_si256(x, bit_to_4<3>(qh)); break;
+            case 4: x = _mm256_or_si256(x, bit_to_4<4>(qh)); break;
+            case 5: x = _mm256_or_si256(x, bit_to_4<5>(qh)); break;
+            case 6: x = _mm256_or_si256(x, bit_to_4<6>(qh)); break;
+            default: x = _mm256_or_si256(x, bit_to_4<7>(qh)); break;
+          }
+        }
+        for (int i = 0; i < R; ++i) {
+          const V av = bcast4(ar[i] + 256 * sb + 64 * c + 32 * h + 4 * t);
+#if defined(FF_Q8_VNNI)
+          S[i] = FF_DPBUSD(S[i], x, av);
+#else
+          p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(x, av));
+#endif
+        }
+#if !defined(FF_Q8_VNNI)
+        if (F == kQ5_K && t == 3) {
+          for (int i = 0; i < R; ++i) {
+            I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
+            p[i] = _mm256_setzero_si256();
+          }
+        }
+#endif
+      }
+#if defined(FF_Q8_VNNI)
+      const V sc32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 8 * j)));
+      for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_mullo_epi32(S[i], sc32));
+#else
+      for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
+#endif
+    };
+    for (int c = 0; c < 4; ++c) {
+      chunk_half(c, std::integral_constant<int, 0>{});
+      chunk_half(c, std::integral_constant<int, 1>{});
+    }
+    V mn[4];
+    for (int k = 0; k < 4; ++k)
+      mn[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + kMnAt + 16 * k)));
+    for (int i = 0; i < R; ++i) {
+      const int64_t ab = (m0 + i) * a.nb + sb;
+      const int16_t* bs = a.bs32 + ab * 8;
+      V Im = _mm256_madd_epi16(mn[0], bcast4(bs));
+      for (int k = 1; k < 4; ++k) Im = _mm256_add_epi32(Im, _mm256_madd_epi16(mn[k], bcast4(bs + 2 * k)));
+      const __m256 da = _mm256_set1_ps(a.d[ab]);
+      const __m256 term = _mm256_sub_ps(_mm256_mul_ps(cvt(I[i]), _mm256_mul_ps(dw, da)),
+                                        _mm256_mul_ps(cvt(Im), _mm256_mul_ps(dmin, da)));
+      acc[i] = _mm256_add_ps(acc[i], term);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
+}
+
+// Q6_K: q in 0..63 (4 low bits from ql, 2 high bits from qh) times the activation, per 16-weight sub-block i
+// times its int8 scale, less 32 * sc_i * (the activation's sum over i). A pair is at most 2 * 63 * 127 = 16002,
+// so two slices (t, t + 1: same sub-block) are summed in int16; |I| < 16 * 16 * 63 * 127 * 128 < 2^31.
+template <int R>
+void q6k_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+  constexpr Layout L = layout_of(kQ6_K);
+  __m256 acc[R];
+  const int8_t* ar[R];
+  for (int i = 0; i < R; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    ar[i] = a.q + (m0 + i) * a.K;
+  }
+  const V m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+  for (int64_t sb = 0; sb < a.nb; ++sb) {
+    const uint8_t* P = panel + sb * L.panel_bytes;
+    const __m256 dw = halfs8(P);
+    V I[R];
+    for (int i = 0; i < R; ++i) I[i] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* hp = P + kQ6HalfAt + kQ6HalfBytes * h;
+      // pattern g: 0 = A low nibbles (elements 4t..), 1 = B low (32+4t..), 2 = A high (64+4t..), 3 = B high (96+4t..)
+      for (int g = 0; g < 4; ++g) {
+        for (int tp = 0; tp < 4; ++tp) {
+          const int j = 8 * h + 2 * g + (tp >> 1);  // the sub-block of slices 2tp, 2tp + 1
+#if defined(FF_Q8_VNNI)
+          V S[R];
+          for (int i = 0; i < R; ++i) S[i] = _mm256_setzero_si256();
+#else
+          V p[R];
+          for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
+#endif
+          for (int tt = 0; tt < 2; ++tt) {
+            const int t = 2 * tp + tt;
+            const uint8_t* sp = hp + 96 * t;
+            if (g == 0) prefetch(sp + kAhead);
+            const V q4 = vload(sp + 32 * (g & 1));
+            const V H = vload(sp + 64);
+            V x;
+            switch (g) {
+              case 0: x = _mm256_or_si256(_mm256_and_si256(q4, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m2)); break;
+              case 1: x = _mm256_or_si256(_mm256_and_si256(q4, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m2)); break;
+              case 2: x = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), m4), _mm256_and_si256(H, m2)); break;
+              default:
+                x = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), m4),
+                                    _mm256_and_si256(_mm256_srli_epi16(H, 2), m2));
+            }
+            for (int i = 0; i < R; ++i) {
+              const V av = bcast4(ar[i] + 256 * sb + 128 * h + 32 * g + 4 * t);
+#if defined(FF_Q8_VNNI)
+              S[i] = FF_DPBUSD(S[i], x, av);
+#else
+              p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(x, av));
+#endif
+            }
+          }
+#if defined(FF_Q8_VNNI)
+          const V sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * j)));
+          for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_mullo_epi32(S[i], sc32));
+#else
+          const V sc = pairs_s8(P + kQ6ScAt + 8 * j);
+          for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
+#endif
+        }
+      }
+    }
+    // the offset: 32 * sum_i sc_i * bsum_i, with [sc_2k, sc_2k+1] pairs per row against the activation's sums
+    V scp[8];
+    for (int k = 0; k < 8; ++k) {
+      const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * (2 * k)));
+      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * (2 * k + 1)));
+      scp[k] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));
+    }
+    for (int i = 0; i < R; ++i) {
+      const int64_t ab = (m0 + i) * a.nb + sb;
+      const int16_t* bs = a.bs16 + ab * 16;
+      V Io = _mm256_madd_epi16(scp[0], bcast4(bs));
+      for (int k = 1; k < 8; ++k) Io = _mm256_add_epi32(Io, _mm256_madd_epi16(scp[k], bcast4(bs + 2 * k)));
+      const V t = _mm256_sub_epi32(I[i], _mm256_slli_epi32(Io, 5));
+      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(cvt(t), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab]))));
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
+}
+
+// Activation rows per tile (register blocking) for each format.
+template <int F>
+constexpr int tile_rows() {
+  return F == kQ6_K ? 2 : is_k(F) ? 3 : 4;
+}
+
+template <int F, int R>
+inline void tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+  if constexpr (F == kQ8_0) q8_0_tile<R>(panel, a, m0, out, ldo);
+  else if constexpr (F == kQ6_K) q6k_tile<R>(panel, a, m0, out, ldo);
+  else if constexpr (is_k(F)) k4_tile<F, R>(panel, a, m0, out, ldo);
+  else legacy_tile<F, R>(panel, a, m0, out, ldo);
+}
+
+// Rows [m0, m0 + rows) (rows <= tile_rows) x one panel.
+template <int F, int R = tile_rows<F>()>
+inline void tile_any(int rows, const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_any<F, R - 1>(rows, panel, a, m0, out, ldo);
+  }
+  tile<F, R>(panel, a, m0, out, ldo);
+}
+
+template <int F>
+void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n_panels, float* out) {
+  constexpr int R = tile_rows<F>();
+  const int64_t pb = panel_row_bytes(F, K), ldo = n_panels * kRows;
+  // Rows in chunks whose quantised activations stay in L2 while the panels stream past.
+  const int64_t chunk = std::max<int64_t>(R, std::min<int64_t>(64, (256 << 10) / K) / R * R);
+  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+    const int64_t rows = std::min(chunk, M - c0);
+    const Acts a = quantize_rows(x + c0 * K, rows, K, F);
+    float* oc = out + c0 * ldo;
+    const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, K * rows));
+    at::parallel_for(0, n_panels, grain, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* panel = w + p * pb;
+        for (int64_t m0 = 0; m0 < rows; m0 += R)
+          tile_any<F>(static_cast<int>(std::min<int64_t>(R, rows - m0)), panel, a, m0, oc + p * kRows, ldo);
+      }
+    });
+  }
+}
+
+// out[M, N_pad] = x[M, K] @ W^T, W a panel weight [N_pad, panel_row_bytes / 8] of GGML type fmt.
+at::Tensor q8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K) {
+  const int f = static_cast<int>(fmt);
+  check_q8_weight(w, f, K, true);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "q8_mm: x must be a 2-D fp32 CPU tensor");
+  TORCH_CHECK(x_in.size(1) == K, "q8_mm: x has ", x_in.size(1), " columns, the weight ", K);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), n_panels = w.size(0) / kRows;
+  at::Tensor out = at::empty({M, n_panels * kRows}, x.options());
+  if (M == 0 || n_panels == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (f) {
+    case kQ4_0: run<kQ4_0>(xp, M, K, wp, n_panels, op); break;
+    case kQ4_1: run<kQ4_1>(xp, M, K, wp, n_panels, op); break;
+    case kQ5_0: run<kQ5_0>(xp, M, K, wp, n_panels, op); break;
+    case kQ5_1: run<kQ5_1>(xp, M, K, wp, n_panels, op); break;
+    case kQ8_0: run<kQ8_0>(xp, M, K, wp, n_panels, op); break;
+    case kQ4_K: run<kQ4_K>(xp, M, K, wp, n_panels, op); break;
+    case kQ5_K: run<kQ5_K>(xp, M, K, wp, n_panels, op); break;
+    default: run<kQ6_K>(xp, M, K, wp, n_panels, op); break;
+  }
+  return out;
+}
+
+// The fp32 values of rows `ids` (an embedding lookup): the reference dequantisation, as the exact path gives it.
+at::Tensor q8_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids) {
+  const at::Tensor rows = q8_unpack_rows(w, fmt, K, ids);
+  at::Tensor out = at::empty({rows.size(0), K}, at::TensorOptions().dtype(at::kFloat));
+  ff_decode_gguf_rows(rows.data_ptr<uint8_t>(), rows.size(0), rows.size(1), static_cast<int>(fmt), K,
+                      out.data_ptr<float>());
+  return out;
+}
+
+// Quantised activation rows as the kernel makes them (for tests against the reference): q [M, K] int8,
+// d [M, nb] fp32, and the per-block extra: off (int32), s (fp32) or bs16 [M, nb, 16] (int16).
+std::vector<at::Tensor> q8_quantize(const at::Tensor& x_in, int64_t fmt) {
+  const int f = static_cast<int>(fmt);
+  TORCH_CHECK(q8_format(f), "q8: GGML type ", f, " has no integer kernel");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % layout_of(f).qk == 0, "q8: K is not a multiple of the block size");
+  const Acts a = quantize_rows(x.data_ptr<float>(), M, K, f);
+  const auto i8 = at::TensorOptions().dtype(at::kChar), f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor q = at::empty({M, K}, i8), d = at::empty({M, a.nb}, f32);
+  std::memcpy(q.data_ptr<int8_t>(), a.q, M * K);
+  std::memcpy(d.data_ptr<float>(), a.d, M * a.nb * 4);
+  if (is_k(f)) {
+    at::Tensor bs = at::empty({M, a.nb, 16}, at::TensorOptions().dtype(at::kShort));
+    std::memcpy(bs.data_ptr<int16_t>(), a.bs16, M * a.nb * 32);
+    return {q, d, bs};
+  }
+  if (has_min(f)) {
+    at::Tensor s = at::empty({M, a.nb}, f32);
+    std::memcpy(s.data_ptr<float>(), a.s, M * a.nb * 4);
+    return {q, d, s};
+  }
+  at::Tensor off = at::empty({M, a.nb}, at::TensorOptions().dtype(at::kInt));
+  std::memcpy(off.data_ptr<int32_t>(), a.off, M * a.nb * 4);
+  return {q, d, off};
+}
+
+}  // namespace
+
+// For quant_gemm.cpp's quant_mm / quant_rows: panel weights go here.
+bool ff_is_q8(int64_t fmt) { return fmt > kQ8Base && q8_format(static_cast<int>(fmt - kQ8Base)); }
+at::Tensor ff_q8_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) { return q8_mm(x, w, fmt - kQ8Base, K); }
+at::Tensor ff_q8_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids) {
+  return q8_rows(w, fmt - kQ8Base, K, ids);
+}
+
+void register_q8_gemm(pybind11::module& m) {
+  m.attr("Q8_FORMAT_BASE") = kQ8Base;
+#if defined(FF_VNNI_512)
+  m.attr("q8_dot") = "avx512-vnni";
+#elif defined(FF_VNNI_AVX)
+  m.attr("q8_dot") = "avx-vnni";
+#else
+  m.attr("q8_dot") = "avx2";
+#endif
+  m.def("q8_pack", &q8_pack,
+        "GGUF rows [N, row_bytes] -> the integer kernel's panels [ceil(N/8)*8, panel_row_bytes] (a new tensor; "
+        "its format code for quant_mm is Q8_FORMAT_BASE + type)",
+        pybind11::arg("w"), pybind11::arg("fmt"), pybind11::arg("K"));
+  m.def("q8_unpack", &q8_unpack, "panels -> the first N rows in the GGUF layout", pybind11::arg("w"),
+        pybind11::arg("fmt"), pybind11::arg("K"), pybind11::arg("N"));
+  m.def("q8_quantize", &q8_quantize, "the kernel's quantised activation rows (q, d, and off / s / bsums)",
+        pybind11::arg("x"), pybind11::arg("fmt"));
+}
