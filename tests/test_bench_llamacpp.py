@@ -218,6 +218,77 @@ def test_report_against_llama_cpp_and_ttft():
     assert "n/a (75.0% agreement)" in md
 
 
+def test_report_gives_every_ratio_end_to_end_and_decode_only():
+    """Decode only: tokens after each turn's first over the time after it (per-turn counts when the row has them,
+    else one first token per turn). ar: 9 tokens in 0.9 s and 8 in 0.6 s; llama-cpp: 9 in 0.5 s and 8 in 1.4 s."""
+    rows = [
+        _row("1", "ar", 1.0, prefill=0.1), _row("1", "llama-cpp", 0.8, prefill=0.3, kind="peer", agree=10),
+        _row("2", "ar", 1.0, cat="b", prefill=0.4, turns=2),
+        _row("2", "llama-cpp", 2.0, cat="b", prefill=0.6, turns=2, kind="peer", agree=5),
+    ]
+    rows[2]["turns"] = [{"new_tokens": 6}, {"new_tokens": 4}]  # 5 + 3 tokens after the first of each turn
+    s = aggregate(rows)
+    ar, lc = s["methods"]["ar"], s["methods"]["llama-cpp"]
+    assert ar["speedup_vs_llama_cpp_geomean"] == pytest.approx(math.sqrt(0.8 * 2.0))  # end to end, as before
+    decode = math.sqrt((9 / 0.9) / (9 / 0.5) * (8 / 0.6) / (8 / 1.4))
+    assert ar["speedup_vs_llama_cpp_decode_geomean"] == pytest.approx(decode)
+    assert ar["categories"]["b"]["speedup_vs_llama_cpp_decode_geomean"] == pytest.approx((8 / 0.6) / (8 / 1.4))
+    assert lc["speedup_vs_llama_cpp_decode_geomean"] == pytest.approx(1.0)
+    assert ar["decode_tokens_per_s"] == pytest.approx(17 / 1.5) and lc["decode_tokens_per_s"] == pytest.approx(17 / 1.9)
+    assert ar["speedup_decode_geomean"] == pytest.approx(1.0)
+    # time to first token apart: llama-cpp's mean (0.3 + 0.3) / 2 over ar's (0.1 + 0.2) / 2
+    assert ar["ttft_speedup_vs_llama_cpp"] == pytest.approx(0.3 / 0.15)
+    assert ar["categories"]["a"]["ttft_speedup_vs_llama_cpp"] == pytest.approx(3.0)
+    for key in ("speedup_vs_llama_cpp_decode_geomean", "ttft_speedup_vs_llama_cpp", "decode_tokens_per_s"):
+        assert key in s["definitions"]
+    md = render_markdown(s, [])
+    section = md.split("## Against llama.cpp")[1].split("\n## ")[0]
+    assert "**End to end**" in section and "**Decode only**" in section and "**Time to first token**" in section
+    assert f"| `ar` | {(9 / 0.9) / (9 / 0.5):.2f}× | {(8 / 0.6) / (8 / 1.4):.2f}× | {decode:.2f}× |" in section
+    assert "| `ar` | 3.00× | 1.50× | 2.00× |" in section  # TTFT: per category, then overall
+    assert "decode tokens/s" in md.split("## Overall")[1] and "TTFT ms" in md.split("## Overall")[1]
+
+
+def test_report_without_time_to_first_token_has_no_decode_numbers():
+    """Rows that did not measure the first token (prefill_time 0, e.g. old runs of a peer): no decode-only ratio,
+    '–' in the tables, and the report still renders."""
+    s = aggregate([_row("1", "ar", 1.0), _row("1", "llama-cpp", 0.8, kind="peer", agree=10)])
+    ar = s["methods"]["ar"]
+    assert ar["speedup_vs_llama_cpp_geomean"] == pytest.approx(0.8)
+    assert ar["speedup_vs_llama_cpp_decode_geomean"] is None and ar["decode_tokens_per_s"] is None
+    assert ar["ttft_speedup_vs_llama_cpp"] is None
+    md = render_markdown(s, [])
+    assert "**End to end**" in md and "**Decode only**" not in md
+
+
+def test_llama_cpp_system_info_is_recorded_and_reported(monkeypatch):
+    """The runner's environment records llama.cpp's system_info when llama_cpp is imported; the summary takes the
+    newest row's and report.md prints it; rows from before it was recorded have none."""
+    from fastforward.bench.runner import environment
+
+    class FakeLlamaCpp:
+        __version__ = "9.9"
+
+        @staticmethod
+        def llama_print_system_info():
+            return b"CPU : AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 | "
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", FakeLlamaCpp)
+    env = environment()
+    assert env["software"]["llama_cpp_system_info"] == "CPU : AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 |"
+    rows = [_row("1", "ar", 1.0), _row("1", "llama-cpp", 0.8, kind="peer", agree=10)]
+    for r in rows:
+        r["software"] = env["software"]
+    s = aggregate(rows)
+    assert s["environment"]["llama_cpp_system_info"].startswith("CPU : AVX2 = 1")
+    md = render_markdown(s, [])
+    assert "- llama.cpp system_info: `CPU : AVX2 = 1 | AVX512 = 1" in md
+    assert "llama_cpp_system_info" not in md.split("- software:")[1].split("\n")[0]
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    assert "llama_cpp_system_info" not in environment()["software"]
+    assert aggregate([_row("1", "ar", 1.0)])["environment"]["llama_cpp_system_info"] is None
+
+
 def test_report_without_llama_cpp_has_no_llama_sections():
     s = aggregate([_row("1", "ar", 1.0), _row("1", "pld", 0.5)])
     assert "speedup_vs_llama_cpp_geomean" not in s["methods"]["ar"]
@@ -270,7 +341,13 @@ def test_llama_cpp_peers_for_real(tmp_path, capsys):
         assert m["ttft"] > 0 and m["tokens_per_s"] > 0
     assert summary["mismatch_details"] == []
     assert summary["methods"]["ar"]["speedup_vs_llama_cpp_geomean"] > 0
+    assert summary["methods"]["ar"]["speedup_vs_llama_cpp_decode_geomean"] > 0
+    assert summary["methods"]["ar"]["ttft_speedup_vs_llama_cpp"] > 0
+    info = llama_cpp.llama_print_system_info().decode()
+    assert summary["environment"]["llama_cpp_system_info"] == " ".join(info.split())
+    assert all(r["software"]["llama_cpp_system_info"] == " ".join(info.split()) for r in rows)
     report = (out / "report.md").read_text()
+    assert "- llama.cpp system_info: `" in report and "**Decode only**" in report
     assert "## Against llama.cpp" in report and "## Agreement with AR" in report
     assert "## Time to first token per category (ms)" in report
     assert "llama-cpp" in stdout

@@ -15,7 +15,11 @@ Timing per (question, method) is the median over repeats (``*_min`` fields use t
 
 Against a reference peer (``hf-generate``, ``llama-cpp``), every method also gets the geometric-mean ratio of its
 tokens/s to the peer's (``speedup_vs_hf_generate_geomean``, ``speedup_vs_llama_cpp_geomean``), computed like the
-speedup over AR. Peers that compute differently (llama.cpp) get ``agreement`` with AR instead of mismatches.
+speedup over AR, and given twice: *end to end* (all tokens over all time, the prefill included: what a user waits
+for) and *decode only* (``..._decode_geomean``: the tokens after each turn's first over the time after it, so a
+long prompt's prefill does not hide or inflate the decoding speed). The time to first token is reported apart
+(``ttft``, and ``ttft_speedup_vs_...``: the peer's mean TTFT over the method's). Peers that compute differently
+(llama.cpp) get ``agreement`` with AR instead of mismatches.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from .spec import BASELINE, OVERALL
 HF_GENERATE = "hf-generate"
 LLAMA_CPP = "llama-cpp"
 
-#: peers every method is also compared with when they ran: (label, summary.json key, report title, explanation)
+#: peers every method is also compared with when they ran: (label, summary.json key of the end-to-end ratio, report
+#: title, explanation); the decode-only ratio is under :func:`decode_key`, the TTFT ratio under :func:`ttft_key`
 REFERENCE_PEERS = (
     (HF_GENERATE, "speedup_vs_hf_generate_geomean", "Against Hugging Face transformers",
      "Geometric-mean speedup over `hf-generate` (transformers' greedy `generate` on the same prompts)."),
@@ -46,8 +51,33 @@ REFERENCE_PEERS = (
 )
 
 
+def decode_key(key: str) -> str:
+    """``speedup_vs_llama_cpp_geomean`` -> ``speedup_vs_llama_cpp_decode_geomean``: the decode-only twin."""
+    return key.replace("_geomean", "_decode_geomean")
+
+
+def ttft_key(key: str) -> str:
+    """``speedup_vs_llama_cpp_geomean`` -> ``ttft_speedup_vs_llama_cpp``: the peer's TTFT over the method's."""
+    return "ttft_" + key.replace("_geomean", "")
+
+
 def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def decode_part(row: dict) -> tuple[int, float] | None:
+    """(tokens after each turn's first, seconds after each turn's first token) of a row: its decoding without the
+    prefill. None when the row has no time to first token (``prefill_time`` 0: the runner does not measure it)."""
+    prefill = row.get("prefill_time") or 0.0
+    if prefill <= 0:
+        return None
+    turns = row.get("turns") or []
+    if turns and all(isinstance(t, dict) and "new_tokens" in t for t in turns):
+        tokens = sum(max(0, int(t["new_tokens"]) - 1) for t in turns)
+    else:  # rows without per-turn counts: one first token per turn
+        tokens = max(0, int(row["new_tokens"]) - max(1, len(turns)))
+    seconds = float(row["wall_time"]) - prefill
+    return (tokens, seconds) if seconds > 0 else None
 
 
 def _per_question(rows: list[dict]) -> dict[tuple[str, str], dict]:
@@ -58,6 +88,7 @@ def _per_question(rows: list[dict]) -> dict[tuple[str, str], dict]:
     out = {}
     for key, rs in groups.items():
         walls = [r["wall_time"] for r in rs]
+        decode = [d for d in (decode_part(r) for r in rs) if d is not None]
         checked = [r.get("lossless") for r in rs if r.get("lossless") is not None]
         divs = [r["first_divergence"] for r in rs if r.get("lossless") is False and r.get("first_divergence")]
         out[key] = {
@@ -65,6 +96,10 @@ def _per_question(rows: list[dict]) -> dict[tuple[str, str], dict]:
             "new_tokens": statistics.median(r["new_tokens"] for r in rs),
             "wall": statistics.median(walls),
             "wall_min": min(walls),
+            # decode only (after each turn's first token); None when the time to first token was not measured
+            "decode_tokens": statistics.median(d[0] for d in decode) if decode else None,
+            "decode_wall": statistics.median(d[1] for d in decode) if decode else None,
+            "decode_wall_min": min(d[1] for d in decode) if decode else None,
             "repeats": len(rs),
             "steps": sum(r["decoding_steps"] for r in rs),
             "tokens": sum(r["new_tokens"] for r in rs),
@@ -153,27 +188,47 @@ def _stats(label: str, qids: list[str], pq: dict, ref_label: str | None = BASELI
         res["jacobi"] = {"iterations": it, "fast_forward_per_iteration": fixed / it if it else None,
                          "stationary_per_block": stat / blocks if blocks else None, "blocks": blocks}
     for suffix, wkey in (("", "wall"), ("_min", "wall_min")):
-        ratios, tps, tps_ref, tot, tot_ref = [], [], [], [0.0, 0.0], [0.0, 0.0]
-        for q in qids:
-            ref = pq.get((ref_label, q))
-            m = pq[(label, q)]
-            if ref is None or m[wkey] <= 0 or ref[wkey] <= 0 or ref["new_tokens"] <= 0:
-                continue
-            t, t_ref = m["new_tokens"] / m[wkey], ref["new_tokens"] / ref[wkey]
-            ratios.append(t / t_ref)
-            tps.append(t)
-            tps_ref.append(t_ref)
-            tot[0] += m["new_tokens"]
-            tot[1] += m[wkey]
-            tot_ref[0] += ref["new_tokens"]
-            tot_ref[1] += ref[wkey]
-        res[f"speedup_geomean{suffix}"] = geomean(ratios)
-        res[f"speedup_arith{suffix}"] = mean(ratios)
-        res[f"speedup_total{suffix}"] = (
-            (tot[0] / tot[1]) / (tot_ref[0] / tot_ref[1]) if ratios and tot[1] > 0 and tot_ref[0] > 0 else float("nan")
-        )
-        res[f"speedup_specbench{suffix}"] = mean(tps) / mean(tps_ref) if ratios else float("nan")
+        for name, value in _ratios(label, qids, pq, ref_label, "new_tokens", wkey).items():
+            res[f"speedup_{name}{suffix}"] = value
+    decoded = [m for m in mine if m.get("decode_wall")]
+    decode_wall = sum(m["decode_wall"] for m in decoded)
+    res["decode_tokens_per_s"] = (sum(m["decode_tokens"] for m in decoded) / decode_wall if decode_wall > 0
+                                  else None)
+    res["speedup_decode_geomean"] = _ratios(label, qids, pq, ref_label, "decode_tokens", "decode_wall")["geomean"]
+    ref_ttft = [(pq[(label, q)]["ttft"], pq[(ref_label, q)]["ttft"]) for q in qids if (ref_label, q) in pq
+                and pq[(label, q)].get("ttft") and pq[(ref_label, q)].get("ttft")]
+    res["ttft_ratio"] = (mean([r for _, r in ref_ttft]) / mean([m for m, _ in ref_ttft]) if ref_ttft
+                         else None)
     return res
+
+
+def _ratios(label: str, qids: list[str], pq: dict, ref_label: str | None, tokens_key: str, wall_key: str) -> dict:
+    """The method's tokens/s over the reference's, per question (``tokens_key`` over ``wall_key``: end to end or
+    decode only), averaged over the questions both ran: ``geomean``, ``arith``, ``total`` (ratio of total
+    throughputs) and ``specbench`` (mean tokens/s over mean tokens/s); NaN when no question compares."""
+    ratios, tps, tps_ref, tot, tot_ref = [], [], [], [0.0, 0.0], [0.0, 0.0]
+    for q in qids:
+        ref = pq.get((ref_label, q))
+        m = pq[(label, q)]
+        if ref is None or not m.get(wall_key) or not ref.get(wall_key) or not ref.get(tokens_key):
+            continue
+        if m[wall_key] <= 0 or ref[wall_key] <= 0 or ref[tokens_key] <= 0 or m[tokens_key] is None:
+            continue
+        t, t_ref = m[tokens_key] / m[wall_key], ref[tokens_key] / ref[wall_key]
+        ratios.append(t / t_ref)
+        tps.append(t)
+        tps_ref.append(t_ref)
+        tot[0] += m[tokens_key]
+        tot[1] += m[wall_key]
+        tot_ref[0] += ref[tokens_key]
+        tot_ref[1] += ref[wall_key]
+    return {
+        "geomean": geomean(ratios),
+        "arith": mean(ratios),
+        "total": (tot[0] / tot[1]) / (tot_ref[0] / tot_ref[1]) if ratios and tot[1] > 0 and tot_ref[0] > 0
+        else float("nan"),
+        "specbench": mean(tps) / mean(tps_ref) if ratios else float("nan"),
+    }
 
 
 def _clean(x):
@@ -185,6 +240,25 @@ def _clean(x):
     if isinstance(x, list):
         return [_clean(v) for v in x]
     return x
+
+
+def _against_peers(entry: dict, label: str, qids: list[str], pq: dict, refs: list[tuple[str, str]]) -> None:
+    """Each reference peer's three comparisons into ``entry``: end to end, decode only, time to first token."""
+    for ref, key in refs:
+        against = _stats(label, qids, pq, ref)
+        entry[key] = against["speedup_geomean"]
+        entry[decode_key(key)] = against["speedup_decode_geomean"]
+        entry[ttft_key(key)] = against["ttft_ratio"]
+
+
+def llama_cpp_system_info(rows: list[dict]) -> str | None:
+    """The llama.cpp build's ``system_info`` the newest row that has one recorded (rows from before it was recorded:
+    None)."""
+    for row in sorted(rows, key=lambda r: r.get("timestamp", ""), reverse=True):
+        info = (row.get("software") or {}).get("llama_cpp_system_info")
+        if info:
+            return info
+    return None
 
 
 def aggregate(rows: list[dict]) -> dict:
@@ -209,15 +283,13 @@ def aggregate(rows: list[dict]) -> dict:
                  "options": r0.get("options", {}), "lossless_claimed": r0.get("lossless_claimed", True)}
         entry.update(_stats(label, qids, pq))
         entry["errors"] = sum(r["label"] == label for r in failed)
-        for ref, key in refs:
-            entry[key] = _stats(label, qids, pq, ref)["speedup_geomean"]
+        _against_peers(entry, label, qids, pq, refs)
         entry["categories"] = {}
         for cat in categories:
             cq = [q for q in qids if pq[(label, q)]["category"] == cat]
             if cq:
                 c = _stats(label, cq, pq)
-                for ref, key in refs:
-                    c[key] = _stats(label, cq, pq, ref)["speedup_geomean"]
+                _against_peers(c, label, cq, pq, refs)
                 entry["categories"][cat] = c
         methods[label] = entry
 
@@ -245,7 +317,18 @@ def aggregate(rows: list[dict]) -> dict:
             "speedup_vs_hf_generate_geomean": "geometric mean over questions of (method tokens/s) / (hf-generate "
                                               "tokens/s), when hf-generate ran",
             "speedup_vs_llama_cpp_geomean": "geometric mean over questions of (method tokens/s) / (llama-cpp "
-                                            "tokens/s), when llama-cpp ran",
+                                            "tokens/s), when llama-cpp ran; end to end (prefill included)",
+            "speedup_decode_geomean": "decode only: as speedup_geomean, with the tokens after each turn's first over "
+                                      "the time after the first token",
+            "decode_tokens_per_s": "tokens after each turn's first / time after the first token, over the method's "
+                                   "questions (null when the time to first token was not measured)",
+            "speedup_vs_llama_cpp_decode_geomean": "decode only: geometric mean over questions of (method decode "
+                                                   "tokens/s) / (llama-cpp decode tokens/s)",
+            "speedup_vs_hf_generate_decode_geomean": "decode only, against hf-generate",
+            "ttft_speedup_vs_llama_cpp": "llama-cpp's mean time to first token / the method's, over the questions "
+                                         "both ran (> 1: the method's first token comes sooner)",
+            "ttft_speedup_vs_hf_generate": "the same against hf-generate",
+            "ttft_ratio": "AR's mean time to first token / the method's, over the questions both ran",
             "ttft": "seconds to the first token of a turn (prefill included), mean over turns and questions "
                     "(median over repeats); null when the runner does not measure it",
             "agreement": "peers with other arithmetic (llama.cpp), temperature 0: identical_prefix_fraction = mean "
@@ -262,7 +345,8 @@ def aggregate(rows: list[dict]) -> dict:
         "command": last.get("command", ""),
         "environment": {"machine": last.get("machine"), "software": last.get("software"),
                         "commit": last.get("commit"), "threads": last.get("threads"),
-                        "commits": sorted({str(r.get("commit")) for r in rows})},
+                        "commits": sorted({str(r.get("commit")) for r in rows}),
+                        "llama_cpp_system_info": llama_cpp_system_info(all_rows)},
         "questions": len({str(r["question_id"]) for r in all_rows}),
         "categories": categories,
         "methods": methods,
@@ -323,8 +407,8 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
         out.append(f"**Warning:** the results mix {summary['parameter_sets']} parameter sets.")
     out += ["", "## Overall", ""]
     depth_n = min(4, max((len(m["acceptance_by_depth"]) for m in methods.values()), default=0))
-    header = ["method", "options", "questions", "tokens/s", "speedup geomean", "speedup arith. mean",
-              "speedup total", "τ"] + [f"α{d + 1}" for d in range(depth_n)] + [
+    header = ["method", "options", "questions", "tokens/s", "decode tokens/s", "TTFT ms", "speedup geomean",
+              "speedup arith. mean", "speedup total", "τ"] + [f"α{d + 1}" for d in range(depth_n)] + [
                   "drafting ms / step", "verify ms / step", "mismatches"]
     rows = []
     for label, m in methods.items():
@@ -336,12 +420,14 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
             mism = f"n/a ({_pct(m['agreement']['identical_prefix_fraction'])} agreement)"
         name = f"`{label}`" + (" (peer)" if m["kind"] == "peer" else "")
         rows.append([name, _opts(m), str(m["questions"]), _f(m["tokens_per_s"], 1),
-                     _f(m["speedup_geomean"], 2, "×"), _f(m["speedup_arith"], 2, "×"),
-                     _f(m["speedup_total"], 2, "×"), _f(m["tau"])] + alpha + [
+                     _f(m.get("decode_tokens_per_s"), 1), _ms(m.get("ttft")), _f(m["speedup_geomean"], 2, "×"),
+                     _f(m["speedup_arith"], 2, "×"), _f(m["speedup_total"], 2, "×"), _f(m["tau"])] + alpha + [
                         _step_ms(m, "draft_ms_per_step"), _step_ms(m, "verify_ms_per_step"), mism])
     out.append(_table(header, rows, left=2))
     out += [
         "",
+        "Tokens/s: all tokens over all time, the prefill included (end to end); decode tokens/s: the tokens after "
+        "each turn's first over the time after it (decode only); TTFT: mean time to a turn's first token. "
         "Speedup is over `ar`, computed per question as a ratio of tokens/s. *geomean*: geometric mean of the "
         "per-question ratios (the headline number); *arith. mean*: their arithmetic mean; *total*: ratio of total "
         "throughputs (all tokens / all time). Spec-Bench's own figure (mean tokens/s ÷ mean AR tokens/s) is "
@@ -359,15 +445,24 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
             cells = [_f(m["categories"][c][key], nd, suffix) if c in m["categories"] else "–" for c in cats]
             rows.append([f"`{label}`"] + cells + [_f(m[key], nd, suffix)])
         out.append(_table(["method"] + cats + [OVERALL], rows))
-    for _, key, title, text in REFERENCE_PEERS:
+    for peer, key, title, text in REFERENCE_PEERS:
         if not any(key in m for m in methods.values()):
             continue
-        out += ["", f"## {title}", "", text, ""]
-        rows = []
-        for label, m in methods.items():
-            cells = [_f(m["categories"][c].get(key), 2, "×") if c in m["categories"] else "–" for c in cats]
-            rows.append([f"`{label}`"] + cells + [_f(m.get(key), 2, "×")])
-        out.append(_table(["method"] + cats + [OVERALL], rows))
+        out += ["", f"## {title}", "", text]
+        for subtitle, k, explain in (
+                ("End to end", key, "tokens/s over all the time of each turn, the prefill included."),
+                ("Decode only", decode_key(key), "the tokens after each turn's first over the time after it: the "
+                 "decoding speed without the prefill."),
+                ("Time to first token", ttft_key(key), f"`{peer}`'s mean time to first token over the method's "
+                 "(above 1: the method's first token comes sooner).")):
+            if not any(m.get(k) is not None for m in methods.values()):
+                continue
+            out += ["", f"**{subtitle}**: {explain}", ""]
+            rows = []
+            for label, m in methods.items():
+                cells = [_f(m["categories"][c].get(k), 2, "×") if c in m["categories"] else "–" for c in cats]
+                rows.append([f"`{label}`"] + cells + [_f(m.get(k), 2, "×")])
+            out.append(_table(["method"] + cats + [OVERALL], rows))
     timed = {label: m for label, m in methods.items() if m.get("ttft") is not None}
     if timed:
         out += ["", "## Time to first token per category (ms)", "",
@@ -456,9 +551,11 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
     out += ["", "## Command and environment", "", "```", summary.get("command") or "(not recorded)", "```", ""]
     mach, soft = env.get("machine") or {}, env.get("software") or {}
     out.append(f"- machine: {mach.get('cpu')}, {mach.get('cpu_count')} CPUs, {mach.get('arch')}, {mach.get('os')}")
-    out.append("- software: " + ", ".join(f"{k} {v}" for k, v in soft.items()))
+    out.append("- software: " + ", ".join(f"{k} {v}" for k, v in soft.items() if k != "llama_cpp_system_info"))
     out.append(f"- commit: {', '.join(env.get('commits') or [str(env.get('commit'))])}")
     out.append(f"- threads: {env.get('threads')}")
+    if env.get("llama_cpp_system_info"):
+        out.append(f"- llama.cpp system_info: `{env['llama_cpp_system_info']}`")
     return "\n".join(out) + "\n"
 
 

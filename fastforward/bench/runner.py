@@ -32,6 +32,7 @@ from ..errors import UsageError
 from ..stats import acceptance_by_depth, sum_lists, tau, tokens_per_s
 from ..version import __version__
 from .methods import effective_options, make_runner
+from .peers import llama_cpp_system_info
 from .questions import Question
 from .report import write_report
 from .results import RESULTS, ResultsWriter, read_rows, rewrite, row_key
@@ -87,6 +88,7 @@ def environment() -> dict:
     llama_cpp = sys.modules.get("llama_cpp")  # imported when a llama.cpp peer runs
     if llama_cpp is not None:
         software["llama-cpp-python"] = getattr(llama_cpp, "__version__", "unknown")
+        software["llama_cpp_system_info"] = llama_cpp_system_info()  # its build's CPU features (AVX512, AMX...)
     return {
         "machine": {
             "cpu": _cpu_model(),

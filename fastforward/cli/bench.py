@@ -120,8 +120,10 @@ def canonical_command(args, specs, peers) -> str:
 
 
 def _print_overall(summary: dict, out_dir: Path) -> None:
-    print(f"{'method':<20} {'tok/s':>8} {'geomean':>8} {'arith':>8} {'total':>8} {'tau':>6} {'draft ms':>8} "
-          f"{'mismatch':>8}")
+    vs_llama = any(m.get("speedup_vs_llama_cpp_geomean") is not None for m in summary["methods"].values())
+    extra = f" {'vs llama.cpp e2e':>16} {'decode':>6}" if vs_llama else ""
+    print(f"{'method':<20} {'tok/s':>8} {'decode':>8} {'ttft ms':>8} {'geomean':>8} {'arith':>8} {'total':>8} "
+          f"{'tau':>6} {'draft ms':>8} {'mismatch':>8}{extra}")
     for label, m in summary["methods"].items():
         def f(x, nd=2):
             return "-" if x is None else f"{x:.{nd}f}"
@@ -130,8 +132,12 @@ def _print_overall(summary: dict, out_dir: Path) -> None:
         mism = "n/a" if not m["checked"] else str(m["mismatches"])
         if not m["checked"] and m.get("agreement"):  # a peer with other arithmetic: its agreement with AR
             mism = f"~{m['agreement']['identical_prefix_fraction']:.0%}"
-        print(f"{label:<20} {f(m['tokens_per_s'], 1):>8} {f(m['speedup_geomean']):>8} {f(m['speedup_arith']):>8} "
-              f"{f(m['speedup_total']):>8} {f(m['tau']):>6} {draft_ms:>8} {mism:>8}")
+        ttft = None if m.get("ttft") is None else 1000 * m["ttft"]
+        e2e, decode = m.get("speedup_vs_llama_cpp_geomean"), m.get("speedup_vs_llama_cpp_decode_geomean")
+        against = f" {f(e2e):>16} {f(decode):>6}" if vs_llama else ""
+        print(f"{label:<20} {f(m['tokens_per_s'], 1):>8} {f(m.get('decode_tokens_per_s'), 1):>8} {f(ttft, 0):>8} "
+              f"{f(m['speedup_geomean']):>8} {f(m['speedup_arith']):>8} {f(m['speedup_total']):>8} {f(m['tau']):>6} "
+              f"{draft_ms:>8} {mism:>8}{against}")
     print(f"report: {out_dir / 'report.md'}")
 
 
