@@ -83,12 +83,12 @@ def batch_token_budget(target: TargetModel) -> int:
     """Rows per shared forward for :func:`generate_batch`, from this machine's cost curve: the smallest measured
     q whose cost per token t(q)/q is within 10% of the cheapest (twice the largest measured q when the curve is
     still falling there), at least :data:`MIN_BATCH_TOKENS`, at most what the backend computes row-exactly."""
-    from .costs import machine_cost_curve
+    from .costs import cost_model
 
     limit = target.batch_rows_limit()
     if limit <= 0:
         return 1
-    curve = machine_cost_curve(target)
+    curve = cost_model(target).curve()
     per_token = {q: curve.t(q) / q for q in curve.ms}
     best = min(per_token.values())
     q = min(q for q, c in per_token.items() if c <= 1.1 * best)

@@ -1,19 +1,59 @@
-"""The machine's forward cost curve: measuring it, interpolating it, and sizing drafts from it.
+"""What a target forward costs on this machine, t(q) for q new tokens, and sizing drafts from it.
 
 A verification forward over q tokens costs t(q); drafting pays off only when the tokens it is expected to add per
 forward outgrow t(q)/t(1). On GPUs t(q) is nearly flat up to dozens of tokens, so the papers draft generously; on
-CPUs it is not, so fastforward sizes drafts from the curve measured on the machine itself
-(:func:`measure_forward_costs`; ``fastforward profile`` prints it).
+CPUs it is not, so fastforward sizes drafts from what forwards cost on the machine itself. ``fastforward profile``
+prints the curve.
+
+**The cost model** (:class:`CostModel`; one per target, :func:`cost_model`, the one place it is attached) is what
+every proposer and the batch draft budget read:
+
+* **The prior**: the curve measured once per machine, model, kernel build, thread count and torch version
+  (:func:`measure_forward_costs` over :data:`CURVE_QS` on a :data:`CURVE_KV`-token cache, a few seconds) and cached
+  in ``$FASTFORWARD_CACHE/costs/`` (:func:`curve_path`). The engine asks for it before a run's clock starts
+  (``Proposer.prepare``), so the measurement is never counted as drafting time.
+* **Never stored under load**: each measuring attempt runs inside a :class:`LoadMeter`, which reads how long the
+  process's threads waited for a CPU (Linux's run-queue wait, ``/proc/self/task/*/schedstat``). An attempt whose
+  threads waited more than :data:`LOADED_WAIT_SHARE` of their time (without schedstat: whose process got less than
+  :data:`MIN_CPU_SHARE` of its threads' CPU time) ran under other load; it is taken again, up to
+  :data:`CURVE_ATTEMPTS` times. A curve with no quiet attempt behind it, or one that grows faster than linearly
+  (:func:`plausible_curve`), is used for the run and not stored.
+* **Live timings**: the engine reports every verification forward's wall time and rows (:func:`observe_forward`,
+  O(1): a few microseconds). Per row count q the model keeps the last :data:`CostModel.WINDOW` timings; from
+  :data:`CostModel.MIN_SAMPLES` on, their median (robust to a stray slow forward) is t(q) -- an *anchor*. The cached
+  curve is only the starting prior.
+* **Unobserved q**: the prior times the observed/prior ratio of the nearest anchors (interpolated between two,
+  the nearest one's beyond them); before any anchor, the prior times the median observed/prior ratio of the last
+  forwards (the *level*). When that level is more than :data:`CostModel.TRUST` times off the prior, the prior's
+  shape is not trusted either (a curve measured under load is too flat: load inflates one token's forward most), and
+  the curve comes from the anchors alone: piecewise linear between them, linear beyond, and below the smallest one
+  along the two smallest (never cheaper per token than the smallest: t(1) >= t(q)/q). A prior that is wrong
+  everywhere is so corrected after a few forwards at a few q: drafting more than pays shows the large q, a
+  pessimistic guess makes the proposers try small ones.
+* **A contradicted cache**: once a full window of :data:`CostModel.LEVEL_WINDOW` forwards puts the level outside
+  [1/TRUST, TRUST], the cached file the prior came from is removed (only if it still holds what was read), with a
+  note on stderr; the next process that needs the curve measures it again, under the load rule above. The running
+  process goes on with its live estimate.
+* **The cache length** is not a key of the model: the attention part of a forward grows with the cache, but it
+  grows t(1) and t(q) alike, so the ratios that size drafts hardly move (measured on the default model, 2 threads,
+  AMD EPYC: see docs/performance.md, "The cost model"); what moves, the level, the recent-timings window follows as
+  the cache grows.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import os
 import statistics
 import sys
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import kernels
@@ -23,6 +63,12 @@ from .paths import costs_dir
 
 CURVE_QS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DEFAULT_QS = (1, 2, 4, 8, 16, 32, 64)
+CURVE_KV = 256  # the cache length the prior is measured on
+CURVE_ATTEMPTS = 3
+#: an attempt ran under other load when its threads waited for a CPU more than this share of their time
+LOADED_WAIT_SHARE = 0.10
+#: without schedstat: an attempt ran under other load when the process got less than this share of its threads' time
+MIN_CPU_SHARE = 0.6
 
 
 @dataclass
@@ -140,11 +186,275 @@ def plausible_curve(ms: dict) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# This machine's curve, cached
+# Other load while measuring
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def _curve_path(target):
+def _run_queue_wait_ns() -> int | None:
+    """Nanoseconds this process's threads have waited for a CPU so far (Linux schedstat), None where unknown."""
+    total = 0
+    try:
+        entries = list(os.scandir("/proc/self/task"))
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(f"/proc/self/task/{entry.name}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        except (OSError, ValueError, IndexError):
+            return None
+    return total
+
+
+@dataclass
+class LoadReading:
+    """How a block of work shared the CPUs: its wall seconds, the process's CPU seconds, the seconds its threads
+    waited for a CPU (None without schedstat) and the threads it was meant to keep busy."""
+
+    wall: float
+    cpu: float
+    wait: float | None
+    threads: int
+
+    @property
+    def wait_share(self) -> float | None:
+        return None if self.wait is None else self.wait / max(self.wall * self.threads, 1e-9)
+
+    @property
+    def cpu_share(self) -> float:
+        return self.cpu / max(self.wall * self.threads, 1e-9)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether other work held the CPUs (the rule of the module docstring)."""
+        if self.wait is not None:
+            return self.wait_share > LOADED_WAIT_SHARE
+        return self.cpu_share < MIN_CPU_SHARE
+
+
+class LoadMeter:
+    """``with LoadMeter() as meter: ...`` then ``meter.reading``: whether other work shared the CPUs meanwhile."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or torch.get_num_threads()
+        self.reading: LoadReading | None = None
+
+    def __enter__(self) -> LoadMeter:
+        self._start = (time.perf_counter(), time.process_time(), _run_queue_wait_ns())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall0, cpu0, wait0 = self._start
+        wait1 = _run_queue_wait_ns()
+        wait = None if wait0 is None or wait1 is None else (wait1 - wait0) / 1e9
+        self.reading = LoadReading(time.perf_counter() - wall0, time.process_time() - cpu0, wait, self.threads)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The live model
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def row_bucket(rows: int) -> int:
+    """The q a forward over ``rows`` rows is filed under: exact up to 64, then eight buckets per doubling (a
+    server's shared forwards take any size; the model keeps a bounded number of row counts)."""
+    if rows <= 64:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return max(64, round(rows / step) * step)
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
+def _interpolated(qs: list[int], values: list[float], q: int) -> float:
+    """``values`` (at sorted ``qs``) at q: linear between the two around it, the nearest one's beyond them."""
+    i = bisect.bisect_left(qs, q)
+    if i == 0:
+        return values[0]
+    if i == len(qs):
+        return values[-1]
+    lo, hi = qs[i - 1], qs[i]
+    return values[i - 1] + (values[i] - values[i - 1]) * (q - lo) / (hi - lo)
+
+
+def _scaled_prior(prior: CostCurve, anchors: dict, level: float | None) -> CostCurve:
+    """The prior corrected by the anchors' observed/prior ratios (by the level before any anchor)."""
+    if not anchors:
+        s = 1.0 if level is None else level
+        return CostCurve({q: v * s for q, v in prior.ms.items()})
+    qs = sorted(anchors)
+    ratios = [anchors[q] / prior.t(q) for q in qs]
+    points = {q: prior.t(q) * _interpolated(qs, ratios, q) for q in prior.ms}
+    points.update(anchors)
+    return CostCurve(points)
+
+
+def _from_anchors(anchors: dict) -> CostCurve:
+    """A curve from the anchors alone (the prior's shape not trusted): piecewise linear, linear beyond the largest,
+    and t(1) along the two smallest, never below the smallest's cost per token nor above its cost."""
+    qs = sorted(anchors)
+    points = dict(anchors)
+    q0, t0 = qs[0], anchors[qs[0]]
+    if q0 > 1:
+        guess = t0 / q0
+        if len(qs) > 1:
+            guess = t0 - (anchors[qs[1]] - t0) / (qs[1] - q0) * (q0 - 1)
+        points[1] = min(t0, max(t0 / q0, guess))
+    return CostCurve(points)
+
+
+class CostModel:
+    """t(q) of one target on this machine: the prior curve corrected by the run's own forward timings (see the
+    module docstring). Reads like a :class:`CostCurve` (:meth:`t`, :meth:`ratio`, :attr:`ms`), from a snapshot
+    rebuilt only when an estimate moved by more than :data:`TOLERANCE`; :meth:`table` gives t(1..n) as an array.
+    ``learn=False`` pins it to the prior (tests, fixed budgets)."""
+
+    WINDOW = 9  # recent timings kept per row count
+    MIN_SAMPLES = 3  # timings a row count needs before its median counts (an anchor)
+    LEVEL_WINDOW = 16  # recent observed/prior ratios, all row counts together
+    TOLERANCE = 0.03  # an estimate that moved less than this leaves the snapshot as it is
+    TRUST = 2.0  # the prior is contradicted when recent timings run more than this factor away from it
+
+    def __init__(self, prior: CostCurve | None = None, *, learn: bool = True):
+        self.prior: CostCurve | None = None
+        self.learn = learn
+        self.forwards = 0  # forwards observed
+        self.contradicted = False  # set once a full window of timings contradicted the prior
+        self.source: Path | None = None  # the cached file the prior was read from (or written to)
+        self._source_text: str | None = None
+        self._windows: dict[int, deque] = {}
+        self._anchors: dict[int, float] = {}  # q -> median of its window, once it has MIN_SAMPLES timings
+        self._ratios: deque = deque(maxlen=self.LEVEL_WINDOW)
+        self._level: float | None = None
+        self._used: tuple[dict, float | None] = ({}, None)  # the anchors and level of the current snapshot
+        self._curve: CostCurve | None = None
+        self._tables: dict = {}
+        if prior is not None:
+            self.set_prior(prior)
+
+    # -- the prior ----------------------------------------------------------------------------------------------
+    def set_prior(self, prior: CostCurve, source: Path | None = None, source_text: str | None = None) -> None:
+        """Start from ``prior`` (read from ``source``, whose text was ``source_text``: removed if contradicted);
+        timings seen before it arrived count towards the level too."""
+        self.prior, self.source, self._source_text = prior, source, source_text
+        self.contradicted = False
+        self._ratios.clear()
+        for q, window in self._windows.items():
+            self._ratios.extend(ms / prior.t(q) for ms in window)
+        self._level = _median(self._ratios) if len(self._ratios) >= self.MIN_SAMPLES else None
+        self._curve = None
+
+    @property
+    def trusted(self) -> bool:
+        """Whether the prior's shape is used (the level, once known, is within [1/TRUST, TRUST])."""
+        level = self._level
+        return self.prior is not None and (level is None or 1 / self.TRUST <= level <= self.TRUST)
+
+    # -- live timings -------------------------------------------------------------------------------------------
+    def observe(self, rows: int, seconds: float) -> None:
+        """One forward over ``rows`` rows took ``seconds``. O(1): a few microseconds."""
+        if not self.learn or rows < 1 or not seconds > 0:
+            return
+        ms = seconds * 1e3
+        q = row_bucket(rows)
+        window = self._windows.get(q)
+        if window is None:
+            window = self._windows[q] = deque(maxlen=self.WINDOW)
+        window.append(ms)
+        self.forwards += 1
+        used_anchors, used_level = self._used
+        if len(window) >= self.MIN_SAMPLES:
+            self._anchors[q] = median = _median(window)
+            if not _close(median, used_anchors.get(q), self.TOLERANCE):
+                self._curve = None
+        if self.prior is not None:
+            self._ratios.append(ms / self.prior.t(q))
+            if len(self._ratios) >= self.MIN_SAMPLES:
+                was_trusted = self.trusted
+                self._level = _median(self._ratios)
+                if self.trusted != was_trusted or (not self._anchors and
+                                                   not _close(self._level, used_level, self.TOLERANCE)):
+                    self._curve = None
+                if len(self._ratios) == self.LEVEL_WINDOW and not self.trusted and not self.contradicted:
+                    self._contradict()
+
+    def _contradict(self) -> None:
+        """A full window of timings contradicts the prior: remove the cached file it came from (if it still holds
+        what was read), so that the next process measures the curve again."""
+        self.contradicted = True
+        path, text = self.source, self._source_text
+        if path is None or text is None:
+            return
+        try:
+            if path.read_text() != text:
+                return  # measured again meanwhile
+            path.unlink()
+        except OSError:
+            return
+        print(f"fastforward: this run's forward timings contradict the cached cost curve (t(1) {self.prior.t(1):.1f} "
+              f"ms cached, {self.t(1):.1f} ms now, {self.forwards} forwards); removed {path} -- it is measured again "
+              "when next needed", file=sys.stderr)
+
+    # -- reading ------------------------------------------------------------------------------------------------
+    def curve(self) -> CostCurve:
+        """The current estimate of t(q) as a curve (rebuilt only when an estimate moved)."""
+        if self._curve is None:
+            self._curve = self._build()
+            self._used = (dict(self._anchors), self._level)
+            self._tables = {}
+        return self._curve
+
+    def _build(self) -> CostCurve:
+        if self.trusted:
+            return _scaled_prior(self.prior, self._anchors, self._level)
+        if self._anchors:
+            return _from_anchors(self._anchors)
+        if self.prior is not None:
+            return _scaled_prior(self.prior, {}, self._level)
+        return CostCurve.flat()
+
+    def t(self, q: float) -> float:
+        return self.curve().t(q)
+
+    def ratio(self, q: float) -> float:
+        """t(q) / t(1)."""
+        return self.curve().ratio(q)
+
+    @property
+    def ms(self) -> dict[int, float]:
+        return self.curve().ms
+
+    def table(self, n: int, numpy: bool = False):
+        """t(1), ..., t(n) as a float64 torch tensor (a numpy array with ``numpy``), kept until the estimate moves;
+        callers must not write into it."""
+        curve = self.curve()
+        got = self._tables.get((n, numpy))
+        if got is None:
+            values = [curve.t(q) for q in range(1, n + 1)]
+            got = np.array(values, dtype=np.float64) if numpy else torch.tensor(values, dtype=torch.float64)
+            self._tables[(n, numpy)] = got
+        return got
+
+
+def _close(value: float, reference: float | None, tolerance: float) -> bool:
+    return reference is not None and abs(value - reference) <= tolerance * reference
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One model per target; the prior cached on disk
+# ------------------------------------------------------------------------------------------------------------------
+
+_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> CostModel
+
+
+def curve_path(target) -> Path:
+    """The cached prior's file: one per model, backend, matmul kernel, kernel build, thread count and torch version."""
     backend = target.backend
     kernel = getattr(backend, "matmul_kernel", "mkl") if target.backend_name == "lean" else "hf"
     build = kernels.build_digest() if target.backend_name == "lean" else None  # a new kernel build measures anew
@@ -155,46 +465,106 @@ def _curve_path(target):
     return costs_dir() / f"{safe}.json"
 
 
-CURVE_ATTEMPTS = 3
+def _model_of(target) -> CostModel:
+    model = _MODELS.get(target)
+    if model is None:
+        model = _MODELS[target] = CostModel()
+    return model
+
+
+def cost_model(target, announce: bool = True) -> CostModel:
+    """The target's cost model, its prior read from the cache or measured (once per machine, model and build;
+    ``announce`` says so on stderr when it measures). Call it before timing anything: it may take seconds."""
+    model = _model_of(target)
+    if model.prior is None:
+        model.set_prior(*_cached_or_measured(target, announce))
+    return model
+
+
+def observe_forward(target, rows: int, seconds: float) -> None:
+    """A verification forward of ``target`` over ``rows`` rows took ``seconds``: the engine's report (O(1))."""
+    _model_of(target).observe(rows, seconds)
+
+
+def set_cost_model(target, model: CostModel | None) -> CostModel | None:
+    """Attach ``model`` to ``target`` (None: detach); returns the one attached before (tests pin a curve so)."""
+    previous = _MODELS.pop(target, None)
+    if model is not None:
+        _MODELS[target] = model
+    return previous
 
 
 def machine_cost_curve(target, refresh: bool = False, announce: bool = True) -> CostCurve:
-    """The target's cost curve on this machine: measured once (about a second) and cached on disk; ``refresh``
-    measures it again; ``announce`` says so on stderr when it measures."""
-    cached = getattr(target, "_cost_curve", None)
-    if cached is not None and not refresh:
-        return cached
-    path = _curve_path(target)
-    curve = None
-    if path.is_file() and not refresh:
-        try:
-            ms = {int(k): float(v) for k, v in json.loads(path.read_text())["ms"].items()}
-            curve = CostCurve(ms) if plausible_curve(ms) else None  # a distorted cache is measured again
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            curve = None
-    if curve is None and announce:
+    """The target's prior curve on this machine: read from the cache, or measured (a few seconds) and cached when
+    the machine was quiet; ``refresh`` measures it again and makes it the cost model's prior."""
+    if not refresh:
+        return cost_model(target, announce).prior
+    curve, path, text = _measured(target, curve_path(target), announce)
+    _model_of(target).set_prior(curve, path, text)
+    return curve
+
+
+def _read_cached(path: Path) -> tuple[CostCurve, str] | None:
+    """The cached curve at ``path`` and the file's text, or None when it is missing, unreadable or implausible."""
+    try:
+        text = path.read_text()
+        ms = {int(k): float(v) for k, v in json.loads(text)["ms"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return (CostCurve(ms), text) if ms and plausible_curve(ms) else None  # a distorted cache is measured again
+
+
+def _cached_or_measured(target, announce: bool) -> tuple[CostCurve, Path, str | None]:
+    path = curve_path(target)
+    cached = _read_cached(path)
+    if cached is not None:
+        return cached[0], path, cached[1]
+    return _measured(target, path, announce)
+
+
+def _measured(target, path: Path, announce: bool) -> tuple[CostCurve, Path, str | None]:
+    """Measure the curve (up to :data:`CURVE_ATTEMPTS` attempts until one runs quietly and plausibly) and store it
+    when one did; returns (curve, path, the stored text or None)."""
+    if announce:
         print(f"fastforward: measuring this machine's forward cost curve for {target.name} "
               f"({torch.get_num_threads()} threads; once, a few seconds; cached in {path.parent})", file=sys.stderr)
-    if curve is None:
-        kv = min(256, max(1, target.max_context - max(CURVE_QS) - 1))
-        ms: dict = {}
-        for _ in range(CURVE_ATTEMPTS):  # other load distorts a measurement; the fastest seen is the machine's cost
+    kv = min(CURVE_KV, max(1, target.max_context - max(CURVE_QS) - 1))
+    ms: dict = {}
+    quiet: LoadReading | None = None
+    worst: LoadReading | None = None
+    for _ in range(CURVE_ATTEMPTS):
+        with LoadMeter() as meter:
             again = measure_forward_costs(target, CURVE_QS, kv=kv, repeats=3)
-            ms = {q: min(v, ms.get(q, v)) for q, v in again.items()}
+        reading = meter.reading
+        if reading.loaded:
+            worst = reading
+            if quiet is None:  # the fastest seen of loaded attempts, until a quiet one replaces them
+                ms = {q: min(v, ms.get(q, v)) for q, v in again.items()}
+        else:
+            ms = again if quiet is None else {q: min(v, ms.get(q, v)) for q, v in again.items()}
+            quiet = reading
             if plausible_curve(ms):
                 break
-        curve = CostCurve(ms)
-        if plausible_curve(ms):
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"ms": curve.ms, "kv": kv}))
-            except OSError:
-                pass
-        elif announce:
-            print("fastforward: the cost curve looks distorted by other load on this machine; used for this run, "
-                  "not cached", file=sys.stderr)
-    target._cost_curve = curve
-    return curve
+    curve = CostCurve(ms)
+    if quiet is None or not plausible_curve(ms):
+        if announce:
+            why = "grows faster than linearly" if quiet is not None else \
+                f"was measured under other load ({_describe(worst)})"
+            print(f"fastforward: the cost curve {why}; used for this run, not cached", file=sys.stderr)
+        return curve, path, None
+    text = json.dumps({"ms": curve.ms, "kv": kv, "wait_share": quiet.wait_share, "cpu_share": quiet.cpu_share})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError:
+        return curve, path, None
+    return curve, path, text
+
+
+def _describe(reading: LoadReading) -> str:
+    if reading.wait_share is not None:
+        return f"its threads waited for a CPU {reading.wait_share:.0%} of the time"
+    return f"the process got {reading.cpu_share:.0%} of its threads' CPU time"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -210,8 +580,9 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_chain_length(alpha: float, max_k: int, curve: CostCurve) -> int:
-    """The draft length k in 0..max_k that maximises expected tokens per unit of forward cost."""
+def best_chain_length(alpha: float, max_k: int, curve) -> int:
+    """The draft length k in 0..max_k that maximises expected tokens per unit of forward cost (``curve``: a
+    :class:`CostCurve` or a :class:`CostModel`)."""
     best_k, best_rate = 0, 1.0
     for k in range(1, max_k + 1):
         rate = expected_tokens(alpha, k) / curve.ratio(k + 1)

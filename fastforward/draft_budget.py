@@ -10,7 +10,8 @@ draft row pays only when it is accepted ~85% of the time; alone the bar is ~30%.
 :class:`DraftBudget` keeps, for each sequence of a shared step, the depth its draft is cut to so that the
 step's expected tokens per millisecond is highest: depth level by level, each level's gain is the probability that
 the sequence accepts a token that deep (its own acceptance history at that depth, with a prior for depths it has not
-tried), its price the rows the level adds on this machine's cost curve (:class:`~fastforward.costs.CostCurve`).
+tried), its price the rows the level adds on this machine's cost model (:class:`~fastforward.costs.CostModel`,
+which follows the forwards' own timings; or a fixed :class:`~fastforward.costs.CostCurve`).
 Cutting a draft never changes the output, only how many tokens a step gains: greedy verification keeps the
 target's own tokens whatever was drafted, and sampling draws the token of each position with a uniform number keyed
 by (seed, position) (:mod:`fastforward.verify`), so a seeded answer is the same samples at any draft size. The one
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .costs import CostCurve
+from .costs import CostCurve, CostModel
 from .tree import DraftTree, TreeShape
 
 #: the prior for the chance of accepting a token at depth d (1-based) a sequence has no history at: PRIOR ** d,
@@ -81,7 +82,7 @@ def cut_to_depth(tree: DraftTree, depth: int) -> DraftTree:
 class DraftBudget:
     """Chooses how deep each sequence of a shared step drafts (see the module docstring)."""
 
-    def __init__(self, curve: CostCurve, max_batch_tokens: int):
+    def __init__(self, curve: CostCurve | CostModel, max_batch_tokens: int):
         self.curve = curve
         self.max_batch_tokens = max_batch_tokens
 

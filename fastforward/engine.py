@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .costs import cost_model, observe_forward
 from .draft_budget import DraftBudget, DraftLevels, cut_to_depth, depth_gains, levels_of
 from .errors import UsageError
 from .model import ForwardOutput, ForwardRequest, TargetModel
@@ -121,6 +122,11 @@ class Proposer:
     def max_proposal_size(self) -> int:
         """An upper bound on ``Proposal.size`` (reserved in the KV cache)."""
         return 1
+
+    def prepare(self, target: TargetModel) -> None:
+        """Called once per run before its clock starts: one-time work the method needs from the target, such as
+        this machine's cost model (:func:`fastforward.costs.cost_model`, measured on first use), which is then
+        never counted as drafting time."""
 
     def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
         """Called once after the prompt is processed and the first token chosen."""
@@ -264,6 +270,7 @@ class SequenceRun:
         self.stop_matcher = StopMatcher(target.decode, self.stops) if self.stops else None
         self._proposal: Proposal | None = None
         self._t_start = 0.0
+        proposer.prepare(target)  # before any clock: a first measurement of the cost curve is not drafting time
 
     @property
     def finished(self) -> bool:
@@ -443,13 +450,26 @@ def decode_steps(
     return _run_steps(run)
 
 
+#: the clock that times verification forwards (a test may put a deterministic one in its place)
+forward_clock = time.perf_counter
+
+
+def timed_forward(target: TargetModel, requests: list[ForwardRequest], hidden_layers) -> tuple[list, float]:
+    """One verification forward over ``requests``: (outputs, seconds). Its time and rows go to the target's cost
+    model (:func:`fastforward.costs.observe_forward`), which the methods size their drafts from."""
+    t0 = forward_clock()
+    outs = target.forward_many(requests, hidden_layers)
+    seconds = forward_clock() - t0
+    observe_forward(target, sum(r.size for r in requests), seconds)
+    return outs, seconds
+
+
 def _run_steps(run: SequenceRun) -> Iterator[list[int]]:
     yield run.prefill()
     while not run.finished:
         run.propose()
-        t0 = time.perf_counter()
-        out = run.target.forward_many([run.forward_request()], run.proposer.hidden_layers)[0]
-        yield run.complete(out, time.perf_counter() - t0)
+        outs, seconds = timed_forward(run.target, [run.forward_request()], run.proposer.hidden_layers)
+        yield run.complete(outs[0], seconds)
 
 
 def decode_batch(runs: list[SequenceRun], max_batch_tokens: int, max_active: int | None = None,
@@ -486,9 +506,7 @@ def draft_budget_for(target: TargetModel, max_batch_tokens: int) -> DraftBudget 
     """The draft pricing of shared forwards on this machine (None where a forward carries one sequence)."""
     if max_batch_tokens < 2 or target.batch_rows_limit() < 2:
         return None
-    from .costs import machine_cost_curve  # measured once per machine and model (cached)
-
-    return DraftBudget(machine_cost_curve(target), max_batch_tokens)
+    return DraftBudget(cost_model(target), max_batch_tokens)  # live: reads the forwards' timings as they come
 
 
 PLANNED_DEPTH = 8  # the deepest draft a shared step plans for before the proposals are known
@@ -560,9 +578,7 @@ def shared_step(runs: list[SequenceRun], max_batch_tokens: int, on_forward=None,
     for group in groups:
         hidden_layers = sorted(set().union(*(runs[i].proposer.hidden_layers for i in group)))
         target = runs[group[0]].target
-        t0 = time.perf_counter()
-        outs = target.forward_many([runs[i].forward_request() for i in group], hidden_layers)
-        seconds = time.perf_counter() - t0
+        outs, seconds = timed_forward(target, [runs[i].forward_request() for i in group], hidden_layers)
         if on_forward is not None:
             on_forward(len(group), sum(sizes[i] for i in group), seconds)
         for i, out in zip(group, outs, strict=True):

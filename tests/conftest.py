@@ -6,6 +6,22 @@ from fastforward.testing import tiny_gguf_target, tiny_target
 torch.set_num_threads(1)
 
 
+@pytest.fixture
+def pin_costs():
+    """``pin_costs(target, curve)``: the target's cost model fixed to ``curve`` for this test (no live timings), the
+    model it had restored after."""
+    from fastforward.costs import CostModel, set_cost_model
+
+    pinned = []
+
+    def pin(target, curve):
+        pinned.append((target, set_cost_model(target, CostModel(curve, learn=False))))
+
+    yield pin
+    for target, previous in reversed(pinned):
+        set_cost_model(target, previous)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """A tiny random float64 Llama target with the lean backend."""

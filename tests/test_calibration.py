@@ -116,10 +116,10 @@ def test_calibrated_eagle_greedy_equals_ar(target, folders, prompt, topk, depth)
     assert out.token_ids == ar
 
 
-def test_calibration_changes_the_trees_not_the_output(target, folders, monkeypatch):
+def test_calibration_changes_the_trees_not_the_output(target, folders, pin_costs):
     """On a cost curve where a draft token costs a third of a step, the eager map drafts larger trees than the raw
     probabilities of a random drafter; without ``calibrated=true`` it is ignored; the tokens are AR's in every case."""
-    monkeypatch.setattr(target, "_cost_curve", CostCurve({1: 3.0, 64: 66.0}), raising=False)
+    pin_costs(target, CostCurve({1: 3.0, 64: 66.0}))
     plain, eager = folders
     prompt = [3, 14, 15, 9, 26]
     ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
@@ -187,8 +187,8 @@ def fasteagle_folders(target, tmp_path_factory):
     return _plain_and_eager(_fasteagle(target), save_fasteagle, tmp_path_factory, "fasteagle")
 
 
-def test_calibrated_fasteagle_drafts_more_and_decodes_ar(target, fasteagle_folders, monkeypatch):
-    monkeypatch.setattr(target, "_cost_curve", CostCurve({1: 3.0, 64: 66.0}), raising=False)
+def test_calibrated_fasteagle_drafts_more_and_decodes_ar(target, fasteagle_folders, pin_costs):
+    pin_costs(target, CostCurve({1: 3.0, 64: 66.0}))
     plain, eager = fasteagle_folders
     nodes = {}
     for prompt in ([3, 14, 15, 9, 26], [7], [50, 51, 52, 53, 54, 55, 56, 57]):

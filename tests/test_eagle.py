@@ -63,12 +63,12 @@ def test_eagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, nodes,
     assert out.token_ids == ar
 
 
-def test_eagle_backs_off_when_nothing_is_drafted(target, tmp_path, monkeypatch):
+def test_eagle_backs_off_when_nothing_is_drafted(target, tmp_path, pin_costs):
     """A drafter that never pays (uniform distributions, on a cost curve where a token more costs as much as one)
     looks at fewer steps with back-off than without; both decode AR's tokens."""
     from fastforward.costs import CostCurve
 
-    monkeypatch.setattr(target, "_cost_curve", CostCurve({1: 1.0, 64: 64.0}), raising=False)
+    pin_costs(target, CostCurve({1: 1.0, 64: 64.0}))
     flat = _drafter(target)
     with torch.no_grad():
         flat.lm_head.weight.zero_()

@@ -77,12 +77,12 @@ def test_cascade_and_parallel_differ_only_from_layer_three(target):
     assert torch.equal(ha[0], hb[0]) and torch.equal(ha[1], hb[1]) and not torch.allclose(ha[2], hb[2])
 
 
-def test_backoff_skips_looks_when_nothing_is_drafted(target, tmp_path, monkeypatch):
+def test_backoff_skips_looks_when_nothing_is_drafted(target, tmp_path, pin_costs):
     """A drafter that never pays (its outputs are 0: uniform distributions, on a cost curve where a token more costs
     as much as one) looks at fewer steps with back-off than without, and both decode AR's tokens."""
     from fastforward.costs import CostCurve
 
-    monkeypatch.setattr(target, "_cost_curve", CostCurve({1: 1.0, 64: 64.0}), raising=False)
+    pin_costs(target, CostCurve({1: 1.0, 64: 64.0}))
     flat = FastEagleDrafter.for_target(target, DraftVocab.full(VOCAB), 2, seed=0)
     with torch.no_grad():
         flat.fc_in.weight.zero_()

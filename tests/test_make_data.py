@@ -18,7 +18,7 @@ import fastforward as ff
 import fastforward.api
 import fastforward.model
 import fastforward.train.make_data as make_data_module
-from fastforward.costs import CostCurve
+from fastforward.costs import CostCurve, CostModel, set_cost_model
 from fastforward.errors import UsageError
 from fastforward.paths import RUN_MARKER
 from fastforward.testing import tiny_hf_folder, tiny_target
@@ -85,7 +85,7 @@ def private_cache(tmp_path, monkeypatch):
 def target():
     t = tiny_target(eos_token_id=66)  # EOS ends 3 of the 11 greedy responses early
     # a fixed cost curve: generate_batch sizes its forwards from it, and nothing is measured or cached on disk
-    t._cost_curve = CostCurve({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8, 16: 3.0, 32: 5.5})
+    set_cost_model(t, CostModel(CostCurve({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8, 16: 3.0, 32: 5.5}), learn=False))
     return t
 
 

@@ -424,7 +424,7 @@ def test_methods_registered_with_defaults():
     assert methods["lookahead"].options() == {"window": 0, "ngram": 0, "guesses": 0}  # 0: sized by the cost curve
 
 
-def test_lookahead_sized_by_the_cost_curve(tiny, monkeypatch):
+def test_lookahead_sized_by_the_cost_curve(tiny, pin_costs):
     """Options left at 0 follow the machine's cost curve: the papers' 7/5/7 where forwards are nearly free, the
     smallest window where they are not; options given are kept."""
     from fastforward.costs import CostCurve
@@ -434,7 +434,7 @@ def test_lookahead_sized_by_the_cost_curve(tiny, monkeypatch):
     assert size_for_curve(CostCurve.flat()) == (7, 5, 7)
     assert size_for_curve(steep) == SIZE_LADDER[-1]
     assert size_for_curve(CostCurve({1: 10.0, 32: 12.5, 64: 20.0})) == (5, 4, 5)  # 30 rows nearly free, 56 not
-    monkeypatch.setattr(tiny, "_cost_curve", steep, raising=False)
+    pin_costs(tiny, steep)
     prop = make_proposer("lookahead", tiny)
     assert (prop.W, prop.N, prop.G) == SIZE_LADDER[-1] and prop.stats()["sized_by_cost_curve"]
     prop = make_proposer("lookahead", tiny, guesses=5)

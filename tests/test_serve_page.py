@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 
 import fastforward as ff  # noqa: E402
-from fastforward.costs import CostCurve  # noqa: E402
+from fastforward.costs import CostCurve, CostModel, set_cost_model  # noqa: E402
 from fastforward.engine import Proposal, Proposer  # noqa: E402
 from fastforward.proposers import METHODS, register  # noqa: E402
 from fastforward.server import BackgroundServer, create_app  # noqa: E402
@@ -69,7 +69,7 @@ def page_server(tmp_path_factory):
     answer = ff.generate(target, [{"role": "user", "content": PROMPT}], "ar", max_new_tokens=MAX_TOKENS)
     # a machine where rows are free: the oracle's whole drafts stay when the two panes share forwards (on a real
     # CPU curve the shared step would cut them to what they are worth there, which depends on the machine)
-    target._cost_curve = CostCurve.flat()
+    set_cost_model(target, CostModel(CostCurve.flat(), learn=False))
     register("oracle", "test only: drafts the known greedy answer")(lambda target: Oracle(answer.token_ids))
     try:
         app = create_app(target, model_name="tiny", max_batch_tokens=64)

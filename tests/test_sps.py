@@ -348,20 +348,38 @@ def test_a_path_is_loaded_once_per_target(tiny, noisy_folder):
     assert load_draft(other, noisy_folder) is not a
 
 
+def fixed_costs(target_curve, draft_ms: float):
+    """The target's and the draft's cost models, pinned (no live timings): ``draft_ms`` per draft token."""
+    from fastforward.costs import CostCurve, CostModel
+
+    return CostModel(target_curve, learn=False), CostModel(CostCurve({1: draft_ms}), learn=False)
+
+
 def test_adaptive_length_in_a_run(tiny):
     from fastforward.costs import CostCurve
 
     proposer = DraftModelProposer(tiny, None)  # the target drafting for itself: every token accepted
-    proposer.curve, proposer.draft_ms = CostCurve.flat(), 0.0  # free drafts and verification: the longest chain
+    proposer.costs, proposer.draft_costs = fixed_costs(CostCurve.flat(), 0.0)  # free drafts: the longest chain
     prompt = [9, 8, 7]
     out = ff.generate(tiny, prompt, proposer, max_new_tokens=30)
     assert out.token_ids == ff.generate(tiny, prompt, "ar", max_new_tokens=30).token_ids
     s = out.stats.method_stats
     assert s["k"] == "adaptive" and s["mean_draft_length"] >= 5 and s["accepted_tokens"] == s["drafted_tokens"]
     proposer = DraftModelProposer(tiny, None)
-    proposer.curve, proposer.draft_ms = CostCurve.flat(), 5.0  # a draft token costs 5 target steps: no drafts
+    proposer.costs, proposer.draft_costs = fixed_costs(CostCurve.flat(), 5.0)  # a draft token: 5 steps, no drafts
     out = ff.generate(tiny, prompt, proposer, max_new_tokens=10)
     assert out.stats.method_stats["drafts"] == 0 and out.stats.target_forwards == 10
+
+
+def test_sampled_runs_size_drafts_from_the_cached_curves_alone(tiny):
+    """Sampled drafts carry draft probabilities, whose rejection draws depend on the draft length: a sampled run
+    sizes them from the cached curves (not the live timings), so a seeded run does not follow the clock; a greedy
+    one reads the live cost models."""
+    proposer = DraftModelProposer(tiny, None)
+    ff.generate(tiny, [9, 8, 7], proposer, max_new_tokens=4, temperature=0.8, seed=1)
+    assert proposer.curve is proposer.costs.prior and proposer.draft_curve is proposer.draft_costs.prior
+    ff.generate(tiny, [9, 8, 7], proposer, max_new_tokens=4)
+    assert proposer.curve is proposer.costs and proposer.draft_curve is proposer.draft_costs
 
 
 def test_adaptive_length_tries_drafts_that_pay(tiny):

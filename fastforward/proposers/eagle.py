@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from ..costs import machine_cost_curve
+from ..costs import cost_model
 from ..drafters.calibration import FLOOR, calibration_of
 from ..drafters.checkpoint import load_eagle3
 from ..drafters.eagle import DRAFTER_WEIGHTS, Eagle3Runner
@@ -84,7 +84,7 @@ class EagleProposer(Proposer):
         # accepted rows not yet given to the drafter: committed together when it next drafts, so a step that
         # drafts nothing (a shared forward where no draft pays) costs no drafter pass
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.curve_ms: torch.Tensor | None = None
+        self.costs = None  # this machine's cost model (live), unless the tree size is fixed: prepare()
         self.backoff = 0 if nodes else backoff  # a fixed tree size always drafts
         self.backoff_on_loss = backoff_on_loss
         self.back_off = BackOff(self.backoff, backoff_on_loss)
@@ -103,12 +103,19 @@ class EagleProposer(Proposer):
         self.pending.clear()
         self.back_off = BackOff(self.backoff, self.backoff_on_loss)
         self.greedy_map = self.calibration if state.sampling.greedy else None
-        if not self.nodes:
-            curve = machine_cost_curve(state.target)
-            self.curve_ms = torch.tensor([curve.t(q) for q in range(1, self.max_nodes + 1)], dtype=torch.float64)
+        if not self.nodes and self.costs is None:
+            self.prepare(state.target)
         feat = self.runner.fuse(self._taps(hidden, slice(0, n)))
         h = self.runner.commit(feat, state.ids[1 : n + 1], torch.arange(n))
         self.last_h = h[-1:]
+
+    def prepare(self, target) -> None:
+        if not self.nodes:
+            self.costs = cost_model(target)
+
+    def _curve_ms(self) -> torch.Tensor | None:
+        """t(1..max_nodes) from the live cost model (None for a fixed tree size)."""
+        return None if self.costs is None else self.costs.table(self.max_nodes)
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
         path = step.verdict.path
@@ -117,7 +124,7 @@ class EagleProposer(Proposer):
         tokens = state.ids[root_pos + 1 : root_pos + 1 + r]
         self.pending.append((self._taps(step.hidden, torch.as_tensor(path)), tokens.clone(),
                              torch.arange(root_pos, root_pos + r)))
-        self.back_off.verdict(step.verdict.accepted, self.curve_ms)
+        self.back_off.verdict(step.verdict.accepted, self._curve_ms())
 
     def _catch_up(self) -> None:
         """Give the drafter the accepted rows that wait (one pass over all of them)."""
@@ -129,6 +136,7 @@ class EagleProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal | None:
         run, k = self.runner, self.topk
         root_pos = state.root_position
+        curve_ms = self._curve_ms()
         depth = self.depth if state.max_draft_depth is None else min(self.depth, state.max_draft_depth)
         # no deeper than the tree can reach: a chain of n - 1 drafts under the root at most
         depth = min(depth, self.nodes - 1 if self.nodes else self.max_nodes - 1, state.remaining)
@@ -156,7 +164,7 @@ class EagleProposer(Proposer):
             if float(best.values[0].exp()) < self.min_prob:
                 break
             if self.call_cost is not None and not self.call_cost.pays(float(best.values.exp().sum()),
-                                                                      float(self.curve_ms[0])):
+                                                                      float(curve_ms[0])):
                 self._n["unpaid_stops"] += 1
                 break
             sel = best.indices  # local indices at depth d-1
@@ -199,7 +207,7 @@ class EagleProposer(Proposer):
         depths = torch.cat(cand_depth)
         order = rank(scores, depths)
         limit = min(self.nodes or self.max_nodes, order.numel() + 1, state.remaining + 1)
-        n = best_size(scores[order].double().exp(), self.curve_ms, limit, self.nodes)
+        n = best_size(scores[order].double().exp(), curve_ms, limit, self.nodes)
         self._n["steps"] += 1
         self._n["nodes"] += n
         if n == 1:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..costs import machine_cost_curve
+from ..costs import cost_model
 from ..drafters.eagle import DRAFTER_WEIGHTS
 from ..drafters.falcon import FalconRunner, load_falcon
 from ..drafters.features import FINAL
@@ -94,7 +94,7 @@ class FalconProposer(Proposer):
         self.nodes, self.max_nodes = nodes, max_nodes
         self.back_off = BackOff(0 if nodes else backoff, backoff_on_loss)
         self.runner: FalconRunner | None = None
-        self.curve_ms: torch.Tensor | None = None
+        self.costs = None  # this machine's cost model (live), unless the tree size is fixed: prepare()
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # accepted rows not yet committed
         self._n = {"steps": 0, "looks": 0, "passes": 0, "draft_rows": 0, "nodes": 0}
 
@@ -105,10 +105,17 @@ class FalconProposer(Proposer):
         n = state.prompt_length
         k = self.shared.k
         self.runner = self.shared.fresh(n + state.max_new_tokens + self.passes * k * self.frontier + 8)
-        if not self.nodes:
-            curve = machine_cost_curve(state.target)
-            self.curve_ms = torch.tensor([curve.t(q) for q in range(1, self.max_nodes + 1)], dtype=torch.float64)
+        if not self.nodes and self.costs is None:
+            self.prepare(state.target)
         self.runner.commit(hidden[FINAL][:n], state.ids[1 : n + 1], torch.arange(n))
+
+    def prepare(self, target) -> None:
+        if not self.nodes:
+            self.costs = cost_model(target)
+
+    def _curve_ms(self) -> torch.Tensor | None:
+        """t(1..max_nodes) from the live cost model (None for a fixed tree size)."""
+        return None if self.costs is None else self.costs.table(self.max_nodes)
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
         path = step.verdict.path
@@ -117,7 +124,7 @@ class FalconProposer(Proposer):
         tokens = state.ids[root_pos + 1 : root_pos + 1 + r].clone()
         self.pending.append((step.hidden[FINAL][torch.as_tensor(path)], tokens, torch.arange(root_pos, root_pos + r)))
         self._n["draft_rows"] += r
-        self.back_off.verdict(step.verdict.accepted, self.curve_ms)
+        self.back_off.verdict(step.verdict.accepted, self._curve_ms())
 
     def _catch_up(self) -> None:
         """Commit the accepted rows that wait (one drafter call for all of them)."""
@@ -135,7 +142,7 @@ class FalconProposer(Proposer):
         tokens, scores, parents, depths = cands.cat()
         order = rank(scores, depths)
         limit = min(self.max_proposal_size(), order.numel() + 1, state.remaining + 1)
-        n = best_size(scores[order], self.curve_ms, limit, self.nodes)
+        n = best_size(scores[order], self._curve_ms(), limit, self.nodes)
         return order[: n - 1], (tokens, scores, parents, depths)
 
     def propose(self, state: DecodeState) -> Proposal | None:

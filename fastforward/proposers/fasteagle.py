@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..costs import machine_cost_curve
+from ..costs import cost_model
 from ..drafters.calibration import calibration_of
 from ..drafters.eagle import DRAFTER_WEIGHTS
 from ..drafters.fasteagle import FastEagleRunner, load_fasteagle
@@ -83,7 +83,7 @@ class FastEagleProposer(Proposer):
         self.backoff = 0 if fixed else backoff
         self.runner: FastEagleRunner | None = None
         self.last_h: torch.Tensor | None = None
-        self.curve_ms: torch.Tensor | None = None
+        self.costs = None  # this machine's cost model (live), unless the shape is fixed: prepare()
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # accepted rows not yet committed
         self.back_off = BackOff(self.backoff, backoff_on_loss)
         self._n = {"steps": 0, "looks": 0, "draft_rows": 0, "nodes": 0, "levels": 0, "k": 0}
@@ -98,11 +98,17 @@ class FastEagleProposer(Proposer):
         n = state.prompt_length
         self.runner = self.shared.fresh(n + state.max_new_tokens + 8)
         self.greedy_map = self.calibration if state.sampling.greedy else None
-        if not self.fixed:
-            curve = machine_cost_curve(state.target)
-            self.curve_ms = torch.tensor([curve.t(q) for q in range(1, self.max_proposal_size() + 1)],
-                                         dtype=torch.float64)
+        if not self.fixed and self.costs is None:
+            self.prepare(state.target)
         self.last_h = self.runner.commit(self._taps(hidden, slice(0, n)), state.ids[1 : n + 1], torch.arange(n))
+
+    def prepare(self, target) -> None:
+        if not self.fixed:
+            self.costs = cost_model(target)
+
+    def _curve_ms(self) -> torch.Tensor | None:
+        """t(1..max_proposal_size) from the live cost model (None for a fixed shape)."""
+        return None if self.costs is None else self.costs.table(self.max_proposal_size())
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
         path = step.verdict.path
@@ -112,7 +118,7 @@ class FastEagleProposer(Proposer):
         self.pending.append((self._taps(step.hidden, torch.as_tensor(path)), tokens,
                              torch.arange(root_pos, root_pos + r)))
         self._n["draft_rows"] += r
-        self.back_off.verdict(step.verdict.accepted, self.curve_ms)
+        self.back_off.verdict(step.verdict.accepted, self._curve_ms())
 
     def _catch_up(self) -> None:
         """Commit the accepted rows that wait (one drafter pass over all of them)."""
@@ -141,11 +147,12 @@ class FastEagleProposer(Proposer):
             while levels * k + 1 > limit and levels > 1:
                 levels -= 1
         else:
+            curve_ms = self._curve_ms()
             gain = expected_tokens(self._chances(top.values.double()))  # [levels, K]
             nodes = (torch.arange(1, room + 1).unsqueeze(1) * torch.arange(1, self.topk + 1)) + 1  # [levels, K]
-            rate = torch.where(nodes <= limit, gain / self.curve_ms[(nodes - 1).clamp(max=limit - 1)], -1.0)
+            rate = torch.where(nodes <= limit, gain / curve_ms[(nodes - 1).clamp(max=limit - 1)], -1.0)
             best = int(rate.argmax())
-            if float(rate.reshape(-1)[best]) <= 1.0 / float(self.curve_ms[0]):
+            if float(rate.reshape(-1)[best]) <= 1.0 / float(curve_ms[0]):
                 levels = k = 0  # drafting nothing is the best rate
             else:
                 levels, k = best // self.topk + 1, best % self.topk + 1

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..costs import CostCurve, machine_cost_curve
+from ..costs import CostCurve, CostModel, cost_model
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from ..tree import DraftTree, TreeShape
@@ -49,7 +49,7 @@ SIZE_LADDER = ((7, 5, 7), (5, 4, 5), (3, 4, 3), (2, 3, 2), (1, 3, 2))
 FLAT_ENOUGH = 1.3
 
 
-def size_for_curve(curve: CostCurve) -> tuple[int, int, int]:
+def size_for_curve(curve: CostCurve | CostModel) -> tuple[int, int, int]:
     """The largest (window, ngram, guesses) of :data:`SIZE_LADDER` whose largest forward the cost curve prices at
     most :data:`FLAT_ENOUGH` single-token forwards; the smallest when none is (a CPU)."""
     for size in SIZE_LADDER:
@@ -229,7 +229,7 @@ def lookahead(target, *, window: int = 0, ngram: int = 0, guesses: int = 0) -> L
     check_int("lookahead", "guesses", guesses, 0, MAX_PROPOSAL_ROWS)
     sized = not (window and ngram and guesses)
     if sized:
-        auto_w, auto_n, auto_g = size_for_curve(machine_cost_curve(target))
+        auto_w, auto_n, auto_g = size_for_curve(cost_model(target))  # built before any run's clock starts
         window, ngram, guesses = window or auto_w, ngram or auto_n, guesses or auto_g
     proposer = LookaheadProposer(window, ngram, guesses, sized_by_curve=sized)
     check_proposal_rows("lookahead", proposer.max_proposal_size(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..costs import AcceptanceEstimate, best_chain_length, machine_cost_curve
+from ..costs import AcceptanceEstimate, best_chain_length, cost_model
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..tree import DraftTree, chain_shape
 from . import register
@@ -119,9 +119,10 @@ class PromptLookupProposer(Proposer):
 
     With ``adaptive`` (the default) the draft is cut to the length that maximises expected tokens per unit of
     forward cost: the acceptance rate of matches of each n-gram size is tracked as the run goes
-    (:class:`~fastforward.costs.AcceptanceEstimate`) and weighed against this machine's measured cost curve
-    (:func:`~fastforward.costs.machine_cost_curve`). On a CPU, where a 10-token verification costs about twice a
-    1-token step, this is what keeps prompt lookup from being slower than plain decoding.
+    (:class:`~fastforward.costs.AcceptanceEstimate`) and weighed against this machine's cost model
+    (:class:`~fastforward.costs.CostModel`: the cached curve corrected by the run's own forward timings). On a CPU,
+    where a 10-token verification costs about twice a 1-token step, this is what keeps prompt lookup from being
+    slower than plain decoding.
     """
 
     name = "pld"
@@ -131,7 +132,7 @@ class PromptLookupProposer(Proposer):
         self.num_pred_tokens = num_pred_tokens
         self.min_ngram = min_ngram
         self.adaptive = adaptive
-        self.curve = None
+        self.costs = None
         self.index = NgramIndex(max_ngram, min_ngram)
         self._reset()
 
@@ -143,12 +144,16 @@ class PromptLookupProposer(Proposer):
     def max_proposal_size(self) -> int:
         return 1 + self.num_pred_tokens
 
+    def prepare(self, target) -> None:
+        if self.adaptive:
+            self.costs = cost_model(target)
+
     def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
         self._reset()
         self.index.reset()
         self.index.sync(state.tokens)  # the prompt and the first token
-        if self.adaptive and self.curve is None:
-            self.curve = machine_cost_curve(state.target)
+        if self.adaptive and self.costs is None:
+            self.prepare(state.target)
 
     def propose(self, state: DecodeState) -> Proposal | None:
         self.pending = None
@@ -164,7 +169,7 @@ class PromptLookupProposer(Proposer):
             return None
         self.hits += 1
         if self.adaptive:
-            k = best_chain_length(self.estimates[n].alpha, cont.numel(), self.curve)
+            k = best_chain_length(self.estimates[n].alpha, cont.numel(), self.costs)
             if k == 0:
                 self.skipped += 1
                 return None

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..costs import AcceptanceEstimate, best_chain_length, machine_cost_curve
+from ..costs import AcceptanceEstimate, best_chain_length, cost_model
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from ..jsonl import jsonl_records
@@ -294,8 +294,7 @@ class RetrievalProposer(Proposer):
         self.max_depth, self.candidates, self.context = max_depth, candidates, context
         self.nodes, self.max_nodes = nodes, nodes or max_nodes
         self.index = NgramIndex(max_ngram, 1)
-        self.curve = None
-        self.curve_ms: np.ndarray | None = None
+        self.costs = None  # this machine's cost model (live): prepare()
         self._reset()
 
     def _reset(self) -> None:
@@ -311,9 +310,15 @@ class RetrievalProposer(Proposer):
         self._reset()
         self.index.reset()
         self.index.sync(state.tokens)
-        if self.curve is None:
-            self.curve = machine_cost_curve(state.target)
-            self.curve_ms = np.array([self.curve.t(q) for q in range(1, self.max_nodes + 1)])
+        if self.costs is None:
+            self.prepare(state.target)
+
+    def prepare(self, target) -> None:
+        self.costs = cost_model(target)
+
+    def _curve_ms(self) -> np.ndarray:
+        """t(1..max_nodes) from the live cost model."""
+        return self.costs.table(self.max_nodes, numpy=True)
 
     def propose(self, state: DecodeState) -> Proposal | None:
         self.pending = None
@@ -331,7 +336,7 @@ class RetrievalProposer(Proposer):
             self.index.sync(tokens)
             chain, chain_n = self.index.match(tokens, depth)
         if chain_n and self.context == "first":  # the context's match, sized as pld sizes it, when it pays
-            k = best_chain_length(self.estimates[chain_n].alpha, chain.numel(), self.curve)
+            k = best_chain_length(self.estimates[chain_n].alpha, chain.numel(), self.costs)
             if k > 0:
                 self.from_context += 1
                 self.drafted += k
@@ -361,7 +366,7 @@ class RetrievalProposer(Proposer):
         scores = along[begins_at, depths - 1]
         order = rank(scores, depths)
         limit = min(self.max_nodes, scores.size + 1)
-        n = best_size(scores[order], self.curve_ms, limit, self.nodes)
+        n = best_size(scores[order], self._curve_ms(), limit, self.nodes)
         if n <= 1:
             self.back_off.drafted_nothing()
             return None
@@ -380,7 +385,7 @@ class RetrievalProposer(Proposer):
             return
         chain_n, chain, raw, depths, matched = self.pending
         self.pending = None
-        self.back_off.verdict(step.verdict.accepted, self.curve_ms)  # judges a datastore tree (a chain: no-op)
+        self.back_off.verdict(step.verdict.accepted, self._curve_ms())  # judges a datastore tree (a chain: no-op)
         target_tokens = step.new_tokens  # the target's tokens at depths 1, 2, ...: accepted ones, then its own
         if chain_n:
             known = min(len(chain), len(target_tokens))

@@ -20,11 +20,14 @@ arXiv:2211.17192); Chen et al., *Accelerating Large Language Model Decoding with
   ``x`` with ``min(1, p(x)/q(x))``, else sample the normalised residual ``max(p - q, 0)``).
 * **Draft length** ``k``: by default chosen every step, 0..8, to maximise expected tokens per millisecond: expected
   tokens ``1 + a + ... + a^k`` from a running estimate of the acceptance rate ``a`` (as prompt lookup does), cost
-  ``t(k+1)`` of the target's forward from this machine's measured cost curve plus ``k`` draft forwards at the draft's
-  own measured cost. A fixed k (the papers use 4-5) is right on a GPU, where verification is nearly free; on a CPU a
+  ``t(k+1)`` of the target's forward from this machine's cost model plus ``k`` draft forwards at the draft's own
+  cost. A fixed k (the papers use 4-5) is right on a GPU, where verification is nearly free; on a CPU a
   full-vocabulary draft token costs a sizeable fraction of a target step and acceptance varies by prompt, so the
-  best length varies too (0 -- plain decoding -- when the draft does not pay off). Both costs come from the cached
-  cost curves, not from wall-clock timing of the run, so a seeded sampling run is reproducible. ``-o k=N`` fixes it.
+  best length varies too (0 -- plain decoding -- when the draft does not pay off). Greedy runs read the live cost
+  models (:class:`~fastforward.costs.CostModel`: the cached curves corrected by the run's own timings; the output is
+  the same whatever the length). Sampled runs read the cached curves alone, not the wall clock: their drafts carry
+  draft probabilities, whose rejection draws depend on the length, so a seeded sampling run stays reproducible.
+  ``-o k=N`` fixes it.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 import torch
 
 from .. import model
-from ..costs import AcceptanceEstimate, expected_tokens, machine_cost_curve
+from ..costs import AcceptanceEstimate, cost_model, expected_tokens
 from ..drafters import shipped_drafter
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import FastForwardError, UsageError
@@ -148,8 +151,8 @@ class DraftModelProposer(Proposer):
         self.draft = draft
         self.fixed_k = k
         self.k_max = K_MAX if k is None else k
-        self.curve = None
-        self.draft_ms = 0.0
+        self.costs = self.draft_costs = None  # the target's and the draft's cost models: prepare()
+        self.curve = self.draft_curve = None  # what this run sizes with: the live models, or their priors
         self._reset()
 
     def _reset(self) -> None:
@@ -170,7 +173,10 @@ class DraftModelProposer(Proposer):
         self.cache.keep(range(ids.numel()))
         self.seen = start + ids.numel()
         self.forwards += 1
-        self.draft_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.draft_seconds += seconds
+        if ids.numel() == 1 and self.draft_costs is not None:  # a drafting call: the draft's t(1), live
+            self.draft_costs.observe(1, seconds)
         return out.logits[-1]
 
     def _catch_up(self, state: DecodeState, end: int) -> torch.Tensor | None:
@@ -181,13 +187,19 @@ class DraftModelProposer(Proposer):
             logits = self._forward(state.ids[self.seen : stop], self.seen)
         return logits
 
+    def prepare(self, target) -> None:
+        if self.fixed_k is None and self.costs is None:
+            self.costs, self.draft_costs = cost_model(target), cost_model(self.draft)
+
     def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
         self._reset()
         capacity = min(self.draft.max_context, state.prompt_length + state.max_new_tokens + self.k_max + 1)
         self.cache = self.draft.new_cache(capacity)
-        if self.fixed_k is None and self.curve is None:
-            self.curve = machine_cost_curve(state.target)
-            self.draft_ms = machine_cost_curve(self.draft).t(1)
+        if self.fixed_k is None:
+            self.prepare(state.target)
+            live = state.sampling.greedy  # sampled drafts carry probabilities: their length must not follow the clock
+            self.curve = self.costs if live else self.costs.prior
+            self.draft_curve = self.draft_costs if live else self.draft_costs.prior
         if state.length - 1 <= self.cache.capacity:
             self._catch_up(state, state.length - 1)  # the prompt; the root waits for the first draft
 
@@ -197,7 +209,7 @@ class DraftModelProposer(Proposer):
             k = min(k, state.max_draft_depth)
         if k <= 0 or self.fixed_k is not None:
             return max(k, 0)
-        return best_draft_length(self.estimate.alpha, k, self.curve, self.draft_ms)
+        return best_draft_length(self.estimate.alpha, k, self.curve, self.draft_curve.t(1))
 
     def propose(self, state: DecodeState) -> Proposal | None:
         self.pending = None

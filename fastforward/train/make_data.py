@@ -249,6 +249,9 @@ class FeatureRecorder(Proposer):
     def max_proposal_size(self):
         return self.inner.max_proposal_size()
 
+    def prepare(self, target):
+        self.inner.prepare(target)
+
     def start(self, state, prefill_logits, hidden):
         self.parts = [{k: hidden[k].float() for k in self.layers}]
         self.inner.start(state, prefill_logits, hidden)
