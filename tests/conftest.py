@@ -1,9 +1,26 @@
-import pytest
-import torch
+import os
+import shutil
+import tempfile
 
-from fastforward.testing import tiny_gguf_target, tiny_target
+# The suite never writes into the user's cache: before any fastforward module computes a path, every cache path of
+# this process (and of the commands it starts) points into a folder of its own -- $FASTFORWARD_TEST_CACHE when set (a
+# folder kept for tests between sessions: kernels built once), else a temporary one, removed at the end. Built
+# kernels are still read from the default cache (fastforward.kernels looks there too, read-only).
+_OWN_CACHE = not os.environ.get("FASTFORWARD_TEST_CACHE")
+TEST_CACHE = os.environ.get("FASTFORWARD_TEST_CACHE") or tempfile.mkdtemp(prefix="fastforward-tests-")
+os.environ["FASTFORWARD_CACHE"] = TEST_CACHE
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fastforward.testing import tiny_gguf_target, tiny_target  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:
+        shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 @pytest.fixture
