@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .arithmetic import Q8_FORMATS
 from .errors import UsageError
 from .linear import PACKED_FORMATS, DenseLinear, PackedLinear, dequantize
 
@@ -165,14 +166,18 @@ def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:
     return (h * 2 * half + 2 * i + t).reshape(-1)
 
 
-def linear_from_tensor(t: GGUFTensor, *, native, permute_heads: int | None = None):
-    """A :class:`~fastforward.linear.PackedLinear` (packed formats) or a dense fp32 one (anything else)."""
+def linear_from_tensor(t: GGUFTensor, *, native, permute_heads: int | None = None, arithmetic: str = "exact"):
+    """A :class:`~fastforward.linear.PackedLinear` (packed formats, multiplied in ``arithmetic``: 'exact' or 'q8')
+    or a dense fp32 one (anything else: F32 / F16 tensors, and quantised types without a kernel, dequantised)."""
     out_features, in_features = t.shape
     order = None if permute_heads is None else unpermute_rows(out_features, permute_heads)
-    if t.type_id in PACKED_FORMATS and native is not None and in_features % PACKED_FORMATS[t.type_id][1] == 0:
+    q8 = arithmetic == "q8" and t.type_id in Q8_FORMATS
+    if (t.type_id in PACKED_FORMATS and (native is not None or q8)
+            and in_features % PACKED_FORMATS[t.type_id][1] == 0):
         data = t.read()
         data = data.index_select(0, order) if order is not None else data
-        return PackedLinear(data, t.type_id, in_features, native=native, owned=True)
+        return PackedLinear(data, t.type_id, in_features, native=native, owned=True,
+                            arithmetic="q8" if q8 else "exact")
     if t.type_id in (0, 1):  # F32, F16
         dense = _values(t).reshape(out_features, in_features)
     else:

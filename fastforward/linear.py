@@ -13,7 +13,11 @@ regrouped at load into the AMX kernel's tiled layout (same bytes) and multiplied
 tiles, the sums in fp32 (``kernels/amx_gemm.cpp``), so extra rows in a forward cost a fraction of what they cost
 with fp32 multiply-adds. ``FASTFORWARD_NO_AMX=1`` keeps the multiply-add kernel.
 
-Both compute each output row independently of the other rows in the call (bitwise), which is what makes a tree
+With ``arithmetic="q8"`` a packed weight is multiplied in llama.cpp's integer arithmetic instead (8-bit activation
+blocks, integer block dots, fp32 block scaling: :mod:`fastforward.arithmetic` defines it, ``kernels/q8_gemm.cpp``
+runs it), its rows regrouped at load into the integer kernel's panels of 8 (same bytes, K-quants' scales unpacked).
+
+All compute each output row independently of the other rows in the call (bitwise), which is what makes a tree
 verification give exactly the logits of decoding its path token by token.
 """
 
@@ -25,11 +29,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .arithmetic import ARITHMETICS, Q8_FORMATS
 from .kernels import load_native
 
 # GGML block formats the native kernel multiplies packed: type id -> (name, weights per block, bytes per block).
-PACKED_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
-                  14: ("Q6_K", 256, 210), 30: ("BF16", 32, 64)}
+PACKED_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+                  8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+                  30: ("BF16", 32, 64)}
 FORMAT_IDS = {name: fmt for fmt, (name, _, _) in PACKED_FORMATS.items()}
 # GGML types the AMX kernel multiplies (in its tiled layout, format code TILED_FORMAT_BASE + type).
 AMX_FORMATS = (2, 3, 8)
@@ -43,8 +49,11 @@ def amx_in_use(native) -> bool:
             and bool(native.amx_ready()))
 
 
-def packed_kernel_name(native) -> str:
-    """The packed-weight kernel's name for reports and cost-curve keys: 'avx512+amx', 'avx512', 'avx2'..."""
+def packed_kernel_name(native, arithmetic: str = "exact") -> str:
+    """The packed-weight kernel's name for reports and cost-curve keys: 'avx512+amx', 'avx512', 'avx2', and for the
+    q8 arithmetic 'q8-avx2', 'q8-avx512-vnni'..."""
+    if arithmetic == "q8":
+        return f"q8-{native.q8_dot}"
     return f"{native.isa}+amx" if amx_in_use(native) else native.isa
 
 
@@ -99,18 +108,29 @@ class PackedLinear:
     ``kernel_layout=True`` says it already is in the kernel's (a concatenation of such weights)."""
 
     def __init__(self, data: torch.Tensor, fmt: int, in_features: int, *, native=None, kernel_layout: bool = False,
-                 owned: bool = False, kernel_fmt: int | None = None, allow_amx: bool = True):
+                 owned: bool = False, kernel_fmt: int | None = None, allow_amx: bool = True,
+                 arithmetic: str = "exact", out_features: int | None = None):
         name, qk, nb = PACKED_FORMATS[fmt]
-        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != in_features // qk * nb:
+        if arithmetic not in ARITHMETICS:
+            raise ValueError(f"unknown arithmetic {arithmetic!r} (use {', '.join(ARITHMETICS)})")
+        if arithmetic == "q8" and fmt not in Q8_FORMATS:
+            raise ValueError(f"{name} weights have no q8 arithmetic")
+        row_bytes = in_features // qk * nb
+        if not kernel_layout and (data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row_bytes):
             raise ValueError(f"a {name} weight with {in_features} inputs needs [out, {in_features // qk * nb}] uint8")
-        self.fmt, self.format_name = fmt, name
-        # The format code the native kernels are given: the GGML type, or TILED_FORMAT_BASE + type for the AMX layout.
+        self.fmt, self.format_name, self.arithmetic = fmt, name, arithmetic
+        # The format code the native kernels are given: the GGML type, TILED_FORMAT_BASE + type for the AMX layout,
+        # or Q8_FORMAT_BASE + type for the integer kernel's panels.
         self.kernel_fmt = fmt if kernel_fmt is None else kernel_fmt
-        self.out_features, self.in_features = data.shape[0], in_features
+        self.out_features = data.shape[0] if out_features is None else out_features
+        self.in_features = in_features
         self.native = native
         if native is not None:
             if kernel_layout:
                 self.data = data.contiguous()
+            elif arithmetic == "q8":  # panels of 8 rows; rows past out_features are zeros
+                self.data = native.q8_pack(data.contiguous(), fmt, in_features)
+                self.kernel_fmt = native.Q8_FORMAT_BASE + fmt
             elif allow_amx and fmt in AMX_FORMATS and data.shape[0] % 16 == 0 and amx_in_use(native):
                 self.data = data.contiguous() if owned else data.clone(memory_format=torch.contiguous_format)
                 native.amx_tile_(self.data, fmt, in_features)
@@ -119,19 +139,34 @@ class PackedLinear:
                 self.data = data.contiguous() if owned else data.clone(memory_format=torch.contiguous_format)
                 native.regroup_block_scales_(self.data, fmt, in_features, True)
             self._dense = None
+        elif arithmetic == "q8":  # the plain PyTorch path of the integer arithmetic (its reference definition)
+            self.data = data.contiguous() if owned else data.clone(memory_format=torch.contiguous_format)
+            self._dense = None
         else:  # the plain PyTorch path: dequantise once
             self.data = None
             self._dense = DenseLinear(dequantize(data, fmt, in_features))
 
+    @property
+    def padded(self) -> bool:
+        """Whether the kernel's output has columns past ``out_features`` (panels of 8 rows, cut after the call)."""
+        return self.data is not None and self.data.shape[0] != self.out_features
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._dense is not None:
             return self._dense(x)
-        return self.native.quant_mm(x, self.data, self.kernel_fmt, self.in_features)
+        if self.native is None:  # q8 without the native kernels
+            from .arithmetic import q8_matmul
+
+            return q8_matmul(x, self.data, self.fmt, self.in_features)
+        out = self.native.quant_mm(x, self.data, self.kernel_fmt, self.in_features)
+        return out[:, : self.out_features].contiguous() if self.padded else out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of W as fp32 (an embedding lookup)."""
         if self._dense is not None:
             return self._dense.rows(ids)
+        if self.native is None:
+            return dequantize(self.data[ids], self.fmt, self.in_features)
         return self.native.quant_rows(self.data, self.kernel_fmt, self.in_features, ids)
 
     def dense(self) -> torch.Tensor:
@@ -142,6 +177,10 @@ class PackedLinear:
 
     def file_layout(self) -> torch.Tensor:
         """A copy of ``data`` with the file's (GGUF) layout."""
+        if self.native is None:
+            return self.data.clone()
+        if self.arithmetic == "q8":
+            return self.native.q8_unpack(self.data, self.fmt, self.in_features, self.out_features)
         if self.kernel_fmt != self.fmt:
             return self.native.amx_untile(self.data, self.fmt, self.in_features)
         return self.native.regroup_block_scales_(self.data.clone(), self.fmt, self.in_features, False)
@@ -155,11 +194,12 @@ class PackedLinear:
         """One weight whose outputs are the parts' outputs in order (q|k|v, gate|up), or None when the parts
         differ in format or inputs."""
         first = parts[0]
-        if first.data is None or any(p.kernel_fmt != first.kernel_fmt or p.in_features != first.in_features
-                                     or p.data is None for p in parts):
+        if first.data is None or first.native is None or any(
+                p.kernel_fmt != first.kernel_fmt or p.in_features != first.in_features or p.data is None or p.padded
+                for p in parts):
             return None
         return PackedLinear(torch.cat([p.data for p in parts]), first.fmt, first.in_features, native=first.native,
-                            kernel_layout=True, kernel_fmt=first.kernel_fmt)
+                            kernel_layout=True, kernel_fmt=first.kernel_fmt, arithmetic=first.arithmetic)
 
 
 class DraftLinear:

@@ -161,8 +161,12 @@ def write_tiny_gguf(path, *, vocab_size=96, hidden_size=64, layers=2, heads=4, k
         kind = name.split(".")[-2]
         if types and kind in types:
             qtype = GGMLQuantizationType[types[kind]]
-        w = (torch.randn(out_f, in_f, generator=g) * init_std).numpy().astype(np.float32)
-        data = quants.quantize(w, qtype)
+        if qtype.name in ("Q4_K", "Q5_K", "Q6_K"):  # gguf-py cannot quantise these: random blocks of that scale
+            seed_k = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
+            data = random_gguf_blocks(int(qtype), out_f, in_f, seed=seed_k, scale=init_std).numpy()
+        else:
+            w = (torch.randn(out_f, in_f, generator=g) * init_std).numpy().astype(np.float32)
+            data = quants.quantize(w, qtype)
         deq = torch.from_numpy(quants.dequantize(data, qtype).reshape(out_f, in_f).astype(np.float32))
         if permute is not None:  # the file holds llama.cpp's row order; HF's is data[unpermute_rows]
             order = unpermute_rows(out_f, permute)
@@ -202,10 +206,12 @@ def write_tiny_gguf(path, *, vocab_size=96, hidden_size=64, layers=2, heads=4, k
     return state
 
 
-def tiny_gguf_target(path, **kw):
+def tiny_gguf_target(path, arithmetic: str = "exact", native="load", **kw):
     """(packed target over a freshly written tiny GGUF, the fp32 HF model with the weights it dequantises to).
 
-    The packed target's ``hf_model`` is that fp32 model, so peers and references see the same weights."""
+    ``arithmetic`` is the packed target's ('exact' or 'q8'); ``native=None`` builds it without the native kernels
+    (the plain PyTorch paths). The packed target's ``hf_model`` is that fp32 model, so peers and references see the
+    same weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     state = write_tiny_gguf(path, **kw)
@@ -221,8 +227,31 @@ def tiny_gguf_target(path, **kw):
     hf = AutoModelForCausalLM.from_config(config).float().eval()
     hf.load_state_dict(state, strict=False)
     tok = TinyTokenizer(config.vocab_size)
-    target = TargetModel.from_gguf("tiny-gguf", gguf_model, tok, load_native(), hf_loader=lambda: hf)
+    target = TargetModel.from_gguf("tiny-gguf", gguf_model, tok, load_native() if native == "load" else native,
+                                   hf_loader=lambda: hf, arithmetic=arithmetic)
     return target, hf
+
+
+# Byte offsets of each GGUF format's fp16 scales inside a block (random bytes there could be inf/nan).
+SCALE_OFFSETS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+BLOCK_SHAPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+                14: (256, 210)}
+
+
+def random_gguf_blocks(fmt: int, n_out: int, n_in: int, seed: int = 0, scale: float = 0.05) -> torch.Tensor:
+    """Random GGUF rows ``[n_out, row_bytes]`` of a block format (GGML type id): random quants and sub-block scales,
+    fp16 block scales (and mins) uniform in +-``scale`` / 16 for the K-quants (whose sub-block scales multiply them
+    by up to 63) -- for formats gguf-py cannot quantise, and for kernels that must take any bytes a file may hold."""
+    import numpy as np
+
+    qk, nb = BLOCK_SHAPES[fmt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n_out, n_in // qk, nb), dtype=np.uint8)
+    span = scale / 16 if qk == 256 else scale
+    scales = rng.uniform(-span, span, size=(n_out, n_in // qk, len(SCALE_OFFSETS[fmt]))).astype(np.float16)
+    for j, off in enumerate(SCALE_OFFSETS[fmt]):
+        raw[:, :, off : off + 2] = scales[:, :, j : j + 1].view(np.uint8)
+    return torch.from_numpy(raw.reshape(n_out, -1))
 
 
 # ------------------------------------------------------------------------------------------------------------------

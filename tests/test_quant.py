@@ -11,25 +11,16 @@ import fastforward as ff
 from fastforward import kernels
 from fastforward.linear import FORMAT_IDS, PACKED_FORMATS, PackedLinear, dequantize, quantize
 from fastforward.model import TargetModel
-from fastforward.testing import TinyTokenizer, tiny_gguf_target
+from fastforward.testing import TinyTokenizer, random_gguf_blocks, tiny_gguf_target
 
 pytestmark = pytest.mark.skipif(kernels.load_native() is None, reason="the native kernels are unavailable here")
 
-# Byte offsets of each format's fp16 scales inside a block (random bytes there could be inf/nan).
-SCALE_OFFSETS = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 14: [208]}
-
-
 def random_blocks(fmt: int, n_out: int, n_in: int, seed: int = 0) -> torch.Tensor:
     """Random packed rows of a format: random quants and sub-scales, sane fp16 block scales."""
-    _, qk, nb = PACKED_FORMATS[fmt]
-    rng = np.random.default_rng(seed)
     if fmt == FORMAT_IDS["BF16"]:
+        rng = np.random.default_rng(seed)
         return quantize(torch.from_numpy(rng.normal(0, 0.1, size=(n_out, n_in)).astype(np.float32)), "BF16")
-    raw = rng.integers(0, 256, size=(n_out, n_in // qk, nb), dtype=np.uint8)
-    scales = rng.uniform(-0.05, 0.05, size=(n_out, n_in // qk, len(SCALE_OFFSETS[fmt]))).astype(np.float16)
-    for j, off in enumerate(SCALE_OFFSETS[fmt]):
-        raw[:, :, off : off + 2] = scales[:, :, j : j + 1].view(np.uint8)
-    return torch.from_numpy(raw.reshape(n_out, -1))
+    return random_gguf_blocks(fmt, n_out, n_in, seed=seed, scale=0.8 if PACKED_FORMATS[fmt][1] == 256 else 0.05)
 
 
 FORMATS = sorted(PACKED_FORMATS)

@@ -24,7 +24,15 @@ from ..bench.runner import precheck, run_bench
 from ..errors import UsageError
 from ..paths import check_output_dir, mark_output_dir
 from ..proposers import available_methods
-from .options import add_model_arguments, max_new_tokens, nonnegative_int, positive_int, seed, temperature
+from .options import (
+    add_model_arguments,
+    max_new_tokens,
+    model_load_kwargs,
+    nonnegative_int,
+    positive_int,
+    seed,
+    temperature,
+)
 
 
 def add_arguments(p, name: str) -> None:
@@ -182,7 +190,7 @@ def run(args, name: str) -> int:
     if args.batch is not None:
         return _run_batch_mode(args, [s for s in specs if s.kind == "method"], questions, out_dir)
     precheck(out_dir, known, args.force)
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    target = ff.load(args.model, **model_load_kwargs(args))
     specs = _runnable(specs, target, optional=from_all)  # every method's option values, before any question
     mark_output_dir(out_dir, "bench")
     command = canonical_command(args, [s for s in specs if s.kind == "method"], [s for s in specs if s.kind == "peer"])
@@ -221,7 +229,7 @@ def _run_batch_mode(args, specs, questions, out_dir: Path) -> int:
         raise UsageError("--batch measures greedy decoding (--temperature 0)")
     if any(s.options for s in specs):
         raise UsageError("--batch runs methods with their default options")
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    target = ff.load(args.model, **model_load_kwargs(args))
     _runnable(specs, target)
     mark_output_dir(out_dir, "bench")
     prompts = [turn_prompt(target, q.turns[:1], []) for q in questions]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UsageError
-from .options import add_model_arguments, positive_int
+from .options import add_model_arguments, model_load_kwargs, positive_int
 
 
 def add_arguments(p, name: str) -> None:
@@ -29,7 +29,7 @@ def run(args, name: str) -> int:
         if not (Path(path).expanduser() / what).is_file():
             raise UsageError(f"{flag} {path}: no {what} there")
     drafter_kind(args.drafter)  # refused before the model loads
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    target = ff.load(args.model, **model_load_kwargs(args))
     result = calibrate_folder(args.drafter, target, args.data, limit=args.limit, steps=args.steps)
     cal = result["calibration"]
     print(f"calibrated {args.drafter} on {result['positions']} held-out response positions "

@@ -12,7 +12,7 @@ import fastforward as ff
 from ..errors import UsageError
 from ..model import DEFAULT_MODEL, DEFAULT_PASTA_MODEL
 from ..proposers import available_methods
-from .options import add_method_option_argument, add_model_arguments, parse_options, positive_int
+from .options import add_method_option_argument, add_model_arguments, model_load_kwargs, parse_options, positive_int
 
 
 def _prefill_progress(min_tokens: int = 1024):
@@ -96,7 +96,7 @@ def run(args, name: str) -> int:
     t_load = time.perf_counter()
     if args.method == "pasta" and isinstance(args.model, _DefaultModel):
         args.model = DEFAULT_PASTA_MODEL  # no --model given: the default model's PASTA adapter, shipped with it
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    target = ff.load(args.model, **model_load_kwargs(args))
     load_seconds = time.perf_counter() - t_load
     if args.prompts is not None:
         _check_prompts_fit(target, requests, labels)

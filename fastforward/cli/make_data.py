@@ -12,7 +12,7 @@ from ..train.make_data import (
     make_data,
     write_heldout_prompts,
 )
-from .options import add_model_arguments, max_new_tokens, positive_int, seed
+from .options import add_model_arguments, max_new_tokens, model_load_kwargs, positive_int, seed
 
 
 def add_arguments(p, name: str) -> None:
@@ -47,7 +47,7 @@ def run(args, name: str) -> int:
 
     # the inputs and --out are checked before the model loads
     check_make_data(args.out, sources=args.data, limit=args.limit, heldout=args.heldout, seed=args.seed)
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    target = ff.load(args.model, **model_load_kwargs(args))
     out = args.out or default_out(target.name)
     summary = make_data(target, out, sources=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens,
                         heldout=args.heldout, seed=args.seed, max_active=args.max_active, features=args.features)

@@ -23,6 +23,7 @@ __all__ = [
     "add_model_arguments",
     "add_threads_argument",
     "check_model_folder",
+    "model_load_kwargs",
     "finite_float",
     "max_new_tokens",
     "nonnegative_int",
@@ -36,6 +37,7 @@ __all__ = [
 
 BACKENDS = ("auto", "lean", "hf")
 WEIGHTS = ("auto", "fp32", "bf16", "int8")
+ARITHMETICS = ("auto", "exact", "q8")
 
 
 def _int_at_least(low: int, words: str):
@@ -161,6 +163,16 @@ def add_model_arguments(p, *, threads_help: str | None = None, weights_help: str
                    help=weights_help or "weight storage: auto (a GGUF's own quantised blocks, packed; an HF folder's "
                         "fp32), fp32 (a GGUF dequantised), bf16 / int8 (HF folders, opt-in: a different model, "
                         "reproduced exactly by every method) (default: auto)")
+    p.add_argument("--arithmetic", default="auto", choices=ARITHMETICS,
+                   help="how a GGUF file's weights are multiplied, i.e. which model every method reproduces: q8 "
+                        "(llama.cpp's 8-bit activation blocks and integer dot products), exact (fp32 activations "
+                        "times the exactly dequantised weights); auto: q8 for GGUF files, exact for HF folders")
+
+
+def model_load_kwargs(args) -> dict:
+    """The keyword arguments of :func:`fastforward.load` that :func:`add_model_arguments` declared."""
+    return {"backend": args.backend, "threads": args.threads, "weights": args.weights,
+            "arithmetic": getattr(args, "arithmetic", "auto")}
 
 
 def add_method_option_argument(p, help: str = "a method option, e.g. -o k=10 (repeatable)") -> None:

@@ -17,7 +17,7 @@ from ..pasta.annotate import (
     annotate_file,
     check_annotate,
 )
-from .options import add_model_arguments, positive_int, thread_count
+from .options import add_model_arguments, model_load_kwargs, positive_int, thread_count
 
 
 def _nats(text: str) -> float:
@@ -70,7 +70,7 @@ def _run_annotate(args) -> int:
     # the files and settings are checked before the model loads
     check_annotate(args.input, args.output, args.mode, args.threshold, args.sync_threshold, args.min_words,
                    args.topic_words, args.min_saving)
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    target = ff.load(args.model, **model_load_kwargs(args))
     counts = annotate_file(target, args.input, args.output, mode=args.mode, threshold=args.threshold,
                            sync_threshold=args.sync_threshold, min_words=args.min_words,
                            topic_words=args.topic_words, min_saving=args.min_saving, limit=args.limit)

@@ -12,6 +12,7 @@ from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
 from .options import (
     add_method_option_argument,
     add_model_arguments,
+    model_load_kwargs,
     nonnegative_int,
     parse_options,
     positive_int,
@@ -171,7 +172,7 @@ def run(args, name: str) -> int:
 
     from ..server import Limits, create_app, serve
 
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    target = ff.load(args.model, **model_load_kwargs(args))
     limits = Limits(default_max_tokens=args.default_max_tokens, max_tokens=args.max_tokens_limit,
                     max_body_bytes=args.max_body_bytes)
     model_name = args.served_model_name or args.model

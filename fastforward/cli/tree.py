@@ -37,7 +37,7 @@ from ..tree_builder import (
     select_calibration,
     size_tree,
 )
-from .options import add_model_arguments, max_new_tokens, seed
+from .options import add_model_arguments, max_new_tokens, model_load_kwargs, seed
 
 CALIBRATION_DEFAULTS = {"max_nodes": 64, "offset": 11, "max_new_tokens": 128, "width": 10, "depth": 5,
                         "retrieval_len": 5, "seed": 0}
@@ -151,14 +151,14 @@ def run(args, name: str) -> int:
         built = questions[0]
         if model_key(str(built.get("model", ""))) != model_key(args.model):
             raise UsageError(f"--from: that tree was calibrated on '{built.get('model')}', not '{args.model}'")
-        target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+        target = ff.load(args.model, **model_load_kwargs(args))
         qs = cost_qs(len(built["greedy_order"]), int(built["retrieval_len"]))
         _check_kv(args.kv, qs, target)
         costs, sweeps = measure_costs(target, qs, args.kv, args.repeats, 2, progress)
         data = size_tree(built, costs, budget, sweeps, args.kv, target)
         data["resized_from"] = str(args.from_tree)
     else:
-        target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+        target = ff.load(args.model, **model_load_kwargs(args))
         _check_kv(args.kv, cost_qs(args.max_nodes, args.retrieval_len), target)
         progress(f"{len(questions)} calibration prompts: "
                  + ", ".join(f"{q.category}:{q.question_id}" for q in questions))

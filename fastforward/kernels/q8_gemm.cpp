@@ -507,9 +507,10 @@ void legacy_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, in
         lo = _mm256_or_si256(lo, bit_to_4<2 * s>(qh));
         hi = _mm256_or_si256(hi, bit_to_4<2 * s + 1>(qh));
       }
-      for (int i = 0; i < R; ++i)
-        p[i] = _mm256_add_epi16(p[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(ar[i] + 32 * b + 4 * s)),
-                                                       _mm256_maddubs_epi16(hi, bcast4(ar[i] + 32 * b + 16 + 4 * s))));
+      for (int i = 0; i < R; ++i) {
+        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(lo, bcast4(ar[i] + 32 * b + 4 * s)));
+        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(hi, bcast4(ar[i] + 32 * b + 16 + 4 * s)));
+      }
       if constexpr (is_q5(F) && (s == 1 || s == 3)) {
         for (int i = 0; i < R; ++i) {
           I[i] = _mm256_add_epi32(I[i], madd_ones(p[i]));
@@ -744,9 +745,15 @@ void q6k_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64
 }
 
 // Activation rows per tile (register blocking) for each format.
+#ifndef FF_Q8_LEGACY_ROWS
+#define FF_Q8_LEGACY_ROWS 4
+#endif
+#ifndef FF_Q8_K_ROWS
+#define FF_Q8_K_ROWS 3
+#endif
 template <int F>
 constexpr int tile_rows() {
-  return F == kQ6_K ? 2 : is_k(F) ? 3 : 4;
+  return F == kQ6_K ? 2 : is_k(F) ? FF_Q8_K_ROWS : FF_Q8_LEGACY_ROWS;
 }
 
 template <int F, int R>

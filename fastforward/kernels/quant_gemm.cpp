@@ -20,9 +20,9 @@
 // rows are kept with their fp16 block scales regrouped in front of the quants (`regroup_block_scales_`, same
 // bytes), converted once per row (`prepare_row`), and every block prefetches the bytes 4 KB ahead.
 //
-// Formats (QK = weights per block, bytes per block): Q4_0 (32, 18), Q4_1 (32, 20), Q8_0 (32, 34),
-// Q4_K (256, 144), Q6_K (256, 210), and BF16 (32, 64). Any other GGUF type is dequantised at load by the Python
-// side.
+// Formats (QK = weights per block, bytes per block): Q4_0 (32, 18), Q4_1 (32, 20), Q5_0 (32, 22), Q5_1 (32, 24),
+// Q8_0 (32, 34), Q4_K (256, 144), Q5_K (256, 176), Q6_K (256, 210), and BF16 (32, 64). Any other GGUF type is
+// dequantised at load by the Python side.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -53,7 +53,8 @@ using ff::Reg;
 constexpr int kSlots = 32 / kLanes;  // vectors per 32-weight block
 
 // GGML type ids (gguf.GGMLQuantizationType).
-enum Fmt : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30 };
+enum Fmt : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+                 kBF16 = 30 };
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -72,6 +73,14 @@ inline IReg isub(IReg a, int v) { return _mm512_sub_epi32(a, _mm512_set1_epi32(v
 inline IReg ior(IReg a, IReg b) { return _mm512_or_si512(a, b); }
 inline IReg isll(IReg a, int n) { return _mm512_slli_epi32(a, n); }
 inline Reg tofloat(IReg a) { return _mm512_cvtepi32_ps(a); }
+// Lane l of the result: bit (first + l) of v, as 0 or 1.
+inline IReg bits_of(uint32_t v, int first) {
+  return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(v)),
+                                            _mm512_add_epi32(_mm512_set1_epi32(first),
+                                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                               12, 13, 14, 15))),
+                          _mm512_set1_epi32(1));
+}
 inline Reg bf16_to_float(const uint8_t* p) {
   const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
@@ -86,6 +95,12 @@ inline IReg isub(IReg a, int v) { return _mm256_sub_epi32(a, _mm256_set1_epi32(v
 inline IReg ior(IReg a, IReg b) { return _mm256_or_si256(a, b); }
 inline IReg isll(IReg a, int n) { return _mm256_slli_epi32(a, n); }
 inline Reg tofloat(IReg a) { return _mm256_cvtepi32_ps(a); }
+inline IReg bits_of(uint32_t v, int first) {
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(v)),
+                                            _mm256_add_epi32(_mm256_set1_epi32(first),
+                                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))),
+                          _mm256_set1_epi32(1));
+}
 inline Reg bf16_to_float(const uint8_t* p) {
   const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
@@ -186,6 +201,46 @@ struct Decoder<kQ8_0> {
   }
 };
 
+// Q5_0 / Q5_1: 32 five-bit quants per block: the Q4 nibbles, and bit e of the 4-byte qh the high bit of element e.
+// Kernel layout: the row's scales first (as Q4_0 / Q4_1), then per block qh (4 bytes) and the 16 bytes of nibbles.
+inline void q5_values(const uint8_t* blk, IReg q[kSlots]) {
+  uint32_t qh;
+  std::memcpy(&qh, blk, 4);
+  const uint8_t* qs = blk + 4;
+#if defined(FF_ISA_AVX512)
+  const IReg b = widen_u8(qs);
+  q[0] = ior(iand(b, 0xF), isll(bits_of(qh, 0), 4));
+  q[1] = ior(isrl(b, 4), isll(bits_of(qh, 16), 4));
+#else
+  nibbles_split16(qs, q);
+  for (int s = 0; s < kSlots; ++s) q[s] = ior(q[s], isll(bits_of(qh, s * kLanes), 4));
+#endif
+}
+
+template <>
+struct Decoder<kQ5_0> {
+  static constexpr int64_t kQK = 32, kBytes = 22, kQBytes = 20;
+  static constexpr int kScales = 1;
+  static inline void decode(const WRow& row, int64_t b, Reg w[kSlots]) {
+    const Reg d = Isa::bcast(row.s + b);
+    IReg q[kSlots];
+    q5_values(row.q + b * kQBytes, q);
+    for (int s = 0; s < kSlots; ++s) w[s] = Isa::mul(d, tofloat(isub(q[s], 16)));
+  }
+};
+
+template <>
+struct Decoder<kQ5_1> {
+  static constexpr int64_t kQK = 32, kBytes = 24, kQBytes = 20;
+  static constexpr int kScales = 2;
+  static inline void decode(const WRow& row, int64_t b, Reg w[kSlots]) {
+    const Reg d = Isa::bcast(row.s + 2 * b), m = Isa::bcast(row.s + 2 * b + 1);
+    IReg q[kSlots];
+    q5_values(row.q + b * kQBytes, q);
+    for (int s = 0; s < kSlots; ++s) w[s] = Isa::add(Isa::mul(d, tofloat(q[s])), m);
+  }
+};
+
 // Q4_K: super-blocks of 256 = 8 sub-blocks of 32: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes
 // of nibbles (64-weight chunks: low nibbles first 32, high nibbles next 32). w = (d * sc) * q - (dmin * m).
 template <>
@@ -211,6 +266,35 @@ struct Decoder<kQ4_K> {
     IReg q[kSlots];
     nibbles32(blk + 16 + (j >> 1) * 32, j & 1, q);
     for (int s = 0; s < kSlots; ++s) w[s] = Isa::sub(Isa::mul(vd, tofloat(q[s])), vm);
+  }
+};
+
+// Q5_K: Q4_K's layout with 32 bytes of high bits after the scales (bit j of qh[k]: element 32 j + k's fifth bit).
+// w = (d * sc) * q - (dmin * m), q in 0..31.
+template <>
+struct Decoder<kQ5_K> {
+  static constexpr int64_t kQK = 256, kBytes = 176, kQBytes = kBytes / 8;
+  static constexpr int kScales = 0;
+  static inline void decode(const WRow& wrow, int64_t b, Reg w[kSlots]) {
+    const uint8_t* blk = wrow.q + (b >> 3) * kBytes;
+    const int j = static_cast<int>(b & 7);
+    const uint8_t* sc6 = blk + 4;
+    int sc, mn;
+    if (j < 4) {
+      sc = sc6[j] & 0x3F;
+      mn = sc6[j + 4] & 0x3F;
+    } else {
+      sc = (sc6[j + 4] & 0x0F) | ((sc6[j - 4] >> 2) & 0x30);
+      mn = (sc6[j + 4] >> 4) | ((sc6[j] >> 2) & 0x30);
+    }
+    const Reg vd = Isa::set1(fp16(blk) * static_cast<float>(sc));
+    const Reg vm = Isa::set1(fp16(blk + 2) * static_cast<float>(mn));
+    IReg q[kSlots];
+    nibbles32(blk + 48 + (j >> 1) * 32, j & 1, q);
+    for (int s = 0; s < kSlots; ++s) {
+      const IReg h = iand(isrl(widen_u8(blk + 16 + s * kLanes), j), 1);
+      w[s] = Isa::sub(Isa::mul(vd, tofloat(ior(q[s], isll(h, 4)))), vm);
+    }
   }
 };
 
@@ -554,8 +638,8 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_byt
 
 int64_t block_size(int fmt) {
   switch (fmt) {
-    case kQ4_0: case kQ4_1: case kQ8_0: case kBF16: return 32;
-    case kQ4_K: case kQ6_K: return 256;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kBF16: return 32;
+    case kQ4_K: case kQ5_K: case kQ6_K: return 256;
     default: return 0;
   }
 }
@@ -566,6 +650,9 @@ int64_t block_bytes(int fmt) {
     case kQ4_1: return Decoder<kQ4_1>::kBytes;
     case kQ8_0: return Decoder<kQ8_0>::kBytes;
     case kQ4_K: return Decoder<kQ4_K>::kBytes;
+    case kQ5_0: return Decoder<kQ5_0>::kBytes;
+    case kQ5_1: return Decoder<kQ5_1>::kBytes;
+    case kQ5_K: return Decoder<kQ5_K>::kBytes;
     case kQ6_K: return Decoder<kQ6_K>::kBytes;
     case kBF16: return Decoder<kBF16>::kBytes;
     default: return 0;
@@ -589,6 +676,9 @@ void dispatch(int fmt, Fn&& fn) {
     case kQ4_1: fn(std::integral_constant<int, kQ4_1>{}); break;
     case kQ8_0: fn(std::integral_constant<int, kQ8_0>{}); break;
     case kQ4_K: fn(std::integral_constant<int, kQ4_K>{}); break;
+    case kQ5_0: fn(std::integral_constant<int, kQ5_0>{}); break;
+    case kQ5_1: fn(std::integral_constant<int, kQ5_1>{}); break;
+    case kQ5_K: fn(std::integral_constant<int, kQ5_K>{}); break;
     case kQ6_K: fn(std::integral_constant<int, kQ6_K>{}); break;
     case kBF16: fn(std::integral_constant<int, kBF16>{}); break;
     default: TORCH_CHECK(false, "unsupported GGML type ", fmt);
@@ -679,8 +769,8 @@ void ff_decode_gguf_rows(const uint8_t* rows, int64_t n_rows, int64_t row_bytes,
     const uint8_t* row = rows + r * row_bytes;
     float* o = out + r * K;
     switch (fmt) {
-      case kQ4_0: case kQ4_1: case 6: case 7: case kQ8_0: {
-        const int bb = fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : fmt == 6 ? 22 : fmt == 7 ? 24 : 34;
+      case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: {
+        const int bb = fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : fmt == kQ5_0 ? 22 : fmt == kQ5_1 ? 24 : 34;
         for (int64_t b = 0; b < K / 32; ++b) {
           const uint8_t* blk = row + b * bb;
           const float d = half(blk);
@@ -688,7 +778,7 @@ void ff_decode_gguf_rows(const uint8_t* rows, int64_t n_rows, int64_t row_bytes,
             for (int k = 0; k < 32; ++k) o[32 * b + k] = static_cast<float>(static_cast<int8_t>(blk[2 + k])) * d;
             continue;
           }
-          const bool with_min = fmt == kQ4_1 || fmt == 7, q5 = fmt == 6 || fmt == 7;
+          const bool with_min = fmt == kQ4_1 || fmt == kQ5_1, q5 = fmt == kQ5_0 || fmt == kQ5_1;
           const float m = with_min ? half(blk + 2) : 0.0f;
           uint32_t qh = 0;
           if (q5) std::memcpy(&qh, blk + (with_min ? 4 : 2), 4);
@@ -703,7 +793,7 @@ void ff_decode_gguf_rows(const uint8_t* rows, int64_t n_rows, int64_t row_bytes,
         }
         break;
       }
-      case kQ4_K: case 13: {
+      case kQ4_K: case kQ5_K: {
         const int bb = fmt == kQ4_K ? 144 : 176;
         for (int64_t b = 0; b < K / 256; ++b) {
           const uint8_t* blk = row + b * bb;
@@ -722,7 +812,7 @@ void ff_decode_gguf_rows(const uint8_t* rows, int64_t n_rows, int64_t row_bytes,
             const float dsc = half(blk) * static_cast<float>(sc), dmn = half(blk + 2) * static_cast<float>(mn);
             for (int k = 0; k < 32; ++k) {
               int q = (qs[32 * (j >> 1) + k] >> (4 * (j & 1))) & 0x0F;
-              if (fmt == 13) q |= ((qh[k] >> j) & 1) << 4;
+              if (fmt == kQ5_K) q |= ((qh[k] >> j) & 1) << 4;
               o[256 * b + 32 * j + k] = dsc * static_cast<float>(q) - dmn;
             }
           }

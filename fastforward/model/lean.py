@@ -58,7 +58,8 @@ class LlamaLayer:
         if cached is not None and all(a is b for a, b in zip(cached[0], linears, strict=True)):
             return cached[1]
         ok = self.bqkv is None and self.bo is None and all(
-            isinstance(lin, PackedLinear) and lin.data is not None for lin in linears)
+            isinstance(lin, PackedLinear) and lin.data is not None and lin.native is not None and not lin.padded
+            for lin in linears)
         args = tuple(v for lin in linears for v in (lin.data, lin.kernel_fmt)) if ok else None
         self.__dict__["_packed"] = (linears, args)
         return args
@@ -82,7 +83,8 @@ class LeanLlama:
     """
 
     def __init__(self, *, n_heads, n_kv_heads, head_dim, hidden_size, intermediate_size, eps, embed, head, norm,
-                 layers: list[LlamaLayer], cos, sin, matmul_kernel: str, dtype=torch.float32):
+                 layers: list[LlamaLayer], cos, sin, matmul_kernel: str, dtype=torch.float32,
+                 arithmetic: str = "exact"):
         self.n_layers = len(layers)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.hidden_size, self.intermediate_size, self.eps = hidden_size, intermediate_size, eps
@@ -91,6 +93,9 @@ class LeanLlama:
         self.max_positions = cos.shape[0]
         self.matmul_kernel = matmul_kernel
         self.dtype = dtype
+        #: 'exact' (fp32 activations times the dequantised weights) or 'q8' (llama.cpp's integer arithmetic for the
+        #: packed GGUF weights): see :mod:`fastforward.arithmetic`
+        self.arithmetic = arithmetic
         # The native layer ops (RMSNorm, RoPE + KV write + tree attention, SiLU*mul) for fp32: a few calls per
         # layer instead of ~25 small torch ops, and every row computed exactly as alone (see kernels/layer_ops.cpp).
         self.ops = None
@@ -156,8 +161,9 @@ class LeanLlama:
         )
 
     @classmethod
-    def from_gguf(cls, model, native) -> LeanLlama:
-        """From a :class:`~fastforward.gguf_file.GGUFModel`: quantised weights stay packed (``native`` given)."""
+    def from_gguf(cls, model, native, arithmetic: str = "exact") -> LeanLlama:
+        """From a :class:`~fastforward.gguf_file.GGUFModel`: quantised weights stay packed (``native`` given, or
+        ``arithmetic='q8'``), multiplied in ``arithmetic`` ('exact' or 'q8')."""
         hp, t = model.hparams, model.tensors
         if hp["rope_scaling"] not in ("none", ""):
             raise UsageError(f"GGUF rope scaling '{hp['rope_scaling']}' is not supported by the direct GGUF path")
@@ -165,7 +171,7 @@ class LeanLlama:
         pq, pk = (hp["n_heads"], hp["n_kv_heads"]) if model.architecture == "llama" else (None, None)
 
         def lin(name, permute=None):
-            return linear_from_tensor(t[name], native=native, permute_heads=permute)
+            return linear_from_tensor(t[name], native=native, permute_heads=permute, arithmetic=arithmetic)
 
         def bias(name, permute=None):
             if name not in t:
@@ -193,12 +199,16 @@ class LeanLlama:
         cos, sin = rope_tables(hp["head_dim"], hp["rope_theta"], hp["max_positions"])
         kinds = sorted(set().union(*(format_names(x) for layer in layers for x in (layer.qkv, layer.o, layer.gate_up,
                                                                             layer.down)), format_names(head)))
+        if arithmetic == "q8":
+            kernel = f"q8-{native.q8_dot}" if native is not None else "q8-reference"
+        else:
+            kernel = f"quant-{packed_kernel_name(native)}" if native is not None else "mkl (dequantised)"
         return cls(
             n_heads=hp["n_heads"], n_kv_heads=hp["n_kv_heads"], head_dim=hp["head_dim"],
             hidden_size=hp["hidden_size"], intermediate_size=hp["intermediate_size"], eps=hp["eps"],
             embed=embed, head=head, norm=vector(t["output_norm.weight"]), layers=layers, cos=cos, sin=sin,
-            matmul_kernel=(f"quant-{packed_kernel_name(native)} ({'/'.join(kinds)})" if native is not None
-                           else "mkl (dequantised)"),
+            matmul_kernel=kernel if native is None and arithmetic != "q8" else f"{kernel} ({'/'.join(kinds)})",
+            arithmetic=arithmetic,
         )
 
     def _linears(self) -> list:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..arithmetic import DEFAULT_GGUF_ARITHMETIC
 from ..errors import InputTypeError, ModelNotFoundError, UsageError
 from ..gguf_file import UnsupportedGGUF, read_gguf
 from ..kernels import load_native
@@ -36,6 +37,7 @@ DEFAULT_PASTA_MODEL = "smollm2-135m-pasta"  # what --method pasta runs when no -
 SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parent.parent / "adapters" / "shipped"
 
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8")
+ARITHMETIC_CHOICES = ("auto", "exact", "q8")
 #: a Hugging Face folder loads only with one of these tokenizer files and weights matching one of these patterns
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
@@ -221,6 +223,7 @@ def load(
     threads: int | None = None,
     small_q_max: int = 4,
     weights: str = "auto",
+    arithmetic: str = "auto",
 ) -> TargetModel:
     """Load a model by alias (default ``smollm2-135m``), local HF folder, or ``.gguf`` path.
 
@@ -232,6 +235,13 @@ def load(
     * ``bf16`` / ``int8`` -- HF folders only: weights rounded to bfloat16, or int8 with one fp16 scale per 32
       weights (Q8_0). Opt-in and *a different model*: every method reproduces that model exactly, not the fp32 one.
 
+    ``arithmetic``: how a GGUF file's packed weights are multiplied (:mod:`fastforward.arithmetic`) -- which model
+    every method then reproduces token for token.
+
+    * ``auto`` -- ``q8`` for GGUF files run on the lean forward with the native kernels, ``exact`` otherwise.
+    * ``q8`` -- llama.cpp's arithmetic: 8-bit activation blocks, integer block dot products.
+    * ``exact`` -- fp32 activations times the exactly dequantised weights (the only choice for HF folders).
+
     A GGUF file's HF model, for peers and training, is made on first use by dequantising the file once into a cached
     safetensors folder under ``$FASTFORWARD_CACHE`` (default ``~/.cache/fastforward``).
     """
@@ -241,11 +251,19 @@ def load(
         raise UsageError(f"unknown --weights '{weights}' (use {', '.join(WEIGHT_CHOICES)})")
     if backend not in ("auto", "lean", "hf"):
         raise UsageError(f"unknown backend '{backend}' (use auto, lean or hf)")
+    if arithmetic not in ARITHMETIC_CHOICES:
+        raise UsageError(f"unknown --arithmetic '{arithmetic}' (use {', '.join(ARITHMETIC_CHOICES)})")
     if threads is not None:
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise UsageError(f"threads must be an integer >= 1, got {threads!r}")
         torch.set_num_threads(threads)
     kind, path = resolve_model(name)
+    if arithmetic == "q8" and kind == "hf":
+        raise UsageError("--arithmetic q8 is the arithmetic of GGUF quantised weights; a Hugging Face folder runs "
+                         "exact (give a .gguf file, or leave --arithmetic at auto)")
+    if arithmetic == "q8" and (weights != "auto" or backend == "hf" or dtype != torch.float32):
+        raise UsageError("--arithmetic q8 multiplies a GGUF file's own packed weights on the lean forward: it cannot "
+                         "be combined with --weights fp32, --backend hf or a dtype other than fp32")
     if kind == "hf":
         model, tokenizer = load_hf(path, dtype)
         return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max,
@@ -261,10 +279,15 @@ def load(
         except UnsupportedGGUF:
             gguf_model = None
         hp = gguf_model.hparams if gguf_model is not None else {}
-        if native is not None and hp and not hp["sliding_window"] and hp["rope_scaling"] in ("none", ""):
+        lean_ok = bool(hp) and not hp["sliding_window"] and hp["rope_scaling"] in ("none", "")
+        chosen = (DEFAULT_GGUF_ARITHMETIC if native is not None else "exact") if arithmetic == "auto" else arithmetic
+        if lean_ok and (native is not None or chosen == "q8"):
             tokenizer = _gguf_tokenizer(path)
             return TargetModel.from_gguf(str(name), gguf_model, tokenizer, native,
-                                         hf_loader=lambda: _converted_gguf(path, dtype)[0])
+                                         hf_loader=lambda: _converted_gguf(path, dtype)[0], arithmetic=chosen)
+    if arithmetic == "q8":
+        raise UsageError(f"--arithmetic q8 needs the lean forward, which does not run {Path(path).name} (its "
+                         "architecture, rope scaling or sliding window); use --arithmetic exact")
     model, tokenizer = _converted_gguf(path, dtype)
     return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max)
 

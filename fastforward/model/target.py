@@ -45,9 +45,10 @@ class TargetModel:
         self.eos_token_ids = _eos_ids(hf_model, tokenizer)
 
     @classmethod
-    def from_gguf(cls, name: str, gguf_model, tokenizer, native, hf_loader) -> TargetModel:
-        """The lean forward straight over a GGUF file's packed weights; ``hf_loader()`` gives the HF model when
-        something asks for it (peers, training)."""
+    def from_gguf(cls, name: str, gguf_model, tokenizer, native, hf_loader, arithmetic: str = "exact") -> TargetModel:
+        """The lean forward straight over a GGUF file's packed weights, multiplied in ``arithmetic``;
+        ``hf_loader()`` gives the HF model (the dequantised fp32 model) when something asks for it (peers,
+        training)."""
         self = cls.__new__(cls)
         self.name = name
         self._hf_model = None
@@ -55,12 +56,18 @@ class TargetModel:
         self.tokenizer = tokenizer
         self.config = _GGUFConfig(gguf_model)
         self.backend_name = "lean"
-        self.backend = LeanLlama.from_gguf(gguf_model, native)
+        self.backend = LeanLlama.from_gguf(gguf_model, native, arithmetic)
         self.vocab_size = self.backend.head.out_features
         self.max_context = self.backend.max_positions
         eos = {gguf_model.metadata.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)}
         self.eos_token_ids = {int(e) for e in eos if e is not None}
         return self
+
+    @property
+    def arithmetic(self) -> str:
+        """'exact' or 'q8': how the target's matrix products are computed (:mod:`fastforward.arithmetic`), i.e.
+        which model every method reproduces."""
+        return getattr(self.backend, "arithmetic", "exact")
 
     @property
     def dtype(self) -> torch.dtype:
