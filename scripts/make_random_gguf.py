@@ -349,7 +349,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-base", type=bounded_float(1.0, 1e9), help="llama.rope.freq_base")
     p.add_argument("--quant", type=quant_types, default=["Q4_0", "Q4_K_M"],
                    help="comma-separated llama.cpp types, one file each (F16 keeps the F16 file; default Q4_0,Q4_K_M)")
-    p.add_argument("--name", help="file name stem (default: random-llama-<preset>, or from the shape)")
+    p.add_argument("--name", type=file_name, help="file name stem (default: random-llama-<preset>, or from the shape)")
     p.add_argument("--seed", type=bounded_int(0, 2**32 - 1), default=0, help="weights' seed (default 0)")
     p.add_argument("--std", type=bounded_float(1e-4, 1.0), default=0.02,
                    help="standard deviation of the weights (default 0.02)")
@@ -382,6 +382,16 @@ def shape_from_args(p: argparse.ArgumentParser, args) -> Shape:
     if shape.hidden % 32 or shape.intermediate % 32:
         p.error("--hidden and --intermediate must be multiples of 32 (llama.cpp's quantisation blocks)")
     return shape
+
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
+
+
+def file_name(text: str) -> str:
+    """``--name``: a file name stem of letters, digits and ``. _ + -`` (at most 100 characters)."""
+    if not NAME_RE.match(text):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a file name stem (letters, digits, . _ + -; up to 100)")
+    return text
 
 
 def default_name(args, shape: Shape) -> str:
@@ -457,9 +467,13 @@ def make(args, shape: Shape | None, name: str, files: list[Path]) -> list[dict]:
         src = out / f"{name}.F16.gguf"
         keep_src = "F16" in args.quant
         t0 = time.perf_counter()
-        write_random_gguf(src.with_name(src.name + ".part"), shape, tokenizer=tokenizer, seed=args.seed,
-                          std=args.std, name=name)
-        src.with_name(src.name + ".part").replace(src)
+        part = src.with_name(src.name + ".part")
+        try:
+            write_random_gguf(part, shape, tokenizer=tokenizer, seed=args.seed, std=args.std, name=name)
+        except BaseException:  # an interrupted or failed write leaves no half file behind
+            part.unlink(missing_ok=True)
+            raise
+        part.replace(src)
         print(f"wrote {src} ({src.stat().st_size / 1e9:.2f} GB, {shape.parameters() / 1e6:,.0f} M weights) in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
         if keep_src:
