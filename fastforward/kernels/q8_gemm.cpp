@@ -440,6 +440,14 @@ inline V pairs_s8(const uint8_t* p) {
 inline __m256 halfs8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 constexpr int64_t kAhead = 2048;  // bytes of the weight stream asked for ahead of use
+// Static analysis (llvm-mca) of a kernel's loop body: built with -DFF_MCA, the markers bracket one iteration.
+#if defined(FF_MCA)
+#define FF_MCA_BEGIN() asm volatile("# LLVM-MCA-BEGIN")
+#define FF_MCA_END() asm volatile("# LLVM-MCA-END")
+#else
+#define FF_MCA_BEGIN()
+#define FF_MCA_END()
+#endif
 
 // acc[i] = acc[i] + (float(I[i]) * (dw * d_a)) [+ mw * s_a]: the fp32 part of a legacy block, in its fixed order.
 template <int F, int R>
@@ -458,7 +466,7 @@ inline void legacy_scale(__m256 (&acc)[R], V (&I)[R], const Acts& a, int64_t m0,
 // a Q4 product pair is at most 2 * 15 * 127 = 3810, and eight of them (a block) 30480 < 32767; a Q5 pair at most
 // 2 * 31 * 127 = 7874, so two slices (four pairs, 31496) are summed in int16 before widening.
 template <int F, int R>
-void legacy_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+void legacy_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
   constexpr Layout L = layout_of(F);
   __m256 acc[R];
   const int8_t* ar[R];
@@ -467,6 +475,7 @@ void legacy_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, in
     ar[i] = a.q + (m0 + i) * a.K;
   }
   for (int64_t b = 0; b < a.nb; ++b) {
+    FF_MCA_BEGIN();
     const uint8_t* P = panel + b * L.panel_bytes;
     prefetch(P + kAhead);
     prefetch(P + kAhead + 64);
@@ -497,35 +506,37 @@ void legacy_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, in
     slice(std::integral_constant<int, 2>{});
     slice(std::integral_constant<int, 3>{});
 #else
-    V p[R];
-    for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
-    auto slice = [&](auto sc) {
-      constexpr int s = decltype(sc)::value;
+    // The block's quants decoded once (8 registers), then each row's eight products summed in int16 in turn.
+    V lo[4], hi[4];
+    for (int s = 0; s < 4; ++s) {
       const V w = vload(qs + 32 * s);
-      V lo = nib_lo(w), hi = nib_hi(w);
-      if constexpr (is_q5(F)) {
-        lo = _mm256_or_si256(lo, bit_to_4<2 * s>(qh));
-        hi = _mm256_or_si256(hi, bit_to_4<2 * s + 1>(qh));
-      }
-      for (int i = 0; i < R; ++i) {
-        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(lo, bcast4(ar[i] + 32 * b + 4 * s)));
-        p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(hi, bcast4(ar[i] + 32 * b + 16 + 4 * s)));
-      }
-      if constexpr (is_q5(F) && (s == 1 || s == 3)) {
-        for (int i = 0; i < R; ++i) {
-          I[i] = _mm256_add_epi32(I[i], madd_ones(p[i]));
-          p[i] = _mm256_setzero_si256();
-        }
-      }
-    };
-    slice(std::integral_constant<int, 0>{});
-    slice(std::integral_constant<int, 1>{});
-    slice(std::integral_constant<int, 2>{});
-    slice(std::integral_constant<int, 3>{});
-    if constexpr (!is_q5(F))
-      for (int i = 0; i < R; ++i) I[i] = madd_ones(p[i]);
+      lo[s] = nib_lo(w);
+      hi[s] = nib_hi(w);
+    }
+    if constexpr (is_q5(F)) {
+      lo[0] = _mm256_or_si256(lo[0], bit_to_4<0>(qh));
+      hi[0] = _mm256_or_si256(hi[0], bit_to_4<1>(qh));
+      lo[1] = _mm256_or_si256(lo[1], bit_to_4<2>(qh));
+      hi[1] = _mm256_or_si256(hi[1], bit_to_4<3>(qh));
+      lo[2] = _mm256_or_si256(lo[2], bit_to_4<4>(qh));
+      hi[2] = _mm256_or_si256(hi[2], bit_to_4<5>(qh));
+      lo[3] = _mm256_or_si256(lo[3], bit_to_4<6>(qh));
+      hi[3] = _mm256_or_si256(hi[3], bit_to_4<7>(qh));
+    }
+    for (int i = 0; i < R; ++i) {
+      const int8_t* ab = ar[i] + 32 * b;
+      V p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], bcast4(ab)), _mm256_maddubs_epi16(hi[0], bcast4(ab + 16)));
+      V q = _mm256_add_epi16(_mm256_maddubs_epi16(lo[1], bcast4(ab + 4)), _mm256_maddubs_epi16(hi[1], bcast4(ab + 20)));
+      V r = _mm256_add_epi16(_mm256_maddubs_epi16(lo[2], bcast4(ab + 8)), _mm256_maddubs_epi16(hi[2], bcast4(ab + 24)));
+      V t = _mm256_add_epi16(_mm256_maddubs_epi16(lo[3], bcast4(ab + 12)), _mm256_maddubs_epi16(hi[3], bcast4(ab + 28)));
+      if constexpr (is_q5(F))  // four Q5 pairs fit int16; eight do not
+        I[i] = _mm256_add_epi32(madd_ones(_mm256_add_epi16(p, q)), madd_ones(_mm256_add_epi16(r, t)));
+      else
+        I[i] = madd_ones(_mm256_add_epi16(_mm256_add_epi16(p, q), _mm256_add_epi16(r, t)));
+    }
 #endif
     legacy_scale<F, R>(acc, I, a, m0, b, dw, mw);
+    FF_MCA_END();
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
 }
@@ -533,7 +544,7 @@ void legacy_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, in
 // Q8_0: signed weights, so each slice multiplies |w| by the activation with w's sign (a pair is at most
 // 2 * 128 * 127 = 32512: widened to int32 at once).
 template <int R>
-void q8_0_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+void q8_0_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
   constexpr Layout L = layout_of(kQ8_0);
   __m256 acc[R];
   const int8_t* ar[R];
@@ -542,6 +553,7 @@ void q8_0_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int6
     ar[i] = a.q + (m0 + i) * a.K;
   }
   for (int64_t b = 0; b < a.nb; ++b) {
+    FF_MCA_BEGIN();
     const uint8_t* P = panel + b * L.panel_bytes;
     prefetch(P + kAhead);
     prefetch(P + kAhead + 64);
@@ -563,6 +575,7 @@ void q8_0_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int6
       }
     }
     legacy_scale<kQ8_0, R>(acc, I, a, m0, b, dw, _mm256_setzero_ps());
+    FF_MCA_END();
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
 }
@@ -572,7 +585,7 @@ void q8_0_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int6
 // pairs sum to at most 30480 in int16, a Q5 one's pairs are widened every four (31496); |I| <= 8 * 32 * 31 * 127 *
 // 63 < 2^31.
 template <int F, int R>
-void k4_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+void k4_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
   constexpr Layout L = layout_of(F);
   __m256 acc[R];
   const int8_t* ar[R];
@@ -581,6 +594,7 @@ void k4_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_
     ar[i] = a.q + (m0 + i) * a.K;
   }
   for (int64_t sb = 0; sb < a.nb; ++sb) {
+    FF_MCA_BEGIN();
     const uint8_t* P = panel + sb * L.panel_bytes;
     const __m256 dw = halfs8(P), dmin = halfs8(P + 16);
     const uint8_t* qs = P + k_qs_at(F);
@@ -597,6 +611,7 @@ void k4_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_
       V p[R];
       for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
 #endif
+#pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         const uint8_t* wp = qs + 256 * c + 32 * t;
         prefetch(wp + kAhead);
@@ -639,6 +654,7 @@ void k4_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_
       for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
 #endif
     };
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       chunk_half(c, std::integral_constant<int, 0>{});
       chunk_half(c, std::integral_constant<int, 1>{});
@@ -656,6 +672,7 @@ void k4_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_
                                         _mm256_mul_ps(cvt(Im), _mm256_mul_ps(dmin, da)));
       acc[i] = _mm256_add_ps(acc[i], term);
     }
+    FF_MCA_END();
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
 }
@@ -664,7 +681,7 @@ void k4_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_
 // times its int8 scale, less 32 * sc_i * (the activation's sum over i). A pair is at most 2 * 63 * 127 = 16002,
 // so two slices (t, t + 1: same sub-block) are summed in int16; |I| < 16 * 16 * 63 * 127 * 128 < 2^31.
 template <int R>
-void q6k_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+void q6k_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
   constexpr Layout L = layout_of(kQ6_K);
   __m256 acc[R];
   const int8_t* ar[R];
@@ -674,14 +691,18 @@ void q6k_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64
   }
   const V m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
   for (int64_t sb = 0; sb < a.nb; ++sb) {
+    FF_MCA_BEGIN();
     const uint8_t* P = panel + sb * L.panel_bytes;
     const __m256 dw = halfs8(P);
     V I[R];
     for (int i = 0; i < R; ++i) I[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const uint8_t* hp = P + kQ6HalfAt + kQ6HalfBytes * h;
       // pattern g: 0 = A low nibbles (elements 4t..), 1 = B low (32+4t..), 2 = A high (64+4t..), 3 = B high (96+4t..)
+#pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
+#pragma GCC unroll 4
         for (int tp = 0; tp < 4; ++tp) {
           const int j = 8 * h + 2 * g + (tp >> 1);  // the sub-block of slices 2tp, 2tp + 1
 #if defined(FF_Q8_VNNI)
@@ -691,6 +712,7 @@ void q6k_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64
           V p[R];
           for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
 #endif
+#pragma GCC unroll 2
           for (int tt = 0; tt < 2; ++tt) {
             const int t = 2 * tp + tt;
             const uint8_t* sp = hp + 96 * t;
@@ -740,6 +762,7 @@ void q6k_tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64
       const V t = _mm256_sub_epi32(I[i], _mm256_slli_epi32(Io, 5));
       acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(cvt(t), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab]))));
     }
+    FF_MCA_END();
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
 }
@@ -757,7 +780,7 @@ constexpr int tile_rows() {
 }
 
 template <int F, int R>
-inline void tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+inline void tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
   if constexpr (F == kQ8_0) q8_0_tile<R>(panel, a, m0, out, ldo);
   else if constexpr (F == kQ6_K) q6k_tile<R>(panel, a, m0, out, ldo);
   else if constexpr (is_k(F)) k4_tile<F, R>(panel, a, m0, out, ldo);
@@ -766,7 +789,7 @@ inline void tile(const uint8_t* panel, const Acts& a, int64_t m0, float* out, in
 
 // Rows [m0, m0 + rows) (rows <= tile_rows) x one panel.
 template <int F, int R = tile_rows<F>()>
-inline void tile_any(int rows, const uint8_t* panel, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+inline void tile_any(int rows, const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
   if constexpr (R > 1) {
     if (rows < R) return tile_any<F, R - 1>(rows, panel, a, m0, out, ldo);
   }
