@@ -247,27 +247,27 @@ template <>
 struct Decoder<kQ4_K> {
   static constexpr int64_t kQK = 256, kBytes = 144, kQBytes = kBytes / 8;  // kQBytes: per 32 weights
   static constexpr int kScales = 0;
+  static constexpr bool kPrepared = true;  // (d * sc, dmin * m) per sub-block, computed once per row
   static inline void decode(const WRow& wrow, int64_t b, Reg w[kSlots]) {
-    const uint8_t* row = wrow.q;
-    const uint8_t* blk = row + (b >> 3) * kBytes;
+    const uint8_t* blk = wrow.q + (b >> 3) * kBytes;
     const int j = static_cast<int>(b & 7);
-    const uint8_t* sc6 = blk + 4;
-    int sc, mn;
-    if (j < 4) {
-      sc = sc6[j] & 0x3F;
-      mn = sc6[j + 4] & 0x3F;
-    } else {
-      sc = (sc6[j + 4] & 0x0F) | ((sc6[j - 4] >> 2) & 0x30);
-      mn = (sc6[j + 4] >> 4) | ((sc6[j] >> 2) & 0x30);
-    }
-    const float dsc = fp16(blk) * static_cast<float>(sc);
-    const float dmn = fp16(blk + 2) * static_cast<float>(mn);
-    const Reg vd = Isa::set1(dsc), vm = Isa::set1(dmn);
+    const Reg vd = Isa::bcast(wrow.s + 2 * b), vm = Isa::bcast(wrow.s + 2 * b + 1);
     IReg q[kSlots];
     nibbles32(blk + 16 + (j >> 1) * 32, j & 1, q);
     for (int s = 0; s < kSlots; ++s) w[s] = Isa::sub(Isa::mul(vd, tofloat(q[s])), vm);
   }
 };
+
+// The six-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (its 12 packed bytes at sc6).
+inline void k_scale_min(const uint8_t* sc6, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = sc6[j] & 0x3F;
+    mn = sc6[j + 4] & 0x3F;
+  } else {
+    sc = (sc6[j + 4] & 0x0F) | ((sc6[j - 4] >> 2) & 0x30);
+    mn = (sc6[j + 4] >> 4) | ((sc6[j] >> 2) & 0x30);
+  }
+}
 
 // Q5_K: Q4_K's layout with 32 bytes of high bits after the scales (bit j of qh[k]: element 32 j + k's fifth bit).
 // w = (d * sc) * q - (dmin * m), q in 0..31.
@@ -275,20 +275,11 @@ template <>
 struct Decoder<kQ5_K> {
   static constexpr int64_t kQK = 256, kBytes = 176, kQBytes = kBytes / 8;
   static constexpr int kScales = 0;
+  static constexpr bool kPrepared = true;
   static inline void decode(const WRow& wrow, int64_t b, Reg w[kSlots]) {
     const uint8_t* blk = wrow.q + (b >> 3) * kBytes;
     const int j = static_cast<int>(b & 7);
-    const uint8_t* sc6 = blk + 4;
-    int sc, mn;
-    if (j < 4) {
-      sc = sc6[j] & 0x3F;
-      mn = sc6[j + 4] & 0x3F;
-    } else {
-      sc = (sc6[j + 4] & 0x0F) | ((sc6[j - 4] >> 2) & 0x30);
-      mn = (sc6[j + 4] >> 4) | ((sc6[j] >> 2) & 0x30);
-    }
-    const Reg vd = Isa::set1(fp16(blk) * static_cast<float>(sc));
-    const Reg vm = Isa::set1(fp16(blk + 2) * static_cast<float>(mn));
+    const Reg vd = Isa::bcast(wrow.s + 2 * b), vm = Isa::bcast(wrow.s + 2 * b + 1);
     IReg q[kSlots];
     nibbles32(blk + 48 + (j >> 1) * 32, j & 1, q);
     for (int s = 0; s < kSlots; ++s) {
@@ -305,18 +296,14 @@ template <>
 struct Decoder<kQ6_K> {
   static constexpr int64_t kQK = 256, kBytes = 210, kQBytes = kBytes / 8;  // kQBytes: about, per 32 weights
   static constexpr int kScales = 0;
+  static constexpr bool kPrepared = true;  // d * scale of both 16-weight halves of each 32, once per row
   static inline void decode(const WRow& wrow, int64_t b, Reg w[kSlots]) {
-    const uint8_t* row = wrow.q;
-    const uint8_t* blk = row + (b >> 3) * kBytes;
+    const uint8_t* blk = wrow.q + (b >> 3) * kBytes;
     const int j = static_cast<int>(b & 7);
     const int half = j >> 2, e0 = (j & 3) * 32;
     const uint8_t* ql = blk + half * 64 + (e0 & 63);
     const uint8_t* qh = blk + 128 + half * 32;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    const float d = fp16(blk + 208);
-    const int si = (half * 128 + e0) / 16;
-    const Reg d0 = Isa::set1(d * static_cast<float>(scales[si]));
-    const Reg d1 = Isa::set1(d * static_cast<float>(scales[si + 1]));
+    const Reg d0 = Isa::bcast(wrow.s + 2 * b), d1 = Isa::bcast(wrow.s + 2 * b + 1);
     IReg lo[kSlots];
     nibbles32(ql, e0 >= 64, lo);
     const int shift = 2 * (e0 / 32);
@@ -352,6 +339,32 @@ constexpr int64_t scale_bytes(int64_t K) { return K / 32 * 2 * Decoder<F>::kScal
 // the last group of eight reads up to 14 bytes into the row's quants and fills the padding with values nobody
 // uses -- a conversion, which cannot fault).
 inline int64_t scale_room(int64_t K) { return (K / 32 * 2 + 7) / 8 * 8; }
+// K-quants (kPrepared): each 32 weights' two scale factors, computed as the decoder used to compute them per block
+// (the same fp32 products, so the same weights), once per row into buf: Q4_K / Q5_K (d * sc, dmin * m) of the
+// sub-block, Q6_K d * scale of its two 16-weight halves. Measured single-threaded (2048 x 2048, L3-resident, one
+// row): Q4_K 0.158 -> 0.140 ns a weight, Q5_K 0.240 -> 0.212 (Q4_0: 0.083).
+template <int F>
+inline void prepare_k_scales(const uint8_t* p, int64_t K, float* buf) {
+  using D = Decoder<F>;
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* blk = p + sb * D::kBytes;
+    float* o = buf + 16 * sb;
+    if constexpr (F == kQ6_K) {
+      const float d = fp16(blk + 208);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      for (int i = 0; i < 16; ++i) o[i] = d * static_cast<float>(scales[i]);
+    } else {
+      const float d = fp16(blk), dmin = fp16(blk + 2);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        k_scale_min(blk + 4, j, sc, mn);
+        o[2 * j] = d * static_cast<float>(sc);
+        o[2 * j + 1] = dmin * static_cast<float>(mn);
+      }
+    }
+  }
+}
+
 template <int F>
 inline WRow prepare_row(const uint8_t* p, int64_t K, float* buf) {
   constexpr int kS = Decoder<F>::kScales;
@@ -359,6 +372,8 @@ inline WRow prepare_row(const uint8_t* p, int64_t K, float* buf) {
     const int64_t n = K / 32 * kS;
     for (int64_t i = 0; i < n; i += 8)
       _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
+  } else if constexpr (requires { Decoder<F>::kPrepared; }) {
+    prepare_k_scales<F>(p, K, buf);
   }
   return WRow{p + scale_bytes<F>(K), buf};
 }
