@@ -1,5 +1,6 @@
 """Native layer ops (fastforward/kernels/layer_ops.cpp): agreement with the torch ops they replace, the bitwise
-tree-verification property of `attention`, thread-count independence, and argument errors."""
+tree-verification property of `attention`, thread-count independence, and argument errors -- the attention tests
+over fp32 and fp16 KV caches alike (an fp16 cache: written rounded to nearest even, read back exactly)."""
 
 import math
 
@@ -11,6 +12,10 @@ from hypothesis import strategies as st
 
 from fastforward import kernels
 from fastforward.model import StaticKVCache
+
+#: the KV cache dtypes attention takes
+KV_DTYPES = [torch.float32, torch.float16]
+kv_dtypes = pytest.mark.parametrize("kv", KV_DTYPES, ids=["fp32", "fp16"])
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +59,13 @@ def _split_rope(qkv, positions, nh, nkv, d):
 
 
 def _reference(qkv, positions, k_cache, v_cache, start, visible, nh, nkv, d, dtype=torch.float32):
-    """(output [q, nh*d], k_cache, v_cache after the writes) by torch ops, attention in `dtype`."""
+    """(output [q, nh*d], k_cache, v_cache after the writes) by torch ops, attention in `dtype`; the writes in the
+    caches' dtype (fp16: torch's rounding to nearest even)."""
     q = qkv.shape[0]
     qh, kh, vh = _split_rope(qkv, positions, nh, nkv, d)
     kc, vc = k_cache.clone(), v_cache.clone()
-    kc[:, start : start + q] = kh
-    vc[:, start : start + q] = vh
+    kc[:, start : start + q] = kh.to(kc.dtype)
+    vc[:, start : start + q] = vh.to(vc.dtype)
     local = torch.ones(q, q, dtype=torch.bool).tril() if visible is None else visible
     mask = torch.cat([torch.ones(q, start, dtype=torch.bool), local], dim=1)
     o = F.scaled_dot_product_attention(
@@ -89,11 +95,11 @@ def _random_parents(q, g, roots=False):
     return [-1] + [int(torch.randint(lo, i, (1,), generator=g)) for i in range(1, q)]
 
 
-def _inputs(q, start, nh, nkv, d, seed, extra=3):
+def _inputs(q, start, nh, nkv, d, seed, extra=3, kv=torch.float32):
     g = torch.Generator().manual_seed(seed)
     cap = start + q + extra
-    k_cache = torch.randn(nkv, cap, d, generator=g)
-    v_cache = torch.randn(nkv, cap, d, generator=g)
+    k_cache = torch.randn(nkv, cap, d, generator=g).to(kv)
+    v_cache = torch.randn(nkv, cap, d, generator=g).to(kv)
     qkv = torch.randn(q, (nh + 2 * nkv) * d, generator=g) * 1.5
     return qkv, k_cache, v_cache, g
 
@@ -175,13 +181,14 @@ def test_silu_exp_accuracy(ops):
 SHAPES = [(9, 3, 64), (4, 2, 16), (8, 8, 32), (6, 1, 40), (4, 4, 20), (2, 1, 128)]
 
 
+@kv_dtypes
 @pytest.mark.parametrize("nh,nkv,d", SHAPES)
 @pytest.mark.parametrize("start", [0, 1, 63, 64, 65, 300, 1000])
-def test_attention_matches_sdpa(ops, nh, nkv, d, start):
+def test_attention_matches_sdpa(ops, nh, nkv, d, start, kv):
     cos, sin = _tables(d)
     for q in (1, 2, 5, 16):
         for kind in ("causal", "tree", "forest"):
-            qkv, kc, vc, g = _inputs(q, start, nh, nkv, d, seed=start * 31 + q)
+            qkv, kc, vc, g = _inputs(q, start, nh, nkv, d, seed=start * 31 + q, kv=kv)
             if kind == "causal":
                 vis = None
             else:
@@ -193,8 +200,9 @@ def test_attention_matches_sdpa(ops, nh, nkv, d, start):
             assert out.shape == (q, nh * d) and out.dtype == torch.float32
             assert _rel(out, ref64) < 2e-6, (q, kind)
             assert _rel(out, ref) < 1e-5, (q, kind)
-            # the cache writes are exactly LeanLlama's (same products and sums), nothing else touched
-            assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+            # the cache writes are exactly LeanLlama's (same products and sums, torch's rounding to fp16), nothing
+            # else touched
+            assert kc.dtype == kv and torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
 
 
 def test_attention_masks_and_edges(ops):
@@ -238,18 +246,18 @@ def _ancestors(parents, i):
     return path[::-1]
 
 
-def _check_alone(ops, parents, prefix, nh, nkv, d, seed):
+def _check_alone(ops, parents, prefix, nh, nkv, d, seed, kv=torch.float32):
     q = len(parents)
     cos, sin = _tables(d)
-    qkv, kc, vc, _ = _inputs(q, prefix, nh, nkv, d, seed)
+    qkv, kc, vc, _ = _inputs(q, prefix, nh, nkv, d, seed, kv=kv)
     vis = _parents_to_visible(parents)
     positions = prefix + vis.sum(1) - 1  # prefix + depth
     out = ops.attention(qkv, cos, sin, positions, kc, vc, prefix, vis, nh, nkv)
     for i in range(q):
         path = _ancestors(parents, i)
         start = prefix + len(path) - 1
-        k2 = torch.randn(nkv, start + 2, d)  # junk beyond the visible slots must not matter
-        v2 = torch.randn(nkv, start + 2, d)
+        k2 = torch.randn(nkv, start + 2, d).to(kv)  # junk beyond the visible slots must not matter
+        v2 = torch.randn(nkv, start + 2, d).to(kv)
         k2[:, :prefix], v2[:, :prefix] = kc[:, :prefix], vc[:, :prefix]
         for n, j in enumerate(path[:-1]):  # the accepted path compacted into place
             k2[:, prefix + n], v2[:, prefix + n] = kc[:, prefix + j], vc[:, prefix + j]
@@ -274,19 +282,22 @@ def trees(draw, max_q=16):
     prefix=st.one_of(st.sampled_from([0, 1, 63, 64, 127, 300, 1000]), st.integers(0, 200)),
     shape=st.sampled_from(SHAPES),
     seed=st.integers(0, 2**31 - 1),
+    kv=st.sampled_from(KV_DTYPES),
 )
-def test_tree_rows_equal_alone(ops, parents, prefix, shape, seed):
-    _check_alone(ops, parents, prefix, *shape, seed)
+def test_tree_rows_equal_alone(ops, parents, prefix, shape, seed, kv):
+    _check_alone(ops, parents, prefix, *shape, seed, kv=kv)
 
 
+@kv_dtypes
 @pytest.mark.parametrize("prefix", [0, 62, 64, 1000])
-def test_tree_rows_equal_alone_deep_and_wide(ops, prefix):
+def test_tree_rows_equal_alone_deep_and_wide(ops, prefix, kv):
     # a chain (every row's new keys straddle chunk boundaries as the prefix grows) and a star
-    _check_alone(ops, list(range(-1, 15)), prefix, 9, 3, 64, seed=prefix)
-    _check_alone(ops, [-1] + [0] * 15, prefix, 9, 3, 64, seed=prefix + 1)
+    _check_alone(ops, list(range(-1, 15)), prefix, 9, 3, 64, seed=prefix, kv=kv)
+    _check_alone(ops, [-1] + [0] * 15, prefix, 9, 3, 64, seed=prefix + 1, kv=kv)
 
 
-def test_compaction_by_static_cache_keep(ops):
+@kv_dtypes
+def test_compaction_by_static_cache_keep(ops, kv):
     """The real flow: verify a tree, keep the accepted path with StaticKVCache.keep, then decode the next token
     alone: its output equals the tree call's row for the same token and key set."""
     nh, nkv, d, prefix = 9, 3, 64, 500
@@ -295,7 +306,7 @@ def test_compaction_by_static_cache_keep(ops):
     parents = _random_parents(12, g)
     vis = _parents_to_visible(parents)
     positions = prefix + vis.sum(1) - 1
-    cache = StaticKVCache(1, nkv, d, prefix + 40)
+    cache = StaticKVCache(1, nkv, d, prefix + 40, dtype=kv)
     cache.k[0, :, :prefix] = torch.randn(nkv, prefix, d, generator=g)
     cache.v[0, :, :prefix] = torch.randn(nkv, prefix, d, generator=g)
     cache.length = prefix
@@ -310,14 +321,15 @@ def test_compaction_by_static_cache_keep(ops):
     assert torch.equal(alone[0], out[leaf])
 
 
+@kv_dtypes
 @pytest.mark.parametrize("q,prefix", [(1, 1000), (4, 300), (16, 1000), (16, 0), (9, 77)])
-def test_thread_count_independence(ops, q, prefix):
+def test_thread_count_independence(ops, q, prefix, kv):
     nh, nkv, d = 9, 3, 64
     cos, sin = _tables(d)
     g = torch.Generator().manual_seed(q + prefix)
     vis = _parents_to_visible(_random_parents(q, g))
     positions = prefix + vis.sum(1) - 1
-    qkv, kc, vc, _ = _inputs(q, prefix, nh, nkv, d, seed=q)
+    qkv, kc, vc, _ = _inputs(q, prefix, nh, nkv, d, seed=q, kv=kv)
     threads = torch.get_num_threads()
     try:
         results = []
@@ -333,12 +345,13 @@ def test_thread_count_independence(ops, q, prefix):
         assert torch.equal(results[k], results[3 + k]) and torch.equal(results[k], results[6 + k])
 
 
-def test_rows_independent_of_batch(ops):
+@kv_dtypes
+def test_rows_independent_of_batch(ops, kv):
     """Causal prefill in pieces: rows computed in one call equal rows computed in calls of other sizes (more than
     64 rows take several passes inside one call)."""
     nh, nkv, d, prefix, q = 9, 3, 64, 200, 150
     cos, sin = _tables(d)
-    qkv, kc, vc, _ = _inputs(q, prefix, nh, nkv, d, seed=11)
+    qkv, kc, vc, _ = _inputs(q, prefix, nh, nkv, d, seed=11, kv=kv)
     positions = torch.arange(prefix, prefix + q)
     whole = ops.attention(qkv, cos, sin, positions, kc.clone(), vc.clone(), prefix, None, nh, nkv)
     ref, _, _ = _reference(qkv, positions, kc, vc, prefix, None, nh, nkv, d, torch.float64)
@@ -409,6 +422,8 @@ def test_errors(ops):
     ]
     odd = torch.zeros(nkv, 20, 15)
     cases.append((dict(k_cache=odd, v_cache=odd.clone()), "must be even"))
+    cases.append((dict(k_cache=kc.bfloat16(), v_cache=vc.bfloat16()), "k_cache must be float32 or float16"))
+    cases.append((dict(k_cache=kc.half()), "differ in dtype"))
     for kw, msg in cases:
         with pytest.raises(RuntimeError, match=msg):
             call(**kw)
@@ -430,8 +445,9 @@ def test_errors(ops):
         ops.silu_mul(torch.randn(2, 8).half())
 
 
+@kv_dtypes
 @pytest.mark.parametrize("shared", [False, True])
-def test_attention_many_is_bitwise_each_sequence_alone(ops, shared):
+def test_attention_many_is_bitwise_each_sequence_alone(ops, shared, kv):
     """Several sequences' attention in one call (each its own rows, cache, prefix and mask) gives
     bitwise the per-sequence calls' outputs and cache writes -- also when two sequences share one cache tensor
     (then they run one after another)."""
@@ -449,8 +465,8 @@ def test_attention_many_is_bitwise_each_sequence_alone(ops, shared):
         starts.append(start)
         visible.append(vis)
         slots.append(None)
-        k_all.append(torch.randn(layers, nkv, cap, d, generator=g))
-        v_all.append(torch.randn(layers, nkv, cap, d, generator=g))
+        k_all.append(torch.randn(layers, nkv, cap, d, generator=g).to(kv))
+        v_all.append(torch.randn(layers, nkv, cap, d, generator=g).to(kv))
     if shared:  # sequences 0 and 1 in one cache: 1's prefix and new slots sit past 0's writes
         k_all[1], v_all[1] = k_all[0], v_all[0]
         starts[1] = 400
@@ -472,3 +488,65 @@ def test_attention_many_is_bitwise_each_sequence_alone(ops, shared):
     with pytest.raises(RuntimeError, match="one entry per sequence"):
         ops.attention_many(torch.cat(qkvs), bounds[:-1], cos, sin, positions, k_all, v_all, layer, starts, visible,
                            nh, nkv, slots)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp16 caches: rounded to nearest even when written, read back exactly
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nh,nkv,d", SHAPES)
+@pytest.mark.parametrize("start", [0, 5, 64, 300])
+def test_fp16_cache_is_the_fp32_arithmetic_of_its_rounded_values(ops, nh, nkv, d, start):
+    """An fp16 cache computes, bit for bit, what an fp32 cache holding the same values computes: the fp16 call
+    writes the new tokens' keys and values rounded; an fp32 call over the same values (its own, unrounded writes
+    sent to slots no row sees, every row seeing the fp16 call's slots instead) gives the same rows. Its unrounded
+    writes, rounded by torch, are the fp16 call's."""
+    cos, sin = _tables(d)
+    q = 7
+    qkv, kc16, vc16, g = _inputs(q, start, nh, nkv, d, seed=start + d, extra=q, kv=torch.float16)
+    vis = _parents_to_visible(_random_parents(q, g, roots=True))
+    positions = start + vis.sum(1) - 1
+    out16 = ops.attention(qkv, cos, sin, positions, kc16, vc16, start, vis, nh, nkv)
+    kc32, vc32 = kc16.float(), vc16.float()  # the prefix and the fp16 call's writes, as fp32
+    unseen = torch.arange(start + q, start + 2 * q)
+    out32 = ops.attention(qkv, cos, sin, positions, kc32, vc32, start, vis, nh, nkv, unseen)
+    assert torch.equal(out16, out32)
+    new, unrounded_k, unrounded_v = slice(start, start + q), kc32[:, start + q :], vc32[:, start + q :]
+    assert torch.equal(unrounded_k.half(), kc16[:, new]) and torch.equal(unrounded_v.half(), vc16[:, new])
+    assert not torch.equal(unrounded_k, kc16[:, new].float())  # (the fp32 call's writes were not rounded)
+
+
+@pytest.mark.parametrize("d", [16, 20, 64])
+def test_fp16_writes_round_to_nearest_even_as_torch_does(ops, d):
+    """Values are written as torch's ``.half()`` rounds them: ties to even, subnormals, overflow to inf, signed
+    zeros, in full vectors and in the head_dim tail (d = 20: 8 + 8 + 4 on AVX2). v is written unrotated, so its
+    cache row holds exactly the rounded input."""
+    nh, nkv = 2, 1
+    edge = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 2049.0, 2051.0, 65504.0, 65519.0, 65520.0,
+                         -65520.0, 2**-24, 2**-25, 3 * 2**-26, 2**-14 - 2**-25, -0.0, 1e-9, 1.0 / 3.0])
+    qkv = torch.randn(2, (nh + 2 * nkv) * d, generator=torch.Generator().manual_seed(d))
+    qkv[0, (nh + nkv) * d :] = edge.repeat(d // 16 + 1)[:d]
+    qkv[1, (nh + nkv) * d :] = edge.flip(0).repeat(d // 16 + 1)[:d]
+    cos, sin = _tables(d)
+    kc = torch.zeros(nkv, 4, d, dtype=torch.float16)
+    vc = torch.zeros(nkv, 4, d, dtype=torch.float16)
+    ops.attention(qkv, cos, sin, torch.tensor([0, 1]), kc, vc, 0, None, nh, nkv)
+    _, kh, vh = _split_rope(qkv, torch.tensor([0, 1]), nh, nkv, d)
+    want_v = vh.half()
+    assert torch.equal(vc[:, :2].view(torch.int16), want_v.view(torch.int16))  # bit patterns: -0.0 and inf too
+    assert torch.equal(kc[:, :2], kh.half())
+    assert vc[0, 0, 7].item() == float("inf") and vc[0, 0, 0].item() == 1.0  # 65520 overflows, 1 + 2^-11 ties to 1
+
+
+def test_fp16_and_fp32_caches_are_close_but_not_equal(ops):
+    """The same attention over an fp32 cache and over that cache rounded to fp16: another model's outputs, within
+    fp16's precision of each other."""
+    nh, nkv, d, start, q = 9, 3, 64, 300, 5
+    cos, sin = _tables(d)
+    qkv, kc, vc, g = _inputs(q, start, nh, nkv, d, seed=3)
+    vis = _parents_to_visible(_random_parents(q, g))
+    positions = start + vis.sum(1) - 1
+    out32 = ops.attention(qkv, cos, sin, positions, kc.clone(), vc.clone(), start, vis, nh, nkv)
+    out16 = ops.attention(qkv, cos, sin, positions, kc.half(), vc.half(), start, vis, nh, nkv)
+    assert 0 < _rel(out16, out32) < 2e-3

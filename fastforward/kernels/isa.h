@@ -8,6 +8,7 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
+#include <cstdint>
 #include <cstring>
 // The intrinsics the kernels use that SIMDe 0.7 does not provide, lane by lane (masked-off lanes are neither read
 // nor written, as on the hardware).
@@ -48,7 +49,15 @@ inline simde__m512 shuffle_f32x4(simde__m512 a, simde__m512 b, int imm) {  // 12
     std::memcpy(out + 4 * q, (q < 2 ? in_a : in_b) + 4 * ((imm >> (2 * q)) & 3), 4 * sizeof(float));
   return simde_mm512_loadu_ps(out);
 }
+inline simde__m512 cvtph_ps(simde__m256i a) {  // 16 fp16 lanes to fp32 (exact), each by F16C's scalar conversion
+  uint16_t in[16];
+  float out[16];
+  std::memcpy(in, &a, sizeof in);
+  for (int i = 0; i < 16; ++i) out[i] = _cvtsh_ss(in[i]);
+  return simde_mm512_loadu_ps(out);
+}
 }  // namespace ff_emulated
+#define _mm512_cvtph_ps ff_emulated::cvtph_ps
 #define _mm512_shuffle_f32x4 ff_emulated::shuffle_f32x4
 #define _mm512_cvtepi32_ps ff_emulated::cvtepi32_ps
 #define _mm512_cvtepi8_epi32 ff_emulated::widen16<int32_t, int8_t>

@@ -14,6 +14,10 @@
 //      with rh = cat(-x[d/2:], x[:d/2]): two rounded products, one rounded sum (as torch computes it). The rotated
 //      k and the raw v of token i go to slot w_i of k_cache / v_cache: w_i = write_slots[i] when given (each in
 //      [start, capacity), distinct), else start+i.
+//      Cache precision: the caches are both float32 or both float16. An fp16 cache stores the rotated k and the raw
+//      v rounded to fp16 (round to nearest even, F16C), and every key and value steps 3a and 3d read is converted
+//      back to fp32 (exact), so the arithmetic below is, bit for bit, that of an fp32 cache holding the rounded
+//      values. The queries, scores, softmax and outputs stay fp32.
 //   2. The keys row i sees form its list: slots 0..start-1 (the part every row sees), then start+j for every j with
 //      visible[i][j], in ascending order (L_i entries). visible is [q, W]: with W = q and the default write slots
 //      it is the tree mask over the new tokens; wider (W up to capacity - start) it also names slots after `start`
@@ -46,6 +50,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -126,6 +131,14 @@ inline Reg vdiv(Reg a, Reg b) { return _mm256_div_ps(a, b); }
 void check_f32(const at::Tensor& t, const char* fn, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu(), fn, ": ", name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kFloat, fn, ": ", name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, fn, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
+}
+
+// A KV cache: float32 or float16 (see "Cache precision" above).
+void check_cache(const at::Tensor& t, const char* fn, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), fn, ": ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf, fn, ": ", name,
+              " must be float32 or float16, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dim, fn, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
 }
 
@@ -252,11 +265,44 @@ constexpr int kChunk = 64;           // list positions per partial softmax (a mu
 constexpr int kStride = kChunk + 8;  // a score row, with room for a whole 8-wide store past its last key
 constexpr int64_t kRowBlock = 64;   // rows per pass of steps 3-4
 
+// Cache elements: float (an fp32 cache) or uint16_t (an fp16 cache's IEEE binary16 bits). The loops below are
+// templated on the element type; only these accessors differ, and fp16 -> fp32 is exact, so a loop over an fp16
+// cache does the arithmetic of the same loop over an fp32 cache holding the fp16 values.
+constexpr int kToNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// A full vector of cache values at p, as fp32.
+inline Reg load_kv(const float* p) { return Isa::load(p); }
+inline Reg load_kv(const uint16_t* p) {
+#if defined(FF_ISA_AVX512)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+}
+
+// The first n (< kLanes, m = Isa::mask(n)) cache values at p, the other lanes zero; nothing past p + n is read.
+// There are no masked 16-bit loads in AVX2 (nor in AVX-512F without BW): fp16 goes through a zeroed stack buffer.
+inline Reg load_kv(const float* p, Isa::Mask m, int) { return Isa::load(p, m); }
+inline Reg load_kv(const uint16_t* p, Isa::Mask, int n) {
+  uint16_t buf[kLanes] = {};
+  std::memcpy(buf, p, static_cast<size_t>(n) * sizeof(uint16_t));
+  return load_kv(buf);
+}
+
+// Step 1's write of d fp32 values into a cache row: copied, or rounded to fp16 (nearest even).
+inline void store_kv(const float* src, float* dst, int64_t d) { std::copy(src, src + d, dst); }
+inline void store_kv(const float* src, uint16_t* dst, int64_t d) {
+  int64_t e = 0;
+  for (; e + 8 <= d; e += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e), _mm256_cvtps_ph(_mm256_loadu_ps(src + e), kToNearest));
+  for (; e < d; ++e) dst[e] = _cvtss_sh(src[e], kToNearest);
+}
+
 // The dot products of step 3a before scaling. All tile shapes run, for every (query, key) pair, the same
 // arithmetic: one vector accumulator, fma over d ascending (masked tail), fold8, the reduce8 tree.
 // Two queries x four keys: lanes [qa.k0 .. qa.k3, qb.k0 .. qb.k3].
-template <int64_t DC>
-inline __m256 dot_2x4(const float* qa, const float* qb, const float* const* k, int64_t d_) {
+template <int64_t DC, typename T>
+inline __m256 dot_2x4(const float* qa, const float* qb, const T* const* k, int64_t d_) {
   const int64_t d = DC ? DC : d_;
   Reg acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = Isa::zero();
@@ -264,16 +310,17 @@ inline __m256 dot_2x4(const float* qa, const float* qb, const float* const* k, i
   for (int64_t e = 0; e < full; e += kLanes) {
     const Reg a = Isa::load(qa + e), b = Isa::load(qb + e);
     for (int j = 0; j < 4; ++j) {
-      const Reg kv = Isa::load(k[j] + e);
+      const Reg kv = load_kv(k[j] + e);
       acc[j] = Isa::fma(a, kv, acc[j]);
       acc[4 + j] = Isa::fma(b, kv, acc[4 + j]);
     }
   }
   if (full < d) {
-    const auto m = Isa::mask(static_cast<int>(d - full));
+    const int rest = static_cast<int>(d - full);
+    const auto m = Isa::mask(rest);
     const Reg a = Isa::load(qa + full, m), b = Isa::load(qb + full, m);
     for (int j = 0; j < 4; ++j) {
-      const Reg kv = Isa::load(k[j] + full, m);
+      const Reg kv = load_kv(k[j] + full, m, rest);
       acc[j] = Isa::fma(a, kv, acc[j]);
       acc[4 + j] = Isa::fma(b, kv, acc[4 + j]);
     }
@@ -284,20 +331,21 @@ inline __m256 dot_2x4(const float* qa, const float* qb, const float* const* k, i
 }
 
 // One query x eight keys.
-template <int64_t DC>
-inline __m256 dot_1x8(const float* q, const float* const* k, int64_t d_) {
+template <int64_t DC, typename T>
+inline __m256 dot_1x8(const float* q, const T* const* k, int64_t d_) {
   const int64_t d = DC ? DC : d_;
   Reg acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = Isa::zero();
   const int64_t full = d / kLanes * kLanes;
   for (int64_t e = 0; e < full; e += kLanes) {
     const Reg qv = Isa::load(q + e);
-    for (int j = 0; j < 8; ++j) acc[j] = Isa::fma(qv, Isa::load(k[j] + e), acc[j]);
+    for (int j = 0; j < 8; ++j) acc[j] = Isa::fma(qv, load_kv(k[j] + e), acc[j]);
   }
   if (full < d) {
-    const auto m = Isa::mask(static_cast<int>(d - full));
+    const int rest = static_cast<int>(d - full);
+    const auto m = Isa::mask(rest);
     const Reg qv = Isa::load(q + full, m);
-    for (int j = 0; j < 8; ++j) acc[j] = Isa::fma(qv, Isa::load(k[j] + full, m), acc[j]);
+    for (int j = 0; j < 8; ++j) acc[j] = Isa::fma(qv, load_kv(k[j] + full, m, rest), acc[j]);
   }
   __m256 f[8];
   for (int j = 0; j < 8; ++j) f[j] = fold8(acc[j]);
@@ -307,8 +355,8 @@ inline __m256 dot_1x8(const float* q, const float* const* k, int64_t d_) {
 // Scaled scores of queries qs[0..nq) against keys k[0..n) into S[j * kStride + off + t]. k must hold 8 valid
 // pointers past n (padding; their scores land past the segment and are overwritten or ignored). DC: d known at
 // compile time (0: at run time) -- the same operations, only the loops unrolled.
-template <int64_t DC>
-inline void scores_t(const float* const* qs, int nq, const float* const* k, int n, int64_t d, float scale, float* S,
+template <int64_t DC, typename T>
+inline void scores_t(const float* const* qs, int nq, const T* const* k, int n, int64_t d, float scale, float* S,
                      int off) {
   const __m256 vs = _mm256_set1_ps(scale);
   int j = 0;
@@ -327,7 +375,8 @@ inline void scores_t(const float* const* qs, int nq, const float* const* k, int 
   }
 }
 
-inline void scores(const float* const* qs, int nq, const float* const* k, int n, int64_t d, float scale, float* S,
+template <typename T>
+inline void scores(const float* const* qs, int nq, const T* const* k, int n, int64_t d, float scale, float* S,
                    int off) {
   if (d == 64)
     scores_t<64>(qs, nq, k, n, d, scale, S, off);
@@ -367,8 +416,8 @@ inline void softmax_row(float* s, int n, float* m_out, float* l_out) {
 
 // Step 3d for two queries: o[e] = fma(p[t], v[t][e], o[e]) over t ascending, from 0 (init) or from o's values,
 // for the NR vectors at e0.
-template <int NR>
-inline void pv_2(const float* pa, const float* pb, const float* const* v, int n, int64_t e0, float* oa, float* ob,
+template <int NR, typename T>
+inline void pv_2(const float* pa, const float* pb, const T* const* v, int n, int64_t e0, float* oa, float* ob,
                  bool init) {
   Reg a[NR], b[NR];
   for (int r = 0; r < NR; ++r) {
@@ -377,9 +426,9 @@ inline void pv_2(const float* pa, const float* pb, const float* const* v, int n,
   }
   for (int t = 0; t < n; ++t) {
     const Reg wa = Isa::bcast(pa + t), wb = Isa::bcast(pb + t);
-    const float* vt = v[t] + e0;
+    const T* vt = v[t] + e0;
     for (int r = 0; r < NR; ++r) {
-      const Reg vv = Isa::load(vt + r * kLanes);
+      const Reg vv = load_kv(vt + r * kLanes);
       a[r] = Isa::fma(wa, vv, a[r]);
       b[r] = Isa::fma(wb, vv, b[r]);
     }
@@ -390,28 +439,30 @@ inline void pv_2(const float* pa, const float* pb, const float* const* v, int n,
   }
 }
 
-template <int NR>
-inline void pv_1(const float* p, const float* const* v, int n, int64_t e0, float* o, bool init) {
+template <int NR, typename T>
+inline void pv_1(const float* p, const T* const* v, int n, int64_t e0, float* o, bool init) {
   Reg a[NR];
   for (int r = 0; r < NR; ++r) a[r] = init ? Isa::zero() : Isa::load(o + e0 + r * kLanes);
   for (int t = 0; t < n; ++t) {
     const Reg w = Isa::bcast(p + t);
-    const float* vt = v[t] + e0;
-    for (int r = 0; r < NR; ++r) a[r] = Isa::fma(w, Isa::load(vt + r * kLanes), a[r]);
+    const T* vt = v[t] + e0;
+    for (int r = 0; r < NR; ++r) a[r] = Isa::fma(w, load_kv(vt + r * kLanes), a[r]);
   }
   for (int r = 0; r < NR; ++r) Isa::store(o + e0 + r * kLanes, a[r]);
 }
 
 // The masked last partial vector of d (d % kLanes != 0), one query.
-inline void pv_tail(const float* p, const float* const* v, int n, int64_t e0, int rest, float* o, bool init) {
+template <typename T>
+inline void pv_tail(const float* p, const T* const* v, int n, int64_t e0, int rest, float* o, bool init) {
   const auto m = Isa::mask(rest);
   Reg a = init ? Isa::zero() : Isa::load(o + e0, m);
-  for (int t = 0; t < n; ++t) a = Isa::fma(Isa::bcast(p + t), Isa::load(v[t] + e0, m), a);
+  for (int t = 0; t < n; ++t) a = Isa::fma(Isa::bcast(p + t), load_kv(v[t] + e0, m, rest), a);
   Isa::store(o + e0, a, m);
 }
 
 // Step 3d for queries j < nq with probabilities ps[j][0..n) and outputs os[j][0..d).
-inline void pv_queries(const float* const* ps, float* const* os, int nq, const float* const* v, int n, int64_t d,
+template <typename T>
+inline void pv_queries(const float* const* ps, float* const* os, int nq, const T* const* v, int n, int64_t d,
                        bool init) {
   const int64_t full = d / kLanes * kLanes;
   const int rest = static_cast<int>(d - full);
@@ -464,8 +515,10 @@ inline void combine(const float* m, const float* l, const float* o, int64_t nc, 
   }
 }
 
-// Steps 3 and 4 for rows [i0, i1): rotated queries qr [Q, nh, d], the caches already written; out [Q, nh * d].
-void attend_rows(const float* qr, const float* kc, const float* vc, int64_t cap, int64_t d, int64_t nh, int64_t nkv,
+// Steps 3 and 4 for rows [i0, i1): rotated queries qr [Q, nh, d], the caches (T: float or fp16 bits) already
+// written; out [Q, nh * d].
+template <typename T>
+void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t d, int64_t nh, int64_t nkv,
                  int64_t start, const int64_t* vis_off, const int64_t* vis_idx, int64_t i0, int64_t i1, float scale,
                  float* op) {
   const int64_t G = nh / nkv, Q = i1 - i0;
@@ -491,16 +544,17 @@ void attend_rows(const float* qr, const float* kc, const float* vc, int64_t cap,
     // order, so every row's queries are tiled together there) and the row's own visible new tokens after.
     // Tiling never changes the per-(query, key) arithmetic, nor the t-order of any accumulation.
     thread_local std::vector<float> S;
-    thread_local std::vector<const float*> qs, ps, rk, rv;
+    thread_local std::vector<const float*> qs, ps;
+    thread_local std::vector<const T*> rk, rv;
     thread_local std::vector<float*> os;
     thread_local std::vector<int64_t> rows;
     thread_local std::vector<int> rn;
-    const float* sk[kChunk + 8];
-    const float* sv[kChunk + 8];
+    const T* sk[kChunk + 8];
+    const T* sv[kChunk + 8];
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t g = task / NC, c = task % NC, p0 = c * kChunk;
-      const float* kg = kc + g * cap * d;
-      const float* vg = vc + g * cap * d;
+      const T* kg = kc + g * cap * d;
+      const T* vg = vc + g * cap * d;
       rows.clear();
       rn.clear();
       for (int64_t i = i0; i < i1; ++i) {
@@ -538,8 +592,8 @@ void attend_rows(const float* qr, const float* kc, const float* vc, int64_t cap,
       for (int a = 0; a < nr; ++a) {
         const int n_own = rn[a] - nsh;
         if (n_own <= 0) continue;
-        const float** k = rk.data() + static_cast<size_t>(a) * (kChunk + 8);
-        const float** v = rv.data() + static_cast<size_t>(a) * (kChunk + 8);
+        const T** k = rk.data() + static_cast<size_t>(a) * (kChunk + 8);
+        const T** v = rv.data() + static_cast<size_t>(a) * (kChunk + 8);
         const int64_t* idx = vis_idx + vis_off[rows[a]] + (p0 + nsh - start);
         for (int t = 0; t < n_own + 8; ++t) {
           const int64_t slot = start + idx[std::min(t, n_own - 1)];
@@ -595,10 +649,12 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, fn,
               ": n_heads must be a positive multiple of n_kv_heads, got n_heads=", n_heads,
               " n_kv_heads=", n_kv_heads);
-  check_f32(k_cache, fn, "k_cache", 3);
-  check_f32(v_cache, fn, "v_cache", 3);
+  check_cache(k_cache, fn, "k_cache", 3);
+  check_cache(v_cache, fn, "v_cache", 3);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), fn, ": k_cache ", k_cache.sizes(), " and v_cache ",
               v_cache.sizes(), " differ in shape");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), fn, ": k_cache (", k_cache.scalar_type(),
+              ") and v_cache (", v_cache.scalar_type(), ") differ in dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), fn,
               ": k_cache and v_cache are written in place and must be contiguous [n_kv_heads, capacity, head_dim]");
   TORCH_CHECK(!k_cache.is_same(v_cache), fn, ": k_cache and v_cache are the same tensor");
@@ -678,9 +734,8 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
   const float* x = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   std::unique_ptr<float[]> qr(new float[Q * nh * d]);  // uninitialised: every element is written
+  std::unique_ptr<float[]> kr(new float[d]);           // one rotated key, before it is stored
   const int64_t half = d / 2, width = (nh + 2 * nkv) * d;
   auto rope = [&](const float* src, const float* c, const float* s, float* dst) {
     for (int64_t e = 0; e < half; ++e) {
@@ -694,25 +749,32 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
       dst[e] = a + b;
     }
   };
-  for (int64_t i = 0; i < Q; ++i) {
-    const float* row = x + i * width;
-    const float* c = cp + pos[i] * d;
-    const float* s = sp + pos[i] * d;
-    for (int64_t h = 0; h < nh; ++h) rope(row + h * d, c, s, qr.get() + (i * nh + h) * d);
-    for (int64_t g = 0; g < nkv; ++g) {
-      const int64_t slot = (g * cap + wslot[i]) * d;
-      rope(row + (nh + g) * d, c, s, kc + slot);
-      std::copy(row + (nh + nkv + g) * d, row + (nh + nkv + g + 1) * d, vc + slot);
-    }
-  }
-
-  // Steps 3 and 4 for blocks of at most kRowBlock rows (bounding the partials' memory in long prefills).
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   float* op = out.data_ptr<float>();
-  for (int64_t i0 = 0; i0 < Q; i0 += kRowBlock) {
-    const int64_t i1 = std::min(Q, i0 + kRowBlock);
-    attend_rows(qr.get(), kc, vc, cap, d, nh, nkv, start, vis_off.data(), vis_idx.data(), i0, i1, scale, op);
-  }
+  // Steps 1 (the writes) and 3-4 over the caches' elements: float* (fp32 caches) or uint16_t* (fp16).
+  auto write_and_attend = [&](auto* kc, auto* vc) {
+    for (int64_t i = 0; i < Q; ++i) {
+      const float* row = x + i * width;
+      const float* c = cp + pos[i] * d;
+      const float* s = sp + pos[i] * d;
+      for (int64_t h = 0; h < nh; ++h) rope(row + h * d, c, s, qr.get() + (i * nh + h) * d);
+      for (int64_t g = 0; g < nkv; ++g) {
+        const int64_t slot = (g * cap + wslot[i]) * d;
+        rope(row + (nh + g) * d, c, s, kr.get());
+        store_kv(kr.get(), kc + slot, d);
+        store_kv(row + (nh + nkv + g) * d, vc + slot, d);
+      }
+    }
+    // Steps 3 and 4 for blocks of at most kRowBlock rows (bounding the partials' memory in long prefills).
+    for (int64_t i0 = 0; i0 < Q; i0 += kRowBlock) {
+      const int64_t i1 = std::min(Q, i0 + kRowBlock);
+      attend_rows(qr.get(), kc, vc, cap, d, nh, nkv, start, vis_off.data(), vis_idx.data(), i0, i1, scale, op);
+    }
+  };
+  if (k_cache.scalar_type() == at::kHalf)
+    write_and_attend(static_cast<uint16_t*>(k_cache.data_ptr()), static_cast<uint16_t*>(v_cache.data_ptr()));
+  else
+    write_and_attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return out;
 }
 
@@ -814,8 +876,9 @@ void register_layer_ops(pybind11::module& m) {
         "RoPE, KV-cache write and GQA attention of q new tokens over a prefix of `start` cached tokens plus the "
         "slots after it each row sees (visible [q, W] bool: row i sees slot start+j where visible[i, j]; None = "
         "causal); the new tokens' keys/values go to write_slots (default start..start+q-1); returns "
-        "[q, n_heads * head_dim]. Row i is bitwise what row i alone gives on a cache holding exactly its visible keys "
-        "in order.",
+        "[q, n_heads * head_dim]. The caches [n_kv_heads, capacity, head_dim] are both float32 or both float16 "
+        "(written rounded to nearest, read back exactly). Row i is bitwise what row i alone gives on a cache "
+        "holding exactly its visible keys in order.",
         pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("start"), pybind11::arg("visible"),
         pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"), pybind11::arg("write_slots") = pybind11::none());
