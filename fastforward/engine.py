@@ -193,7 +193,7 @@ def _prefill(target, prompt, cache, hidden_layers, on_prefill=None,
     hidden: dict[int, list] = {}
     begin = 0
     if prefix_cache is not None:
-        entry, begin = prefix_cache.lookup(prompt, hidden_layers)
+        entry, begin = prefix_cache.lookup(prompt, hidden_layers, cache.k.dtype)
         if entry is not None:
             prefix_cache.restore(entry, begin, cache)
             for layer in hidden_layers:

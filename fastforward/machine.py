@@ -127,7 +127,8 @@ def forward_read_bytes(backend, q: int = 1, kv: int = 0) -> dict | None:
     weights = sum(_one_layout_bytes(lin) for lin in linears.values())
     if embed is not head:  # an untied embedding: only the looked-up rows
         weights += q * _one_layout_bytes(embed) // max(1, embed.out_features)
-    itemsize = torch.empty((), dtype=getattr(backend, "dtype", torch.float32)).element_size()
+    kv_dtype = getattr(backend, "kv_dtype", getattr(backend, "dtype", torch.float32))  # fp16 with --kv-cache fp16
+    itemsize = torch.empty((), dtype=kv_dtype).element_size()
     kv_bytes = 2 * backend.n_layers * backend.n_kv_heads * backend.head_dim * itemsize * (kv + q)
     return {"weights": int(weights), "kv_cache": int(kv_bytes), "total": int(weights + kv_bytes)}
 

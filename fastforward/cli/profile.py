@@ -87,7 +87,8 @@ def run(args, name: str) -> int:
     if args.llama_cpp:
         gguf = gguf_path(args.model)
         require_llama_cpp()
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights,
+                     kv_cache=args.kv_cache)
     try:
         lean = measure_forward_costs(target, qs, args.kv, args.repeats)
         hf = None if args.no_hf else measure_forward_costs(target, qs, args.kv, args.repeats, hf=True)
@@ -96,7 +97,7 @@ def run(args, name: str) -> int:
     llama = None if gguf is None else llama_cpp_forward_costs(gguf, qs, args.kv, args.repeats)
     info = {
         "model": args.model, "backend": target.backend_name, "kv": args.kv, "threads": torch.get_num_threads(),
-        "matmul": getattr(target.backend, "matmul_kernel", "hf"),
+        "matmul": getattr(target.backend, "matmul_kernel", "hf"), "kv_cache": target.kv_precision,
         "torch": torch.__version__, "python": sys.version.split()[0], "cpu": platform.processor() or platform.machine(),
     }
     if gguf is not None:
@@ -168,7 +169,8 @@ def _run_stream(args) -> int:
     if args.stream < 300:
         raise UsageError("--stream needs at least 300 tokens (steps are timed around 100 and N-100)")
     GenerationRequest(args.prompt, args.method, max_new_tokens=args.stream, stop=args.stop, chat=False)  # checks
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights)
+    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights,
+                     kv_cache=args.kv_cache)
     marks = (100, args.stream - 100)
     times = stream_step_times(target, args.prompt, args.stream, args.stop, args.method, marks=marks)
     if args.json:

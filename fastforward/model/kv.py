@@ -7,6 +7,12 @@ import torch
 
 from ..errors import UsageError
 
+#: how a lean model's KV cache stores keys and values (``LeanLlama.kv_precision``, ``load(kv_cache=...)``): 'fp32'
+#: as computed (in the activations' dtype), or 'fp16' rounded to half precision (to nearest even) when written and
+#: read back exactly -- llama.cpp's default, half the cache's bytes, and a (slightly) different model, which every
+#: method then reproduces token for token
+KV_PRECISIONS = ("fp32", "fp16")
+
 
 class StaticKVCache:
     """A pre-allocated KV cache ``[layers, kv_heads, capacity, head_dim]`` with committed length ``length``.
@@ -14,6 +20,7 @@ class StaticKVCache:
     A forward writes its q new tokens at slots ``length .. length+q-1`` (pending). ``keep(indices)`` commits the
     pending entries at those indices (relative to ``length``, ascending) by moving them to the front of the
     pending area; everything after is dropped. ``crop(n)`` forgets all but the first n committed entries.
+    ``dtype`` is the stored keys' and values' (float16 for an fp16 cache; what is stored is moved as it is).
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, dtype=torch.float32):

@@ -17,7 +17,7 @@ from ..gguf_file import linear_from_tensor, unpermute_rows, vector
 from ..kernels import load_native
 from ..linear import FORMAT_IDS, DenseLinear, PackedLinear, concat_linears, format_names, packed_kernel_name, quantize
 from .forward import ForwardOutput, ForwardRequest, _full_mask, check_slots
-from .kv import StaticKVCache
+from .kv import KV_PRECISIONS, StaticKVCache
 
 
 @dataclass
@@ -84,7 +84,7 @@ class LeanLlama:
 
     def __init__(self, *, n_heads, n_kv_heads, head_dim, hidden_size, intermediate_size, eps, embed, head, norm,
                  layers: list[LlamaLayer], cos, sin, matmul_kernel: str, dtype=torch.float32,
-                 arithmetic: str = "exact"):
+                 arithmetic: str = "exact", kv_precision: str = "fp32"):
         self.n_layers = len(layers)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.hidden_size, self.intermediate_size, self.eps = hidden_size, intermediate_size, eps
@@ -96,6 +96,7 @@ class LeanLlama:
         #: 'exact' (fp32 activations times the dequantised weights) or 'q8' (llama.cpp's integer arithmetic for the
         #: packed GGUF weights): see :mod:`fastforward.arithmetic`
         self.arithmetic = arithmetic
+        self.kv_precision = kv_precision
         # The native layer ops (RMSNorm, RoPE + KV write + tree attention, SiLU*mul) for fp32: a few calls per
         # layer instead of ~25 small torch ops, and every row computed exactly as alone (see kernels/layer_ops.cpp).
         self.ops = None
@@ -236,8 +237,28 @@ class LeanLlama:
         """Bytes of weight storage (packed bytes, or fp32 copies)."""
         return sum({id(lin): lin.nbytes for lin in self._linears()}.values())
 
+    @property
+    def kv_precision(self) -> str:
+        """How the KV caches of :meth:`new_cache` store keys and values (:data:`~fastforward.model.kv.KV_PRECISIONS`):
+        'fp32' as computed, 'fp16' rounded to half precision when written (fp32 activations only). Part of the
+        model's arithmetic: set it before decoding, not between a sequence's forwards."""
+        return self._kv_precision
+
+    @kv_precision.setter
+    def kv_precision(self, value: str) -> None:
+        if value not in KV_PRECISIONS:
+            raise UsageError(f"unknown KV cache precision '{value}' (use {', '.join(KV_PRECISIONS)})")
+        if value == "fp16" and self.dtype != torch.float32:
+            raise UsageError(f"an fp16 KV cache needs fp32 activations, not {self.dtype}")
+        self._kv_precision = value
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the keys and values a new cache stores."""
+        return torch.float16 if self._kv_precision == "fp16" else self.dtype
+
     def new_cache(self, capacity: int) -> StaticKVCache:
-        return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
+        return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.kv_dtype)
 
     def _rms(self, x, w):
         var = x.pow(2).mean(-1, keepdim=True)
@@ -278,12 +299,16 @@ class LeanLlama:
             vh = qkv[:, (nh + nkv) * d :].view(q, nkv, d).transpose(0, 1)
             qh = qh * cos + self._rotate_half(qh) * sin
             kh = kh * cos + self._rotate_half(kh) * sin
-            cache.k[i][:, slots] = kh  # [nkv, q, d] into the write slots
-            cache.v[i][:, slots] = vh
+            # [nkv, q, d] into the write slots; an fp16 cache stores them rounded to nearest even
+            cache.k[i][:, slots] = kh.to(cache.k.dtype)
+            cache.v[i][:, slots] = vh.to(cache.v.dtype)
+            keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
+            if keys.dtype != qh.dtype:  # read back exactly, attention in the activations' dtype
+                keys, values = keys.to(qh.dtype), values.to(qh.dtype)
             o = F.scaled_dot_product_attention(
                 qh.unsqueeze(0),
-                cache.k[i, :, :end].unsqueeze(0),
-                cache.v[i, :, :end].unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
                 attn_mask=mask,
                 enable_gqa=nh != nkv,
             )

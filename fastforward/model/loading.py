@@ -20,6 +20,7 @@ from ..gguf_file import UnsupportedGGUF, read_gguf
 from ..kernels import load_native
 from ..paths import cache_root
 from ..tokenizer import LightTokenizer
+from .kv import KV_PRECISIONS
 from .target import TargetModel
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -224,6 +225,7 @@ def load(
     small_q_max: int = 4,
     weights: str = "auto",
     arithmetic: str = "auto",
+    kv_cache: str = "fp32",
 ) -> TargetModel:
     """Load a model by alias (default ``smollm2-135m``), local HF folder, or ``.gguf`` path.
 
@@ -242,6 +244,10 @@ def load(
     * ``q8`` -- llama.cpp's arithmetic: 8-bit activation blocks, integer block dot products.
     * ``exact`` -- fp32 activations times the exactly dequantised weights (the only choice for HF folders).
 
+    ``kv_cache``: how the lean forward's KV cache stores keys and values (:data:`~fastforward.model.kv.KV_PRECISIONS`)
+    -- ``fp32`` as computed, or ``fp16`` rounded to half precision (llama.cpp's default: half the cache's bytes, a
+    slightly different model, which every method then reproduces exactly). The HF backend keeps its own cache.
+
     A GGUF file's HF model, for peers and training, is made on first use by dequantising the file once into a cached
     safetensors folder under ``$FASTFORWARD_CACHE`` (default ``~/.cache/fastforward``).
     """
@@ -253,6 +259,11 @@ def load(
         raise UsageError(f"unknown backend '{backend}' (use auto, lean or hf)")
     if arithmetic not in ARITHMETIC_CHOICES:
         raise UsageError(f"unknown --arithmetic '{arithmetic}' (use {', '.join(ARITHMETIC_CHOICES)})")
+    if kv_cache not in KV_PRECISIONS:
+        raise UsageError(f"unknown --kv-cache '{kv_cache}' (use {', '.join(KV_PRECISIONS)})")
+    if kv_cache != "fp32" and (backend == "hf" or dtype != torch.float32):
+        raise UsageError(f"--kv-cache {kv_cache} is the lean forward's cache with fp32 activations: it cannot be "
+                         "combined with --backend hf or a dtype other than fp32")
     if threads is not None:
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise UsageError(f"threads must be an integer >= 1, got {threads!r}")
@@ -266,8 +277,8 @@ def load(
                          "be combined with --weights fp32, --backend hf or a dtype other than fp32")
     if kind == "hf":
         model, tokenizer = load_hf(path, dtype)
-        return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max,
-                           weights="fp32" if weights == "auto" else weights)
+        return _with_kv_cache(TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max,
+                                          weights="fp32" if weights == "auto" else weights), kv_cache)
     if weights in ("bf16", "int8"):
         raise UsageError(f"--weights {weights} is for Hugging Face folders; a GGUF file runs its own quantised weights "
                          "(--weights auto) or their fp32 values (--weights fp32)")
@@ -283,13 +294,25 @@ def load(
         chosen = (DEFAULT_GGUF_ARITHMETIC if native is not None else "exact") if arithmetic == "auto" else arithmetic
         if lean_ok and (native is not None or chosen == "q8"):
             tokenizer = _gguf_tokenizer(path)
-            return TargetModel.from_gguf(str(name), gguf_model, tokenizer, native,
-                                         hf_loader=lambda: _converted_gguf(path, dtype)[0], arithmetic=chosen)
+            return _with_kv_cache(TargetModel.from_gguf(str(name), gguf_model, tokenizer, native,
+                                                        hf_loader=lambda: _converted_gguf(path, dtype)[0],
+                                                        arithmetic=chosen), kv_cache)
     if arithmetic == "q8":
         raise UsageError(f"--arithmetic q8 needs the lean forward, which does not run {Path(path).name} (its "
                          "architecture, rope scaling or sliding window); use --arithmetic exact")
     model, tokenizer = _converted_gguf(path, dtype)
-    return TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max)
+    return _with_kv_cache(TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max),
+                          kv_cache)
+
+
+def _with_kv_cache(target: TargetModel, kv_cache: str) -> TargetModel:
+    """The target with its KV cache precision set (``load``'s ``kv_cache``); fp16 needs the lean backend."""
+    if kv_cache != "fp32":
+        if target.backend_name != "lean":
+            raise UsageError(f"--kv-cache {kv_cache} needs the lean backend; {target.name} runs on the HF backend, "
+                             "which keeps its own cache")
+        target.backend.kv_precision = kv_cache
+    return target
 
 
 def from_hf(model, tokenizer, name: str = "model", backend: str = "auto", small_q_max: int = 4) -> TargetModel:

@@ -9,7 +9,8 @@ are bitwise the ones a full prefill would write and the prompt's logits are bitw
 guarantee get no prefix cache (:func:`prefix_cache_for`).
 
 Entries are whole prompts, least recently used evicted first, bounded by the tokens they hold (each token costs
-``2 x layers x kv_heads x head_dim`` floats: 46 KB for the default model).
+``2 x layers x kv_heads x head_dim`` values of the cache's dtype: 46 KB for the default model, 23 KB with an fp16
+cache). An entry is only reused by a cache of its own dtype (an fp16 cache's keys are another model's).
 """
 
 from __future__ import annotations
@@ -50,15 +51,16 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: torch.Tensor, hidden_layers=()) -> tuple[PrefixEntry | None, int]:
-        """The kept entry sharing the longest prefix with ``prompt`` (and holding every tap in ``hidden_layers``),
-        and how many positions of it to reuse: at most ``len(prompt) - 1``, so the prompt's last position is
-        always computed (its logits choose the first token)."""
+    def lookup(self, prompt: torch.Tensor, hidden_layers=(), dtype: torch.dtype | None = None
+               ) -> tuple[PrefixEntry | None, int]:
+        """The kept entry sharing the longest prefix with ``prompt`` (and holding every tap in ``hidden_layers``;
+        with ``dtype``, keys and values of that dtype), and how many positions of it to reuse: at most
+        ``len(prompt) - 1``, so the prompt's last position is always computed (its logits choose the first token)."""
         n = prompt.numel()
         self.queries += n
         best, best_m = None, 0
         for key, entry in self._entries.items():
-            if not set(hidden_layers) <= entry.layers:
+            if not set(hidden_layers) <= entry.layers or (dtype is not None and entry.k.dtype != dtype):
                 continue
             m = min(entry.tokens.numel(), n - 1)
             if m <= best_m:

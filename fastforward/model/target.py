@@ -70,6 +70,12 @@ class TargetModel:
         return getattr(self.backend, "arithmetic", "exact")
 
     @property
+    def kv_precision(self) -> str:
+        """'fp32' or 'fp16': how the lean forward's KV cache stores keys and values (part of the model every method
+        reproduces); the HF backend's cache is 'fp32' here (its own dtype)."""
+        return getattr(self.backend, "kv_precision", "fp32")
+
+    @property
     def dtype(self) -> torch.dtype:
         """The activations' dtype of the forward the decoders use."""
         return self.backend.dtype if self.backend_name == "lean" else self.hf_model.dtype
