@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastforward as ff
+from fastforward.costs import CostCurve
 from fastforward.drafters.checkpoint import load_eagle3, save_eagle3
 from fastforward.drafters.eagle import Eagle3Drafter, Eagle3Runner, target_embedding_rows
 from fastforward.drafters.features import compute_features, default_aux_layers, engine_layers
@@ -66,8 +67,6 @@ def test_eagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, nodes,
 def test_eagle_backs_off_when_nothing_is_drafted(target, tmp_path, pin_costs):
     """A drafter that never pays (uniform distributions, on a cost curve where a token more costs as much as one)
     looks at fewer steps with back-off than without; both decode AR's tokens."""
-    from fastforward.costs import CostCurve
-
     pin_costs(target, CostCurve({1: 1.0, 64: 64.0}))
     flat = _drafter(target)
     with torch.no_grad():
@@ -177,7 +176,7 @@ def test_export_layout(drafter_dir):
     assert torch.equal(tensors["t2d"].nonzero().flatten(), tensors["d2t"] + torch.arange(64))
 
 
-def test_a_drafter_trained_elsewhere_loads(target, drafter_dir, tmp_path):
+def test_a_drafter_trained_elsewhere_loads(target, drafter_dir, tmp_path, pin_costs):
     """A foreign checkpoint: no fastforward section, an extra embed_tokens tensor, the engines' default aux layers."""
     from safetensors.torch import load_file, save_file
 
@@ -189,6 +188,7 @@ def test_a_drafter_trained_elsewhere_loads(target, drafter_dir, tmp_path):
     tensors["embed_tokens.weight"] = torch.zeros(VOCAB, cfg["hidden_size"])
     save_file(tensors, str(tmp_path / "model.safetensors"))
     prompt = [7, 8, 9]
+    pin_costs(target, CostCurve({1: 3.0, 64: 66.0}))  # both runs size trees alike (live timings would differ)
     a = ff.generate(target, prompt, "eagle", max_new_tokens=12, method_options=dict(drafter=str(drafter_dir)))
     b = ff.generate(target, prompt, "eagle", max_new_tokens=12, method_options=dict(drafter=str(tmp_path)))
     assert a.token_ids == b.token_ids and a.stats.accept_lengths == b.stats.accept_lengths
