@@ -53,10 +53,19 @@ def tiny_hf():
 
 @pytest.fixture(scope="session")
 def default_model():
-    """The default model (SmolLM2-135M-Instruct); converted once and cached."""
+    """The default model (SmolLM2-135M-Instruct) as users get it: its GGUF file in the default (q8) arithmetic."""
     import fastforward as ff
 
     return ff.load()
+
+
+@pytest.fixture(scope="session")
+def default_exact():
+    """The default model in the exact arithmetic: the dequantised fp32 model's products, which HF's forward of the
+    converted model computes too (tests comparing the two use this one)."""
+    import fastforward as ff
+
+    return ff.load(arithmetic="exact")
 
 
 @pytest.fixture(scope="session")

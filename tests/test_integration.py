@@ -42,11 +42,12 @@ def hf_greedy(model, prompt_ids, max_new_tokens):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_engine_ar_equals_hf_generate(default_model, prompt):
-    ids = default_model.encode(prompt)
+def test_engine_ar_equals_hf_generate(default_exact, prompt):
+    """In the exact arithmetic the packed forward computes the dequantised model's products, as HF does."""
+    ids = default_exact.encode(prompt)
     assert len(ids) > 10  # chat-templated
-    want = hf_greedy(default_model, ids, 48)
-    got = ff.generate(default_model, ids, "ar", max_new_tokens=48)
+    want = hf_greedy(default_exact, ids, 48)
+    got = ff.generate(default_exact, ids, "ar", max_new_tokens=48)
     assert got.token_ids == want
     assert got.stats.tau == 1.0
     assert got.text.strip()
@@ -67,31 +68,31 @@ def test_lean_forward_equals_hf_forward(lean_fp32, hf_backend):
     assert (a - b).abs().max() < TOL
 
 
-def test_packed_forward_is_as_close_to_exact_as_hf(default_model, hf_backend):
-    """The packed forward and HF's fp32 forward each within TOL of a float64 forward over the same weights (their
-    own difference is the sum of two independent rounding errors of ~1e-4 each)."""
+def test_packed_forward_is_as_close_to_exact_as_hf(default_exact, hf_backend):
+    """The packed forward (exact arithmetic) and HF's fp32 forward each within TOL of a float64 forward over the
+    same weights (their own difference is the sum of two independent rounding errors of ~1e-4 each)."""
     import copy
 
-    ids = torch.tensor(default_model.encode(PROMPTS[1]))
+    ids = torch.tensor(default_exact.encode(PROMPTS[1]))
     pos = torch.arange(len(ids))
-    packed = default_model.forward(ids, pos, default_model.new_cache(256)).logits.double()
+    packed = default_exact.forward(ids, pos, default_exact.new_cache(256)).logits.double()
     hf = hf_backend.forward(ids, pos, hf_backend.new_cache(256)).logits.double()
     with torch.no_grad():
-        exact = copy.deepcopy(default_model.hf_model).double()(ids[None]).logits[0]
-    assert packed.shape == exact.shape == (len(ids), default_model.vocab_size)
+        exact = copy.deepcopy(default_exact.hf_model).double()(ids[None]).logits[0]
+    assert packed.shape == exact.shape == (len(ids), default_exact.vocab_size)
     assert (packed - exact).abs().max() < TOL
     assert (hf - exact).abs().max() < TOL
 
 
-def test_lean_tree_step_equals_hf(default_model, hf_backend):
-    ids = default_model.encode(PROMPTS[0])
+def test_lean_tree_step_equals_hf(default_exact, hf_backend):
+    ids = default_exact.encode(PROMPTS[0])
     prefix = torch.tensor(ids[:-1])
     rng = random.Random(0)
     parents = [-1, 0, 0, 1, 1, 2, 3, 3, 5, 8]
-    tokens = [ids[-1]] + [rng.randrange(default_model.vocab_size) for _ in parents[1:]]
+    tokens = [ids[-1]] + [rng.randrange(default_exact.vocab_size) for _ in parents[1:]]
     shape = TreeShape(parents)
     outs = []
-    for target in (default_model, hf_backend):
+    for target in (default_exact, hf_backend):
         cache = target.new_cache(256)
         target.forward(prefix, torch.arange(len(prefix)), cache)
         cache.keep(range(len(prefix)))

@@ -83,7 +83,7 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(RuntimeError, match="bytes"):
         native.quant_mm(torch.randn(2, 96), data, 3, 96)
     with pytest.raises(RuntimeError, match="unsupported"):
-        native.quant_mm(torch.randn(2, 64), data, 7, 64)
+        native.quant_mm(torch.randn(2, 64), data, 10, 64)  # Q2_K: no packed kernel
     with pytest.raises(RuntimeError, match="out of range"):
         native.quant_rows(data, 3, 64, torch.tensor([4]))
     with pytest.raises(ValueError):
@@ -183,17 +183,17 @@ def test_weight_choices_are_checked(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_packed_matches_dequantised_fp32(default_model):
+def test_default_model_packed_matches_dequantised_fp32(default_exact):
     fp32 = ff.load(weights="fp32")
-    assert default_model.backend.matmul_kernel.startswith("quant-")
-    assert default_model.backend.weight_bytes < 110e6  # the file's packed size (96 MB), not fp32's 538 MB
-    prompt = torch.tensor(default_model.encode("Write a short story about a robot who learns to paint."))
+    assert default_exact.backend.matmul_kernel.startswith("quant-")
+    assert default_exact.backend.weight_bytes < 110e6  # the file's packed size (96 MB), not fp32's 538 MB
+    prompt = torch.tensor(default_exact.encode("Write a short story about a robot who learns to paint."))
     n = prompt.numel()
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
                         dtype=torch.bool)
     tokens, positions = torch.tensor([504, 3458, 30, 216, 1345]), n + torch.tensor([0, 1, 1, 2, 2])
     logits = []
-    for target in (default_model, fp32):
+    for target in (default_exact, fp32):
         cache = target.new_cache(n + 8)
         first = target.forward(prompt, torch.arange(n), cache).logits
         cache.keep(range(n))
@@ -202,7 +202,7 @@ def test_default_model_packed_matches_dequantised_fp32(default_model):
     assert (logits[0][1] - logits[1][1]).abs().max().item() < 1e-4
     hf = fp32.hf_model.model.layers[0].self_attn
     qkv = torch.cat([hf.q_proj.weight, hf.k_proj.weight, hf.v_proj.weight])
-    assert torch.equal(default_model.backend.layers[0].qkv.dense(), qkv)
+    assert torch.equal(default_exact.backend.layers[0].qkv.dense(), qkv)
 
 
 def test_fused_packed_layer_is_bitwise_the_per_op_forward(tiny_packed):
