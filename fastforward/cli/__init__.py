@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 
 from ..errors import FastForwardError, UsageError
+from ..interrupts import Terminated, on_sigterm
 from ..validation import check_text
 from ..version import __version__
 
@@ -83,15 +84,6 @@ def _one_line(text) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill``, a batch scheduler's notice, ``timeout``), raised where the command is so that it stops as
-    on Ctrl-C: keeping what it finished (a checkpoint, flushed records, a partial report)."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
-
-
 def _stop_on_sigterm():
     """Route SIGTERM through the commands' Ctrl-C path (main thread only); returns a function restoring the handler
     before (``main`` may run inside another program, tests among them)."""
@@ -100,7 +92,7 @@ def _stop_on_sigterm():
 
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    before = signal.signal(signal.SIGTERM, _raise_terminated)
+    before = signal.signal(signal.SIGTERM, on_sigterm)
     return lambda: signal.signal(signal.SIGTERM, before)
 
 
@@ -108,7 +100,7 @@ def _was_terminated(exc: BaseException | None) -> bool:
     """Whether ``exc`` or an exception it was raised while handling is a SIGTERM (commands re-raise Ctrl-C with
     their own message)."""
     while exc is not None:
-        if isinstance(exc, _Terminated):
+        if isinstance(exc, Terminated):
             return True
         exc = exc.__context__
     return False

@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
+from ..interrupts import deferred_stops, raise_if_stopped
 
 FORMAT = "fastforward-draft-model/1"
 CONFIG_KEY = "fastforward_draft_model"
@@ -725,50 +726,52 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
     t0 = time.perf_counter()
     autocast = mixed_precision_autocast(accelerator.device.type, cfg.mixed_precision)
     try:
-        while step < total_steps:
-            t_step = time.perf_counter()
-            batches = []
-            for m in range(step * cfg.grad_accum, (step + 1) * cfg.grad_accum):
-                mine = schedule.batch(m)[accelerator.process_index :: world]
-                batches.append(to_device(pad_batch([encoded[i] for i in mine], 0), accelerator.device))
-            local_tokens = torch.tensor(float(sum(b["num_tokens"] for b in batches)))
-            total_tokens = float(accelerator.reduce(local_tokens, reduction="sum"))
-            loss_sum = torch.zeros(())
-            correct = torch.zeros(())
-            for i, batch in enumerate(batches):
-                ctx = accelerator.no_sync(model) if i < len(batches) - 1 else nullcontext()
-                with ctx:
-                    with autocast:
-                        s, c = model(batch["input_ids"], batch["attention_mask"], batch["labels"])
-                    # DDP averages gradients over processes: scale by world for the global token mean
-                    accelerator.backward(s * (world / max(total_tokens, 1.0)))
-                loss_sum += s.detach().float()
-                correct += c.detach().float()
-            if cfg.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            last_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / max(total_tokens, 1.0)
-            top1 = float(accelerator.reduce(correct, reduction="sum")) / max(total_tokens, 1.0)
-            dt = time.perf_counter() - t_step
-            if main:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": round(last_loss, 5), "acc": round(top1, 4), "lr": lr,
-                                        "tokens": int(total_tokens), "seconds": round(dt, 3)}) + "\n")
-            bar.set_postfix(loss=f"{last_loss:.4f}", top1=f"{top1:.3f}", lr=f"{lr:.2e}", s_step=f"{dt:.1f}",
-                            refresh=False)
-            bar.update(1)
-            over = deadline is not None and time.perf_counter() > deadline
-            over = bool(accelerator.reduce(torch.tensor(float(over)), reduction="sum") > 0)  # every process agrees
-            if step % cfg.save_every == 0 or step == total_steps or over:
-                save_checkpoint(step, last_loss)
-                last_saved = step
-            if over and step < total_steps:
-                stopped = True
-                break
+        with deferred_stops():
+            while step < total_steps:
+                t_step = time.perf_counter()
+                batches = []
+                for m in range(step * cfg.grad_accum, (step + 1) * cfg.grad_accum):
+                    mine = schedule.batch(m)[accelerator.process_index :: world]
+                    batches.append(to_device(pad_batch([encoded[i] for i in mine], 0), accelerator.device))
+                local_tokens = torch.tensor(float(sum(b["num_tokens"] for b in batches)))
+                total_tokens = float(accelerator.reduce(local_tokens, reduction="sum"))
+                loss_sum = torch.zeros(())
+                correct = torch.zeros(())
+                for i, batch in enumerate(batches):
+                    ctx = accelerator.no_sync(model) if i < len(batches) - 1 else nullcontext()
+                    with ctx:
+                        with autocast:
+                            s, c = model(batch["input_ids"], batch["attention_mask"], batch["labels"])
+                        # DDP averages gradients over processes: scale by world for the global token mean
+                        accelerator.backward(s * (world / max(total_tokens, 1.0)))
+                    loss_sum += s.detach().float()
+                    correct += c.detach().float()
+                if cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                last_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / max(total_tokens, 1.0)
+                top1 = float(accelerator.reduce(correct, reduction="sum")) / max(total_tokens, 1.0)
+                dt = time.perf_counter() - t_step
+                if main:
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps({"step": step, "loss": round(last_loss, 5), "acc": round(top1, 4), "lr": lr,
+                                            "tokens": int(total_tokens), "seconds": round(dt, 3)}) + "\n")
+                bar.set_postfix(loss=f"{last_loss:.4f}", top1=f"{top1:.3f}", lr=f"{lr:.2e}", s_step=f"{dt:.1f}",
+                                refresh=False)
+                bar.update(1)
+                over = deadline is not None and time.perf_counter() > deadline
+                over = bool(accelerator.reduce(torch.tensor(float(over)), reduction="sum") > 0)  # every process agrees
+                if step % cfg.save_every == 0 or step == total_steps or over:
+                    save_checkpoint(step, last_loss)
+                    last_saved = step
+                raise_if_stopped()  # a Ctrl-C or SIGTERM during the step stops here, the step kept
+                if over and step < total_steps:
+                    stopped = True
+                    break
     except KeyboardInterrupt:
         bar.close()
         if step > last_saved:

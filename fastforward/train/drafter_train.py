@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
+from ..interrupts import deferred_stops, raise_if_stopped
 from ..paths import check_output_dir, mark_output_dir
 from .launcher import check_launcher
 from .make_data import read_training_records
@@ -355,45 +356,47 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
     t0 = time.perf_counter()
     stopped = ""
     try:
-        while step < total:
-            t_step = time.perf_counter()
-            metrics_sum: dict[str, float] = {}
-            loss_sum = 0.0
-            for m in range(step * cfg.grad_accum, (step + 1) * cfg.grad_accum):
-                batch = collate([seqs[i] for i in batch_indices(m)], store)
-                # where the run is, for losses with a schedule or randomness of their own (a pure function of m)
-                batch.update(seed=random.Random(f"{cfg.seed}:{m}").getrandbits(62), epoch=m // per_epoch,
-                             epochs=math.ceil(total * cfg.grad_accum / per_epoch))
-                with autocast:
-                    loss, metrics = method.loss(drafter, batch)
-                accelerator.backward(loss / cfg.grad_accum)
-                loss_sum += float(loss.detach()) / cfg.grad_accum
-                for k, v in metrics.items():
-                    metrics_sum[k] = metrics_sum.get(k, 0.0) + v / cfg.grad_accum
-            if cfg.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            last_loss = float(accelerator.reduce(torch.tensor(loss_sum), reduction="mean"))
-            dt = time.perf_counter() - t_step
-            if main:
-                row = {"step": step, "loss": round(last_loss, 5), "lr": lr, "seconds": round(dt, 3)}
-                row.update({k: round(v, 4) for k, v in metrics_sum.items()})
-                with open(out / LOG_FILE, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                if step % 10 == 0 or step == total:
-                    accs = " ".join(f"{k}={v:.3f}" for k, v in metrics_sum.items())
-                    say(f"step {step}/{total} loss {last_loss:.4f} {accs} lr {lr:.2e} ({dt:.1f} s/step, "
-                        f"{(time.perf_counter() - t0) / 60:.1f} min)")
-            if step % cfg.save_every == 0 or step == total:
-                save(step, last_loss)
-                last_saved = step
-            if cfg.max_minutes and (time.perf_counter() - t0) / 60 >= cfg.max_minutes and step < total:
-                stopped = f"stopped at the {cfg.max_minutes:g}-minute budget"
-                break
+        with deferred_stops():
+            while step < total:
+                t_step = time.perf_counter()
+                metrics_sum: dict[str, float] = {}
+                loss_sum = 0.0
+                for m in range(step * cfg.grad_accum, (step + 1) * cfg.grad_accum):
+                    batch = collate([seqs[i] for i in batch_indices(m)], store)
+                    # where the run is, for losses with a schedule or randomness of their own (a pure function of m)
+                    batch.update(seed=random.Random(f"{cfg.seed}:{m}").getrandbits(62), epoch=m // per_epoch,
+                                 epochs=math.ceil(total * cfg.grad_accum / per_epoch))
+                    with autocast:
+                        loss, metrics = method.loss(drafter, batch)
+                    accelerator.backward(loss / cfg.grad_accum)
+                    loss_sum += float(loss.detach()) / cfg.grad_accum
+                    for k, v in metrics.items():
+                        metrics_sum[k] = metrics_sum.get(k, 0.0) + v / cfg.grad_accum
+                if cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                last_loss = float(accelerator.reduce(torch.tensor(loss_sum), reduction="mean"))
+                dt = time.perf_counter() - t_step
+                if main:
+                    row = {"step": step, "loss": round(last_loss, 5), "lr": lr, "seconds": round(dt, 3)}
+                    row.update({k: round(v, 4) for k, v in metrics_sum.items()})
+                    with open(out / LOG_FILE, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    if step % 10 == 0 or step == total:
+                        accs = " ".join(f"{k}={v:.3f}" for k, v in metrics_sum.items())
+                        say(f"step {step}/{total} loss {last_loss:.4f} {accs} lr {lr:.2e} ({dt:.1f} s/step, "
+                            f"{(time.perf_counter() - t0) / 60:.1f} min)")
+                if step % cfg.save_every == 0 or step == total:
+                    save(step, last_loss)
+                    last_saved = step
+                raise_if_stopped()  # a Ctrl-C or SIGTERM during the step stops here, the step kept
+                if cfg.max_minutes and (time.perf_counter() - t0) / 60 >= cfg.max_minutes and step < total:
+                    stopped = f"stopped at the {cfg.max_minutes:g}-minute budget"
+                    break
     except KeyboardInterrupt:
         if step > last_saved:
             save(step, last_loss)

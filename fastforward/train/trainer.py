@@ -37,6 +37,7 @@ from pathlib import Path
 import fastforward as ff
 
 from ..errors import UsageError
+from ..interrupts import deferred_stops, raise_if_stopped
 from ..paths import check_output_dir, mark_output_dir
 from .data import check_heldout, encode_examples, parse_paths, read_examples, split_examples, subsample
 from .launcher import check_launcher
@@ -494,43 +495,45 @@ def train(cfg: TrainConfig, method: TrainingMethod) -> TrainResult:
                file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
     t0 = time.perf_counter()
     try:
-        while step < total_steps:
-            t_step = time.perf_counter()
-            batches = []
-            for m in range(step * cfg.grad_accum, (step + 1) * cfg.grad_accum):
-                idx = schedule.batch(m)
-                mine = idx[accelerator.process_index :: world]
-                batch = method.collate([encoded[i] for i in mine], m * world + accelerator.process_index)
-                batches.append(to_device(batch, accelerator.device))
-            local_tokens = torch.tensor(float(sum(b["num_tokens"] for b in batches)))
-            total_tokens = float(accelerator.reduce(local_tokens, reduction="sum"))
-            loss_sum = torch.zeros(())
-            for i, batch in enumerate(batches):
-                sync = i == len(batches) - 1
-                ctx = nullcontext() if sync else accelerator.no_sync(model)
-                with ctx:
-                    s = method.loss(model, batch)
-                    # DDP averages gradients over processes, so scale by world to get the global token mean.
-                    accelerator.backward(s * (world / max(total_tokens, 1.0)))
-                loss_sum += s.detach().float()
-            if cfg.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]  # the rate this step used
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            last_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / max(total_tokens, 1.0)
-            dt = time.perf_counter() - t_step
-            if main:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": round(last_loss, 5), "lr": lr,
-                                        "tokens": int(total_tokens), "seconds": round(dt, 3)}) + "\n")
-            bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", s_step=f"{dt:.1f}", refresh=False)
-            bar.update(1)
-            if step % cfg.save_every == 0 or step == total_steps:
-                save_checkpoint(accelerator, model, tokenizer, out, step, state_at(step, last_loss), cfg)
-                last_saved = step
+        with deferred_stops():
+            while step < total_steps:
+                t_step = time.perf_counter()
+                batches = []
+                for m in range(step * cfg.grad_accum, (step + 1) * cfg.grad_accum):
+                    idx = schedule.batch(m)
+                    mine = idx[accelerator.process_index :: world]
+                    batch = method.collate([encoded[i] for i in mine], m * world + accelerator.process_index)
+                    batches.append(to_device(batch, accelerator.device))
+                local_tokens = torch.tensor(float(sum(b["num_tokens"] for b in batches)))
+                total_tokens = float(accelerator.reduce(local_tokens, reduction="sum"))
+                loss_sum = torch.zeros(())
+                for i, batch in enumerate(batches):
+                    sync = i == len(batches) - 1
+                    ctx = nullcontext() if sync else accelerator.no_sync(model)
+                    with ctx:
+                        s = method.loss(model, batch)
+                        # DDP averages gradients over processes, so scale by world to get the global token mean.
+                        accelerator.backward(s * (world / max(total_tokens, 1.0)))
+                    loss_sum += s.detach().float()
+                if cfg.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+                lr = scheduler.get_last_lr()[0]  # the rate this step used
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                last_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / max(total_tokens, 1.0)
+                dt = time.perf_counter() - t_step
+                if main:
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps({"step": step, "loss": round(last_loss, 5), "lr": lr,
+                                            "tokens": int(total_tokens), "seconds": round(dt, 3)}) + "\n")
+                bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", s_step=f"{dt:.1f}", refresh=False)
+                bar.update(1)
+                if step % cfg.save_every == 0 or step == total_steps:
+                    save_checkpoint(accelerator, model, tokenizer, out, step, state_at(step, last_loss), cfg)
+                    last_saved = step
+                raise_if_stopped()  # a Ctrl-C or SIGTERM during the step stops here, the step kept
     except KeyboardInterrupt:
         bar.close()
         if step > last_saved:
