@@ -53,7 +53,8 @@ def tiny_hf():
 
 @pytest.fixture(scope="session")
 def default_model():
-    """The default model (SmolLM2-135M-Instruct) as users get it: its GGUF file in the default (q8) arithmetic."""
+    """The default model (SmolLM2-135M-Instruct) as users get it: its GGUF file in the default (q8) arithmetic, with
+    the fp16 KV cache that goes with it."""
     import fastforward as ff
 
     return ff.load()

@@ -142,14 +142,17 @@ def test_plain_torch_forward_stores_the_same_rounding(targets, tmp_path, monkeyp
     assert ff.generate(plain, [5, 9, 33, 5, 9], "pld", max_new_tokens=12).token_ids == ar
 
 
-def test_the_choice_at_load_and_on_the_command_line(tmp_path):
+def test_the_choice_at_load_and_on_the_command_line(tmp_path, default_model, default_exact):
     from fastforward.cli.options import add_model_arguments, model_load_kwargs
     from fastforward.testing import tiny_hf_folder
 
     folder = str(tiny_hf_folder(tmp_path / "m"))
     target = ff.load(folder, kv_cache="fp16")
     assert target.kv_precision == "fp16" and target.new_cache(8).k.dtype == torch.float16
-    assert ff.load(folder).new_cache(8).k.dtype == torch.float32  # the default stays fp32
+    assert ff.load(folder).new_cache(8).k.dtype == torch.float32  # auto: an HF folder (exact) keeps fp32
+    if default_model.arithmetic == "q8":  # auto: llama.cpp's pairing, fp16 with the q8 arithmetic
+        assert default_model.kv_precision == "fp16" and default_model.new_cache(8).k.dtype == torch.float16
+    assert default_exact.kv_precision == "fp32"  # and fp32 with the exact one
     with pytest.raises(UsageError, match="unknown --kv-cache"):
         ff.load(folder, kv_cache="int8")
     with pytest.raises(UsageError, match="--backend hf"):
@@ -163,7 +166,7 @@ def test_the_choice_at_load_and_on_the_command_line(tmp_path):
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
     assert model_load_kwargs(parser.parse_args(["--kv-cache", "fp16"]))["kv_cache"] == "fp16"
-    assert model_load_kwargs(parser.parse_args([]))["kv_cache"] == "fp32"
+    assert model_load_kwargs(parser.parse_args([]))["kv_cache"] == "auto"
 
 
 def test_bytes_read_count_the_half_size_cache(targets):

@@ -38,7 +38,7 @@ __all__ = [
 BACKENDS = ("auto", "lean", "hf")
 WEIGHTS = ("auto", "fp32", "bf16", "int8")
 ARITHMETICS = ("auto", "exact", "q8")
-KV_CACHES = ("fp32", "fp16")
+KV_CACHES = ("auto", "fp32", "fp16")
 
 
 def _int_at_least(low: int, words: str):
@@ -168,16 +168,17 @@ def add_model_arguments(p, *, threads_help: str | None = None, weights_help: str
                    help="how a GGUF file's weights are multiplied, i.e. which model every method reproduces: q8 "
                         "(llama.cpp's 8-bit activation blocks and integer dot products), exact (fp32 activations "
                         "times the exactly dequantised weights); auto: q8 for GGUF files, exact for HF folders")
-    p.add_argument("--kv-cache", default="fp32", choices=KV_CACHES,
+    p.add_argument("--kv-cache", default="auto", choices=KV_CACHES,
                    help="how the lean forward's KV cache stores keys and values: fp32 (as computed) or fp16 "
                         "(rounded to half precision, llama.cpp's default: half the bytes, a slightly different "
-                        "model, reproduced exactly by every method) (default: %(default)s)")
+                        "model, reproduced exactly by every method); auto: fp16 with the q8 arithmetic, fp32 "
+                        "otherwise (default: %(default)s)")
 
 
 def model_load_kwargs(args) -> dict:
     """The keyword arguments of :func:`fastforward.load` that :func:`add_model_arguments` declared."""
     return {"backend": args.backend, "threads": args.threads, "weights": args.weights,
-            "arithmetic": getattr(args, "arithmetic", "auto"), "kv_cache": getattr(args, "kv_cache", "fp32")}
+            "arithmetic": getattr(args, "arithmetic", "auto"), "kv_cache": getattr(args, "kv_cache", "auto")}
 
 
 def add_method_option_argument(p, help: str = "a method option, e.g. -o k=10 (repeatable)") -> None:

@@ -225,7 +225,7 @@ def load(
     small_q_max: int = 4,
     weights: str = "auto",
     arithmetic: str = "auto",
-    kv_cache: str = "fp32",
+    kv_cache: str = "auto",
 ) -> TargetModel:
     """Load a model by alias (default ``smollm2-135m``), local HF folder, or ``.gguf`` path.
 
@@ -246,8 +246,9 @@ def load(
 
     ``kv_cache``: how the lean forward's KV cache stores keys and values (:data:`~fastforward.model.kv.KV_PRECISIONS`)
     -- ``fp32`` as computed, or ``fp16`` rounded to half precision (llama.cpp's default: half the cache's bytes, a
-    slightly different model, which every method then reproduces exactly). The HF backend keeps its own cache.
-
+    slightly different model, which every method then reproduces exactly); ``auto``: fp16 with the ``q8`` arithmetic
+    (llama.cpp's pairing, and 5-20% faster steps at 300-2,000 cached tokens), fp32 otherwise. The HF backend keeps
+    its own cache.
     A GGUF file's HF model, for peers and training, is made on first use by dequantising the file once into a cached
     safetensors folder under ``$FASTFORWARD_CACHE`` (default ``~/.cache/fastforward``).
     """
@@ -259,9 +260,9 @@ def load(
         raise UsageError(f"unknown backend '{backend}' (use auto, lean or hf)")
     if arithmetic not in ARITHMETIC_CHOICES:
         raise UsageError(f"unknown --arithmetic '{arithmetic}' (use {', '.join(ARITHMETIC_CHOICES)})")
-    if kv_cache not in KV_PRECISIONS:
-        raise UsageError(f"unknown --kv-cache '{kv_cache}' (use {', '.join(KV_PRECISIONS)})")
-    if kv_cache != "fp32" and (backend == "hf" or dtype != torch.float32):
+    if kv_cache not in ("auto", *KV_PRECISIONS):
+        raise UsageError(f"unknown --kv-cache '{kv_cache}' (use auto, {', '.join(KV_PRECISIONS)})")
+    if kv_cache == "fp16" and (backend == "hf" or dtype != torch.float32):
         raise UsageError(f"--kv-cache {kv_cache} is the lean forward's cache with fp32 activations: it cannot be "
                          "combined with --backend hf or a dtype other than fp32")
     if threads is not None:
@@ -306,7 +307,10 @@ def load(
 
 
 def _with_kv_cache(target: TargetModel, kv_cache: str) -> TargetModel:
-    """The target with its KV cache precision set (``load``'s ``kv_cache``); fp16 needs the lean backend."""
+    """The target with its KV cache precision set (``load``'s ``kv_cache``; auto: fp16 with the q8 arithmetic, fp32
+    otherwise); fp16 needs the lean backend."""
+    if kv_cache == "auto":
+        kv_cache = "fp16" if target.arithmetic == "q8" else "fp32"
     if kv_cache != "fp32":
         if target.backend_name != "lean":
             raise UsageError(f"--kv-cache {kv_cache} needs the lean backend; {target.name} runs on the HF backend, "
