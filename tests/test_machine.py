@@ -87,3 +87,17 @@ def test_profile_prints_the_bandwidth_and_puts_it_in_json(tmp_path, capsys, monk
     reads = memory["forward_read_bytes"]["1"]
     assert reads["weights"] > 0 and reads["kv_cache"] > 0
     assert memory["weight_fraction_of_bandwidth"]["1"] == pytest.approx(memory["weight_gb_per_s"]["1"] / 10.0)
+
+
+def test_profile_measures_the_arithmetic_and_cache_asked_for(capsys, monkeypatch):
+    """--arithmetic and --kv-cache reach the model profile measures, and the header and JSON name them."""
+    monkeypatch.setattr(profile_cli, "measure_read_bandwidth",
+                        lambda: Bandwidth(10.0, MIN_BUFFER_BYTES, 1, 1, "torch.sum over float32"))
+    base = ["profile", "--q", "1", "--kv", "8", "--repeats", "1", "--no-hf", "--threads", "1"]
+    code, out, err = run_cli(capsys, *base, "--arithmetic", "exact")
+    assert code == 0, err
+    assert "arithmetic exact" in out.splitlines()[0] and "(fp32)" in out.splitlines()[0]
+    code, out, err = run_cli(capsys, *base, "--arithmetic", "exact", "--kv-cache", "fp16", "--json")
+    assert code == 0, err
+    info = json.loads(out)["info"]
+    assert info["arithmetic"] == "exact" and info["kv_cache"] == "fp16"

@@ -19,7 +19,7 @@ from ..bench.peers import gguf_path, llama_cpp_forward_costs, llama_cpp_system_i
 from ..costs import DEFAULT_QS, measure_forward_costs
 from ..errors import UsageError
 from ..machine import achieved_bandwidth, forward_read_bytes, measure_read_bandwidth
-from .options import add_model_arguments, max_new_tokens, positive_int
+from .options import add_model_arguments, max_new_tokens, model_load_kwargs, positive_int
 
 DEFAULTS = {"q": ",".join(map(str, DEFAULT_QS)), "kv": 300, "repeats": 15}
 STREAM_DEFAULTS = {"stop": "<<never-in-the-text>>", "method": "ar",
@@ -87,8 +87,7 @@ def run(args, name: str) -> int:
     if args.llama_cpp:
         gguf = gguf_path(args.model)
         require_llama_cpp()
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights,
-                     kv_cache=args.kv_cache)
+    target = ff.load(args.model, **model_load_kwargs(args))
     try:
         lean = measure_forward_costs(target, qs, args.kv, args.repeats)
         hf = None if args.no_hf else measure_forward_costs(target, qs, args.kv, args.repeats, hf=True)
@@ -98,7 +97,8 @@ def run(args, name: str) -> int:
     info = {
         "model": args.model, "backend": target.backend_name, "kv": args.kv, "threads": torch.get_num_threads(),
         "matmul": getattr(target.backend, "matmul_kernel", "hf"), "kv_cache": target.kv_precision,
-        "torch": torch.__version__, "python": sys.version.split()[0], "cpu": platform.processor() or platform.machine(),
+        "arithmetic": target.arithmetic, "torch": torch.__version__, "python": sys.version.split()[0],
+        "cpu": platform.processor() or platform.machine(),
     }
     if gguf is not None:
         info["llama_cpp_system_info"] = llama_cpp_system_info()
@@ -106,8 +106,9 @@ def run(args, name: str) -> int:
     if args.json:
         print(json.dumps({"info": info, "ms": {"engine": lean, "hf": hf, "llama.cpp": llama}, "memory": memory}))
         return 0
-    print(f"forward cost, median ms, KV cache {args.kv} tokens, {info['threads']} threads, "
-          f"backend {target.backend_name}, matmul {info['matmul']}, torch {torch.__version__}")
+    print(f"forward cost, median ms, KV cache {args.kv} tokens ({target.kv_precision}), {info['threads']} threads, "
+          f"backend {target.backend_name}, arithmetic {target.arithmetic}, matmul {info['matmul']}, "
+          f"torch {torch.__version__}")
     print("| q new tokens | " + " | ".join(str(q) for q in qs) + " |")
     print("|---|" + "---|" * len(qs))
     print(f"| fastforward ({target.backend_name}) | " + " | ".join(f"{lean[q]:.1f}" for q in qs) + " |")
@@ -169,8 +170,7 @@ def _run_stream(args) -> int:
     if args.stream < 300:
         raise UsageError("--stream needs at least 300 tokens (steps are timed around 100 and N-100)")
     GenerationRequest(args.prompt, args.method, max_new_tokens=args.stream, stop=args.stop, chat=False)  # checks
-    target = ff.load(args.model, backend=args.backend, threads=args.threads, weights=args.weights,
-                     kv_cache=args.kv_cache)
+    target = ff.load(args.model, **model_load_kwargs(args))
     marks = (100, args.stream - 100)
     times = stream_step_times(target, args.prompt, args.stream, args.stop, args.method, marks=marks)
     if args.json:
