@@ -461,12 +461,15 @@ _MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> Co
 
 
 def curve_path(target) -> Path:
-    """The cached prior's file: one per model, backend, matmul kernel, kernel build, thread count and torch version."""
+    """The cached prior's file: one per model, backend, matmul kernel (its arithmetic), KV cache precision, kernel
+    build, thread count and torch version."""
     backend = target.backend
     kernel = getattr(backend, "matmul_kernel", "mkl") if target.backend_name == "lean" else "hf"
     build = kernels.build_digest() if target.backend_name == "lean" else None  # a new kernel build measures anew
+    kv = getattr(target, "kv_precision", "fp32")
     key = "-".join(
-        str(x) for x in (target.name, target.backend_name, kernel, build, torch.get_num_threads(), torch.__version__)
+        str(x) for x in (target.name, target.backend_name, kernel, kv, build, torch.get_num_threads(),
+                         torch.__version__)
     )
     safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in key)
     return costs_dir() / f"{safe}.json"

@@ -2,6 +2,7 @@ import json
 import time
 
 import pytest
+import torch
 
 import fastforward as ff
 from fastforward import costs, engine
@@ -262,6 +263,15 @@ def test_a_new_kernel_build_does_not_reuse_the_old_builds_curve(tiny, tmp_path, 
     before = curve_path(tiny)
     monkeypatch.setattr(kernels, "build_digest", lambda: "bbbb")
     assert curve_path(tiny) != before
+
+
+def test_each_kv_cache_precision_has_its_own_curve(tmp_path, monkeypatch):
+    """An fp16 cache reads half the bytes, so its curve is another curve."""
+    monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path))
+    target = tiny_target(dtype=torch.float32)
+    before = curve_path(target)
+    target.backend.kv_precision = "fp16"
+    assert curve_path(target) != before
 
 
 def write_curve(target, ms: dict) -> str:

@@ -46,8 +46,9 @@ REFERENCE_PEERS = (
      "Geometric-mean speedup over `hf-generate` (transformers' greedy `generate` on the same prompts)."),
     (LLAMA_CPP, "speedup_vs_llama_cpp_geomean", "Against llama.cpp",
      "Geometric-mean ratio of tokens/s over `llama-cpp` (llama.cpp's autoregressive decoding, through "
-     "llama-cpp-python, of the same GGUF file on the same prompt tokens; its weights stay quantised as in the file "
-     "and its activations are quantised to 8 bits, so its text differs from ours -- see its agreement with AR)."),
+     "llama-cpp-python, of the same GGUF file on the same prompt tokens, its weights quantised as in the file and "
+     "its activations to 8 bits: our `--arithmetic q8`, up to the order of its sums, so its text can differ from "
+     "ours -- see its agreement with AR)."),
 )
 
 
