@@ -30,10 +30,11 @@ every proposer and the batch draft budget read:
   along the two smallest (never cheaper per token than the smallest: t(1) >= t(q)/q). A prior that is wrong
   everywhere is so corrected after a few forwards at a few q: drafting more than pays shows the large q, a
   pessimistic guess makes the proposers try small ones.
-* **A contradicted cache**: once a full window of :data:`CostModel.LEVEL_WINDOW` forwards puts the level outside
-  [1/TRUST, TRUST], the cached file the prior came from is removed (only if it still holds what was read), with a
-  note on stderr; the next process that needs the curve measures it again, under the load rule above. The running
-  process goes on with its live estimate.
+* **A contradicted cache**: once a full window of :data:`CostModel.LEVEL_WINDOW` forwards puts the level below
+  1/TRUST (the forwards more than TRUST times faster than the cached curve: it was measured under load), the cached
+  file the prior came from is removed (only if it still holds what was read), with a note on stderr; the next
+  process that needs the curve measures it again, under the load rule above. Forwards slower than the curve (load of
+  the moment, a long cache) leave the file alone. Either way the running process goes on with its live estimate.
 * **The cache length** is not a key of the model, by measurement (default model, 2 threads, AMD EPYC with AVX2;
   docs/performance.md, "The cost model"): from a 256- to a 2,048-token cache the attention part lifts t(1) by 65%
   and t(16) by 87%, but the ratios that size drafts move less (t(8)/t(1) 2.36 -> 2.52, t(4)/t(1) 1.39 -> 1.62)
@@ -388,7 +389,9 @@ class CostModel:
                 if self.trusted != was_trusted or (not self._anchors and
                                                    not _close(self._level, used_level, self.TOLERANCE)):
                     self._curve = None
-                if len(self._ratios) == self.LEVEL_WINDOW and not self.trusted and not self.contradicted:
+                # Only a prior slower than the forwards is wrong in itself (measured under load); forwards slower
+                # than the prior are this moment's load or a longer cache, which live timings already follow.
+                if len(self._ratios) == self.LEVEL_WINDOW and self._level < 1 / self.TRUST and not self.contradicted:
                     self._contradict()
 
     def _contradict(self) -> None:

@@ -249,6 +249,8 @@ def test_rows_fields_peers_and_lossless(tiny, tmp_path):
                     "options", "output_ids"):
             assert key in row, key
         assert row["parameters"]["max_new_tokens"] == 10 and row["threads"] == torch.get_num_threads()
+        assert row["parameters"]["arithmetic"] == "exact" and row["parameters"]["kv_cache"] == "fp32"
+    assert "arithmetic exact, KV cache fp32" in (tmp_path / "out" / "report.md").read_text()
     ar = [r for r in rows if r["label"] == "ar" and r["question_id"] == "91"][0]
     assert len(ar["output_ids"]) == 2 and ar["new_tokens"] == 20 and ar["decoding_steps"] == 20
     assert ar["tau"] == 1.0 and ar["accept_lengths"] == [1] * 20

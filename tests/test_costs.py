@@ -304,6 +304,16 @@ def test_a_cached_curve_that_live_timings_contradict_is_removed(fresh, tmp_path,
     assert model.contradicted and curve_path(fresh).read_text() == newer
 
 
+def test_forwards_slower_than_the_cache_follow_live_timings_and_keep_the_file(fresh, tmp_path, monkeypatch):
+    """Forwards three times slower than the cached curve (a busy moment, a long cache) are followed live, but say
+    nothing against a curve measured quietly: the file stays."""
+    monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path))
+    write_curve(fresh, {q: AFFINE.t(q) / 3 for q in CURVE_QS})
+    model = observed(cost_model(fresh), AFFINE, (1, 2, 3, 4), rounds=8)
+    assert not model.trusted and not model.contradicted and curve_path(fresh).is_file()
+    assert model.t(1) == pytest.approx(AFFINE.t(1))
+
+
 def test_timings_agreeing_with_the_cache_leave_it_alone(fresh, tmp_path, monkeypatch):
     monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path))
     write_curve(fresh, {q: 1.3 * AFFINE.t(q) for q in CURVE_QS})  # 30% off: load of the moment, not a wrong cache

@@ -398,7 +398,9 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
     cats = summary["categories"]
     out = ["# fastforward bench report", ""]
     out.append(
-        f"Model `{p.get('model')}` ({p.get('backend')} backend, {p.get('dtype')}), {summary['questions']} questions "
+        f"Model `{p.get('model')}` ({p.get('backend')} backend, {p.get('dtype')}"
+        + (f", arithmetic {p['arithmetic']}, KV cache {p.get('kv_cache')}" if p.get("arithmetic") else "")
+        + f"), {summary['questions']} questions "
         f"in {len(cats)} categories, up to {p.get('max_new_tokens')} new tokens, temperature {p.get('temperature')}, "
         f"seed {p.get('seed')}, {p.get('repeats')} repeat(s) per question (timing: median), "
         f"{env.get('threads')} thread(s). Baseline: our engine's autoregressive decoding (`ar`)."

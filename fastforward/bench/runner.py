@@ -341,6 +341,8 @@ def run_bench(
         "backend": target.backend_name,
         "dtype": str(target.dtype).replace("torch.", ""),
         "matmul": getattr(target.backend, "matmul_kernel", "hf"),
+        "arithmetic": target.arithmetic,
+        "kv_cache": target.kv_precision,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,
