@@ -131,8 +131,10 @@ def check_proposal_rows(method: str, rows: int, settings: str, max_context: int 
     :class:`UsageError` saying the limit."""
     limit = MAX_PROPOSAL_ROWS if max_context is None else min(MAX_PROPOSAL_ROWS, max_context)
     if rows > limit:
+        why = ("the engine's cap" if max_context is None
+               else f"the smaller of {MAX_PROPOSAL_ROWS} and the model's context")
         raise UsageError(f"{method}: {settings} put {rows} tokens in every forward; at most {limit} are allowed "
-                         f"(the smaller of {MAX_PROPOSAL_ROWS} and the model's context)")
+                         f"({why})")
     return rows
 
 

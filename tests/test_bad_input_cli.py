@@ -122,6 +122,8 @@ CASES = [
     (EVAL + ["--max-new-tokens", "0"], "--max-new-tokens"),
     (EVAL + ["--timeout", "inf"], "--timeout"),
     (EVAL + ["-o", "k=1"], "has no option k"),
+    (EVAL + ["--method", "jacobi", "-o", "n_tokens=4000"], "n_tokens must be an integer in [2, 1024]"),
+    (BENCH + ["--methods", "pld:max_ngram=1000000000"], "max_ngram must be an integer in [1, 32]"),
     (NLL + ["--heldout", "nan"], "--heldout"),
     # train
     (TRAIN + ["--lr", "nan"], "--lr"),

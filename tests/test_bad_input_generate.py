@@ -148,6 +148,8 @@ SERVE_CASES = [
     (["--method", "bogus"], "unknown method"),
     (["--method", "pld", "-o", "warp=9"], "no option"),
     (["--method", "pld", "-o", "k=1", "-o", "k=2"], "given twice"),
+    (["--method", "pld", "-o", "max_ngram=1000000000"], "pld: option max_ngram must be an integer in [1, 32]"),
+    (["--method", "jacobi", "-o", "n_tokens=4000"], "jacobi: option n_tokens must be an integer in [2, 1024]"),
     (["--bogus"], "unrecognized arguments"),
 ]
 

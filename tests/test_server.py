@@ -300,6 +300,16 @@ BAD = [
     ("lookahead forward too large", CHAT,
      chat(fastforward={"method": "lookahead", "options": {"window": 1000, "ngram": 50, "guesses": 1000}}), 400,
      "tokens in every forward"),
+    # issue 42: options with no upper bound (memory, minutes of decoding, an HTTP 500)
+    ("pld max_ngram huge", CHAT, chat(fastforward={"method": "pld", "options": {"max_ngram": 2000000}}), 400,
+     "pld: option max_ngram must be an integer in [1, 32], got 2000000"),
+    ("tr-jacobi ngram huge", CHAT, chat(fastforward={"method": "tr-jacobi", "options": {"ngram": 10**9}}), 400,
+     "tr-jacobi: option ngram must be an integer in [1, 32]"),
+    ("jacobi n_tokens over the rows per forward", CHAT,
+     chat(fastforward={"method": "jacobi", "options": {"n_tokens": 2000}}), 400,
+     "jacobi: option n_tokens must be an integer in [2, 1024], got 2000"),
+    ("jacobi n_tokens 10**10", CHAT, chat(fastforward={"method": "jacobi", "options": {"n_tokens": 10**10}}), 400,
+     "jacobi: option n_tokens must be an integer in [2, 1024]"),
     ("tr-jacobi retrieval_len huge", CHAT,
      chat(fastforward={"method": "tr-jacobi", "options": {"retrieval_len": 100000}}), 400, "retrieval_len"),
     ("tr-jacobi tree of strings", CHAT, chat(fastforward={"method": "tr-jacobi", "options": {"tree": [["a"]]}}),
@@ -324,6 +334,24 @@ def test_bad_input_is_an_openai_error(server, name, path, body, status, fragment
     assert fragment in error["message"], error["message"]
     assert "Traceback" not in text and len(error["message"]) < 400
     assert error["type"] == ("invalid_request_error" if status < 429 else "rate_limit_error")
+
+
+def _numeric_options():
+    methods = ff.available_methods()
+    return [(m.name, o) for m in methods.values() for o in m.schema if o.numeric]
+
+
+@pytest.mark.parametrize("method,option", _numeric_options(), ids=[f"{m}.{o.name}" for m, o in _numeric_options()])
+def test_every_option_just_above_its_bound_is_a_400(server, method, option):
+    """Every numeric option of every method, one step above its upper bound: a 400 naming the option and its range,
+    before any work (the method need not even run on this model)."""
+    above = option.high if option.high_open else option.high + 1
+    got, text = raw(server, "POST", CHAT, chat(fastforward={"method": method, "options": {option.name: above}}))
+    assert got == 400, text
+    error = json.loads(text)["error"]
+    assert error["param"] == "fastforward.options"
+    assert f"{method}: option {option.name} must be " in error["message"]
+    assert f"[{option.low}, {option.high}" in error["message"]
 
 
 def test_still_serving_after_bad_input(server, client, target):

@@ -1,7 +1,10 @@
 """Decoding methods as proposers, by name.
 
-A method registers a factory ``factory(target, **options) -> Proposer``; its keyword-only parameters are the
-method's options (with defaults), which the CLI and the benchmark pass through by name.
+A method registers a factory ``factory(target, **options) -> Proposer`` with the schema of its options
+(:class:`~fastforward.proposers._options.Option`: type, range or allowed set, default, description). The factory's
+keyword-only parameters are the options with their defaults (the schema names the same ones, with the same
+defaults); the CLI, the API, the server and the benchmark pass options through by name, and every value is checked
+against the schema (:func:`check_method_options`) before any work -- before the model is loaded where it can be.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from dataclasses import dataclass
 
 from ..engine import Proposer
 from ..errors import UsageError
+from ._options import Option
+
+__all__ = ["METHODS", "MethodInfo", "Option", "available_methods", "check_method_options", "make_proposer",
+           "register"]
 
 
 @dataclass(frozen=True)
@@ -22,14 +29,22 @@ class MethodInfo:
     summary: str
     lossless: bool = True
     source: str = ""
+    schema: tuple[Option, ...] = ()
+    #: checks across options, each ``check(method, options)`` on the options with the defaults filled in; a problem
+    #: is a one-line :class:`UsageError` (such as ``min_ngram`` above ``max_ngram``, or a forward's rows)
+    checks: tuple[Callable[[str, dict], None], ...] = ()
 
     def options(self) -> dict:
+        """``{name: default}`` of the method's options (the factory's keyword-only parameters)."""
         sig = inspect.signature(self.factory)
         return {
             p.name: p.default
             for p in list(sig.parameters.values())[1:]
             if p.kind is inspect.Parameter.KEYWORD_ONLY
         }
+
+    def option(self, name: str) -> Option | None:
+        return next((o for o in self.schema if o.name == name), None)
 
 
 METHODS: dict[str, MethodInfo] = {}
@@ -38,9 +53,16 @@ _METHOD_MODULES = ["ar", "jacobi", "pld", "rest", "lookahead", "tr_jacobi", "eag
                    "pasta"]
 
 
-def register(name: str, summary: str, *, lossless: bool = True, source: str = ""):
+def register(name: str, summary: str, *, lossless: bool = True, source: str = "", options: tuple[Option, ...] = (),
+             checks: tuple[Callable[[str, dict], None], ...] = ()):
+    """Register ``factory`` as method ``name``; ``options`` is its schema (one :class:`Option` per keyword-only
+    parameter of the factory) and ``checks`` its checks across options (see :class:`MethodInfo`)."""
+    names = [o.name for o in options]
+    if len(set(names)) != len(names):
+        raise ValueError(f"method {name}: an option is declared twice in {names}")
+
     def wrap(factory):
-        METHODS[name] = MethodInfo(name, factory, summary, lossless, source)
+        METHODS[name] = MethodInfo(name, factory, summary, lossless, source, tuple(options), tuple(checks))
         return factory
 
     return wrap
@@ -61,7 +83,9 @@ def available_methods() -> dict[str, MethodInfo]:
 
 
 def make_proposer(method, target, **options) -> Proposer:
-    """A proposer for ``method`` (a registered name or a ready Proposer instance)."""
+    """A proposer for ``method`` (a registered name or a ready Proposer instance), its options checked against the
+    method's schema first (the checks that need the model, such as a forward's rows against its context, are the
+    factory's)."""
     if isinstance(method, Proposer):
         if options:
             raise UsageError("options cannot be given with a ready proposer instance")
@@ -71,8 +95,9 @@ def make_proposer(method, target, **options) -> Proposer:
 
 
 def check_method_options(method, options: dict) -> MethodInfo:
-    """The registered method ``method`` after checking that it exists and knows every option name in ``options``
-    (the values are checked by the method's factory)."""
+    """The registered method ``method`` after checking ``options`` against its schema: every name is one of its
+    options, every value has the option's type and lies in its range or allowed set, and the checks across options
+    hold. A problem is one line naming the option and what it takes (:class:`UsageError`); nothing is loaded."""
     methods = available_methods()
     if not isinstance(method, str) or method not in methods:
         raise UsageError(f"unknown method '{method}'; available: {', '.join(methods)}")
@@ -82,4 +107,12 @@ def check_method_options(method, options: dict) -> MethodInfo:
     if unknown:
         opts = ", ".join(known) or "none"
         raise UsageError(f"method '{method}' has no option {', '.join(unknown)} (its options: {opts})")
+    for name, value in options.items():
+        option = info.option(name)
+        if option is not None:
+            option.check(method, value)
+    if info.checks:
+        given = {**known, **options}
+        for check in info.checks:
+            check(method, given)
     return info

@@ -53,11 +53,19 @@ from ..drafters.checkpoint import load_eagle3
 from ..drafters.eagle import DRAFTER_WEIGHTS, Eagle3Runner
 from ..drafters.features import engine_layers
 from ..engine import DecodeState, Proposal, Proposer, StepResult
-from ..errors import UsageError
 from . import register
 from ._backoff import BackOff
 from ._call_cost import DrafterCallCost
-from ._options import check_bool, check_choice, check_int
+from ._options import (
+    MAX_TREE_NODES,
+    Option,
+    backoff_on_loss_option,
+    backoff_option,
+    drafter_option,
+    max_nodes_option,
+    nodes_option,
+    weights_option,
+)
 from ._rerank import best_size, build_tree, rank
 from ._runners import shared_runner
 
@@ -231,22 +239,39 @@ class EagleProposer(Proposer):
                 "expansions_not_worth_a_call": self._n["unpaid_stops"]}
 
 
+#: the most children per expanded node, and the deepest tree: a step's candidate table holds topk + (depth - 1) x
+#: topk^2 entries and takes depth drafter calls
+MAX_TOPK = 16
+MAX_DEPTH = 16
+
+
 @register("eagle", "EAGLE-3-style drafter over the target's features, dynamic tree (EAGLE-2)",
-          source="Li et al. 2024/2025, EAGLE-2 / EAGLE-3")
+          source="Li et al. 2024/2025, EAGLE-2 / EAGLE-3",
+          options=(
+              drafter_option("eagle"),
+              Option("topk", "int", 4, 1, MAX_TOPK, help="children per expanded node (1: a chain)",
+                     bound=f"rows per drafter call (topk per level) and candidates per level (topk^2: "
+                           f"{MAX_TOPK ** 2} at {MAX_TOPK}, the nodes of the largest tree, {MAX_TREE_NODES})"),
+              Option("depth", "int", 6, 1, MAX_DEPTH, help="the deepest draft level",
+                     bound=f"drafter calls per step (one per level) and the drafter's cache reserve; "
+                           f"{MAX_DEPTH} levels are deeper than drafts are accepted"),
+              nodes_option(),
+              max_nodes_option(32),
+              Option("min_prob", "float", 0.05, 0, 1, high_open=True, bound="a probability",
+                     help="expansion stops when the best frontier path probability falls under this"),
+              backoff_option(),
+              weights_option(DRAFTER_WEIGHTS),
+              Option("calibrated", "bool", False,
+                     help="at temperature 0, map draft probabilities to greedy acceptance rates (the drafter's map)"),
+              Option("price_calls", "bool", True,
+                     help="a depth's drafter call is made only if its frontier can pay it back (when the size is "
+                          "not fixed)"),
+              backoff_on_loss_option(),
+          ))
 def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
           min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = False,
           price_calls: bool = True, backoff_on_loss: bool = True) -> Proposer:
-    check_int("eagle", "topk", topk, 1, 16)
-    check_int("eagle", "depth", depth, 1, 16)
-    check_int("eagle", "nodes", nodes, 0, 256)
-    check_int("eagle", "max_nodes", max_nodes, 2, 256)
-    check_int("eagle", "backoff", backoff, 0, 1024)
-    check_choice("eagle", "weights", weights, DRAFTER_WEIGHTS)
-    check_bool("eagle", "calibrated", calibrated)
-    check_bool("eagle", "price_calls", price_calls)
-    check_bool("eagle", "backoff_on_loss", backoff_on_loss)
-    if not isinstance(min_prob, (int, float)) or isinstance(min_prob, bool) or not 0 <= min_prob < 1:
-        raise UsageError(f"eagle: option min_prob must be a number in [0, 1), got {min_prob!r}")
+    """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
     runner = drafter_runner(target, drafter, weights)
     return EagleProposer(runner, topk=topk, depth=depth, nodes=nodes, max_nodes=max_nodes, min_prob=float(min_prob),
                          backoff=backoff, calibrated=calibrated, price_calls=price_calls,

@@ -38,7 +38,16 @@ from ..drafters.features import FINAL
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from . import register
 from ._backoff import BackOff
-from ._options import check_bool, check_choice, check_int
+from ._options import (
+    MAX_TREE_NODES,
+    Option,
+    backoff_on_loss_option,
+    backoff_option,
+    drafter_option,
+    max_nodes_option,
+    nodes_option,
+    weights_option,
+)
 from ._rerank import best_size, build_tree, rank
 from ._runners import shared_runner
 
@@ -207,18 +216,38 @@ class FalconProposer(Proposer):
                 "passes_per_look": self._n["passes"] / looks, "draft_rows": self._n["draft_rows"]}
 
 
+#: candidates per depth, drafter passes per step, and frontier nodes fed back per pass: a pass drafts k depths of
+#: topk candidates for each frontier node, and the drafter's cache reserves passes x k x frontier rows
+MAX_TOPK = 16
+MAX_PASSES = 8
+MAX_FRONTIER = 16
+
+
 @register("falcon", "Falcon: a semi-autoregressive drafter drafts k tokens per pass, verified as a tree of k-blocks",
-          source="Gao et al., AAAI 2025")
+          source="Gao et al., AAAI 2025",
+          options=(
+              drafter_option("falcon"),
+              Option("topk", "int", 4, 1, MAX_TOPK, help="candidates per depth of a block (1 with frontier 1: a chain)",
+                     bound=f"candidates per pass: a frontier node's k-block holds topk^k of them (Cartesian); "
+                           f"past {MAX_TOPK} per depth they are more than the largest tree ({MAX_TREE_NODES} nodes) "
+                           "can keep"),
+              Option("passes", "int", 2, 1, MAX_PASSES, help="the most drafter passes per step (each drafts k depths)",
+                     bound=f"drafter calls per step, and the drafter's cache reserve (passes x k x frontier rows); "
+                           f"{MAX_PASSES} passes draft deeper than drafts are accepted"),
+              Option("frontier", "int", 4, 1, MAX_FRONTIER,
+                     help="the deepest-block nodes fed back per later pass",
+                     bound=f"rows per drafter call (frontier x k) and the drafter's cache reserve; "
+                           f"{MAX_FRONTIER} x topk {MAX_TOPK} candidates fill the largest tree "
+                           f"({MAX_TREE_NODES} nodes)"),
+              nodes_option(),
+              max_nodes_option(32),
+              backoff_option(),
+              weights_option(DRAFTER_WEIGHTS),
+              backoff_on_loss_option(),
+          ))
 def falcon(target, *, drafter: str | None = None, topk: int = 4, passes: int = 2, frontier: int = 4, nodes: int = 0,
            max_nodes: int = 32, backoff: int = 8, weights: str = "auto", backoff_on_loss: bool = True) -> Proposer:
-    check_int("falcon", "topk", topk, 1, 16)
-    check_int("falcon", "passes", passes, 1, 8)
-    check_int("falcon", "frontier", frontier, 1, 16)
-    check_int("falcon", "nodes", nodes, 0, 256)
-    check_int("falcon", "max_nodes", max_nodes, 2, 256)
-    check_int("falcon", "backoff", backoff, 0, 1024)
-    check_bool("falcon", "backoff_on_loss", backoff_on_loss)
-    check_choice("falcon", "weights", weights, DRAFTER_WEIGHTS)
+    """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
     runner = falcon_runner(target, drafter, weights)
     return FalconProposer(runner, topk=topk, passes=passes, frontier=frontier, nodes=nodes, max_nodes=max_nodes,
                           backoff=backoff, backoff_on_loss=backoff_on_loss)

@@ -40,7 +40,15 @@ from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..tree import DraftTree, TreeShape
 from . import register
 from ._backoff import BackOff
-from ._options import check_bool, check_choice, check_int
+from ._options import (
+    MAX_TREE_NODES,
+    Option,
+    backoff_on_loss_option,
+    backoff_option,
+    drafter_option,
+    max_nodes_option,
+    weights_option,
+)
 from ._runners import shared_runner
 
 
@@ -183,19 +191,35 @@ class FastEagleProposer(Proposer):
                 "draft_rows": self._n["draft_rows"]}
 
 
+#: the most tokens per depth and the most depths of the backbone expansion tree (levels x k + 1 nodes, also at most
+#: max_nodes)
+MAX_TOPK = 16
+MAX_DEPTH = 64
+
+
 @register("fasteagle", "FastEagle: a cascaded drafter drafts the whole tree in one pass (backbone expansion tree)",
-          source="FastEagle, arXiv 2509.20416")
+          source="FastEagle, arXiv 2509.20416",
+          options=(
+              drafter_option("fasteagle"),
+              Option("topk", "int", 3, 1, MAX_TOPK, help="the most tokens per depth (1: a chain)",
+                     bound=f"rows per forward: the tree has depth x topk + 1 nodes, at most max_nodes "
+                           f"({MAX_TREE_NODES}); {MAX_TOPK} x {MAX_TREE_NODES // MAX_TOPK} fills it"),
+              Option("depth", "int", 16, 1, MAX_DEPTH, help="the most depths drafted (and no more than the drafter's "
+                     "layers)",
+                     bound=f"rows per forward: depth x topk + 1 nodes, at most max_nodes ({MAX_TREE_NODES}); a "
+                           f"chain of {MAX_DEPTH} is deeper than drafts are accepted"),
+              Option("fixed", "bool", False, help="always the full tree (else sized each step by the cost curve)"),
+              max_nodes_option(32),
+              backoff_option(),
+              weights_option(DRAFTER_WEIGHTS),
+              Option("calibrated", "bool", False,
+                     help="at temperature 0, map draft probabilities to greedy acceptance rates (the drafter's map)"),
+              backoff_on_loss_option(),
+          ))
 def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int = 16, fixed: bool = False,
               max_nodes: int = 32, backoff: int = 8, weights: str = "auto", calibrated: bool = False,
               backoff_on_loss: bool = True) -> Proposer:
-    check_int("fasteagle", "topk", topk, 1, 16)
-    check_int("fasteagle", "depth", depth, 1, 64)
-    check_bool("fasteagle", "fixed", fixed)
-    check_int("fasteagle", "max_nodes", max_nodes, 2, 256)
-    check_int("fasteagle", "backoff", backoff, 0, 1024)
-    check_choice("fasteagle", "weights", weights, DRAFTER_WEIGHTS)
-    check_bool("fasteagle", "calibrated", calibrated)
-    check_bool("fasteagle", "backoff_on_loss", backoff_on_loss)
+    """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
     runner = fasteagle_runner(target, drafter, weights)
     return FastEagleProposer(runner, topk=topk, depth=depth, fixed=fixed, max_nodes=max_nodes, backoff=backoff,
                              calibrated=calibrated, backoff_on_loss=backoff_on_loss)

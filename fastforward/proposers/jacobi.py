@@ -41,8 +41,9 @@ import torch
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from ..tree import DraftTree, chain_shape
+from ..validation import MAX_PROPOSAL_ROWS, check_proposal_rows
 from . import register
-from ._options import check_bool, check_choice, check_int
+from ._options import Option
 
 INIT_MODES = ("prompt", "noise", "pad")
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -212,19 +213,31 @@ class JacobiProposer(Proposer):
         return stats
 
 
+def _trajectories_need_blocks(method: str, options: dict) -> None:
+    if options["record_trajectory"] and not options["blocks"]:
+        raise UsageError("jacobi: record_trajectory needs blocks=True (trajectories are per n-token block)")
+
+
 @register(
     "jacobi",
     "Jacobi decoding: refine an n-token window in place until it converges (CLLM block semantics)",
     source="CLLM (Kou et al. 2024) section 3.1, Algorithm 3; Santilli et al. 2023; MSN section 2.1",
+    options=(
+        Option("n_tokens", "int", 16, 2, MAX_PROPOSAL_ROWS, help="window size, all in every forward (CLLM: 16)",
+               bound=f"rows per forward: the window is the forward (the engine's cap, {MAX_PROPOSAL_ROWS:,}, and the "
+                     "model's context)"),
+        Option("init", "choice", "prompt", choices=INIT_MODES,
+               help="how a window starts: prompt tokens, MSN ahead noise, or the pad token"),
+        Option("blocks", "bool", True, help="CLLM block semantics (else a sliding window)"),
+        Option("record_trajectory", "bool", False, help="keep every block's Jacobi trajectory (needs blocks)"),
+    ),
+    checks=(_trajectories_need_blocks,),
 )
 def jacobi(target, *, n_tokens: int = 16, init: str = "prompt", blocks: bool = True,
            record_trajectory: bool = False) -> JacobiProposer:
     """``n_tokens``: window size (CLLM: 16); ``init``: prompt | noise | pad; ``blocks``: CLLM block semantics
-    (else a sliding window); ``record_trajectory``: keep every block's Jacobi trajectory (block mode only)."""
-    check_int("jacobi", "n_tokens", n_tokens, 2)
-    check_choice("jacobi", "init", init, INIT_MODES)
-    check_bool("jacobi", "blocks", blocks)
-    check_bool("jacobi", "record_trajectory", record_trajectory)
-    if record_trajectory and not blocks:
-        raise UsageError("jacobi: record_trajectory needs blocks=True (trajectories are per n-token block)")
+    (else a sliding window); ``record_trajectory``: keep every block's Jacobi trajectory (block mode only). The
+    values are checked against the schema (:func:`~fastforward.proposers.make_proposer`); here, the window against
+    the model's context."""
+    check_proposal_rows("jacobi", n_tokens, f"n_tokens {n_tokens}", target.max_context)
     return JacobiProposer(n_tokens, init, blocks, record_trajectory)

@@ -34,11 +34,10 @@ import torch
 
 from ..costs import CostCurve, CostModel, cost_model
 from ..engine import DecodeState, Proposal, Proposer, StepResult
-from ..errors import UsageError
 from ..tree import DraftTree, TreeShape
 from ..validation import MAX_PROPOSAL_ROWS, check_proposal_rows
 from . import register
-from ._options import check_int
+from ._options import Option
 from .jacobi import init_tokens
 
 _SHAPE_CACHE_MAX = 4096
@@ -211,22 +210,58 @@ class LookaheadProposer(Proposer):
         }
 
 
+def _rows(window: int, ngram: int, guesses: int) -> int:
+    """The most tokens a lookahead forward holds (:meth:`LookaheadProposer.max_proposal_size`)."""
+    return LookaheadProposer(window, ngram, guesses).max_proposal_size()
+
+
+def _largest(rows_of) -> int:
+    """The largest v >= 1 with ``rows_of(v)`` within :data:`MAX_PROPOSAL_ROWS` (rows grow with v)."""
+    v = 1
+    while rows_of(v + 1) <= MAX_PROPOSAL_ROWS:
+        v += 1
+    return v
+
+
+#: each size's largest value that fits :data:`MAX_PROPOSAL_ROWS` with the other two at their smallest (window 1,
+#: ngram 2, guesses 1); together they must fit too (:func:`_check_rows`)
+MAX_WINDOW = _largest(lambda w: _rows(w, 2, 1))
+MAX_NGRAM = _largest(lambda n: _rows(1, n + 1, 1)) + 1
+MAX_GUESSES = _largest(lambda g: _rows(1, 2, g))
+_ROWS_BOUND = (f"rows per forward: the three together put about (ngram - 1) x (window + guesses) tokens in a forward "
+               f"(more for a narrow window), at most the engine's {MAX_PROPOSAL_ROWS:,} and the model's context; "
+               "the bound is with the other two at their smallest")
+
+
+def _check_rows(method: str, options: dict) -> None:
+    """The three sizes together within :data:`MAX_PROPOSAL_ROWS`, before the model is loaded; a size left at 0 counts
+    as the smallest the cost curve may give it (the model's context is checked by the factory)."""
+    smallest = dict(zip(("window", "ngram", "guesses"), SIZE_LADDER[-1], strict=True))
+    w, n, g = (options[k] or smallest[k] for k in ("window", "ngram", "guesses"))
+    check_proposal_rows(method, _rows(w, n, g), f"window {w}, ngram {n} and guesses {g}")
+
+
 @register(
     "lookahead",
     "lookahead decoding: a Jacobi window feeds an n-gram pool whose candidates are verified in the same forward "
     "(options at 0: sized from this machine's cost curve)",
     source="Fu et al. 2024 (arXiv 2402.02057); Spec-Bench's W=7 N=5 G=7 where forwards are nearly free",
+    options=(
+        Option("window", "int", 0, 1, MAX_WINDOW, special=(0,), bound=_ROWS_BOUND,
+               help="W: Jacobi window columns (0 = sized by this machine's cost curve)"),
+        Option("ngram", "int", 0, 2, MAX_NGRAM, special=(0,), bound=_ROWS_BOUND,
+               help="N: n-gram size; N-1 window levels, drafts of N-1 tokens (0 = sized by the cost curve)"),
+        Option("guesses", "int", 0, 1, MAX_GUESSES, special=(0,), bound=_ROWS_BOUND,
+               help="G: n-grams kept per first token and verified per step (0 = sized by the cost curve)"),
+    ),
+    checks=(_check_rows,),
 )
 def lookahead(target, *, window: int = 0, ngram: int = 0, guesses: int = 0) -> LookaheadProposer:
     """``window`` W: Jacobi window columns; ``ngram`` N: n-gram size (N-1 window levels, drafts of N-1 tokens);
     ``guesses`` G: n-grams kept per first token and verified per step. 0 (the default): sized from this machine's
     cost curve (:func:`size_for_curve`; 7 / 5 / 7 where forwards are nearly free). A size whose forwards would
-    hold more than :data:`~fastforward.validation.MAX_PROPOSAL_ROWS` tokens (or the model's context) is refused."""
-    check_int("lookahead", "window", window, 0, MAX_PROPOSAL_ROWS)
-    check_int("lookahead", "ngram", ngram, 0, MAX_PROPOSAL_ROWS)
-    if ngram == 1:
-        raise UsageError("lookahead: option ngram must be 0 (sized from the cost curve) or an integer >= 2, got 1")
-    check_int("lookahead", "guesses", guesses, 0, MAX_PROPOSAL_ROWS)
+    hold more than :data:`~fastforward.validation.MAX_PROPOSAL_ROWS` tokens (or the model's context) is refused:
+    by the schema before the model is loaded, and here against the model's context."""
     sized = not (window and ngram and guesses)
     if sized:
         auto_w, auto_n, auto_g = size_for_curve(cost_model(target))  # built before any run's clock starts

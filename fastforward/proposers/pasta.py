@@ -6,14 +6,23 @@ is the PASTA model's own, decoded asynchronously. A model without PASTA-LANG tok
 from ..errors import UsageError
 from ..pasta.interpreter import PastaProposer
 from . import register
-from ._options import check_bool, check_int
+from ._options import Option
+
+#: the most threads decoding at once: each live thread puts up to two rows in the shared forward and holds KV slots
+MAX_FORKS = 64
 
 
 @register("pasta", "PASTA asynchronous decoding: threads for the promised blocks a PASTA-trained model writes, "
-          "one forward per step over every live thread", lossless=False, source="arXiv 2502.11517 (ICML'25)")
+          "one forward per step over every live thread", lossless=False, source="arXiv 2502.11517 (ICML'25)",
+          options=(
+              Option("max_forks", "int", 8, 1, MAX_FORKS, help="the most threads decoding at once",
+                     bound=f"rows per forward (1 + 2 x max_forks: {1 + 2 * MAX_FORKS} at {MAX_FORKS}) and memory "
+                           "(each thread holds its own KV slots in the shared pool)"),
+              Option("plain", "bool", False,
+                     help="decode a model without PASTA-LANG tokens as ar (its main thread only)"),
+          ))
 def pasta(target, *, max_forks: int = 8, plain: bool = False) -> PastaProposer:
-    check_int("pasta", "max_forks", max_forks, 1, 64)
-    check_bool("pasta", "plain", plain)
+    """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
     if target.backend_name != "lean":
         raise UsageError("method pasta needs the lean backend (threads share one KV pool with explicit slots)")
     proposer = PastaProposer(target, max_forks=max_forks)

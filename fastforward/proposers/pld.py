@@ -11,10 +11,17 @@ import torch
 from ..costs import AcceptanceEstimate, best_chain_length, cost_model
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..tree import DraftTree, chain_shape
+from ..validation import MAX_PROPOSAL_ROWS, check_proposal_rows
 from . import register
-from ._options import check_bool, check_int
+from ._options import Option, at_most
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
+#: the longest n-gram a lookup matches (pld's max_ngram, tr-jacobi's ngram): :class:`NgramIndex` keeps every n-gram
+#: of the context for each size n, so its memory per context token grows as the square of this (measured: 0.3 KB
+#: per token at 3, 6 KB at 32 -- 49 MB for an 8,192-token context -- and 20 KB at 64)
+MAX_NGRAM = 32
+NGRAM_BOUND = (f"memory: the n-gram index keeps every n-gram of the context for each size up to this, about 6 KB "
+               f"per context token at {MAX_NGRAM} (growing as its square)")
 
 
 def prompt_lookup(tokens: torch.Tensor, max_ngram: int = 3, num_pred: int = 10, min_ngram: int = 1) -> torch.Tensor:
@@ -202,6 +209,20 @@ class PromptLookupProposer(Proposer):
     "pld",
     "prompt lookup decoding: draft what followed the last n-gram's latest earlier occurrence in the context",
     source="Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding (also HF prompt_lookup_num_tokens)",
+    options=(
+        Option("max_ngram", "int", 3, 1, MAX_NGRAM, bound=NGRAM_BOUND,
+               help="the longest n-gram matched, tried first (PLD repo: 3; HF: 2)"),
+        Option("num_pred_tokens", "int", 10, 1, MAX_PROPOSAL_ROWS - 1,
+               help="the most tokens drafted after a match (PLD repo: 10)",
+               bound=f"rows per forward: the draft and the token before it (the engine's cap, "
+                     f"{MAX_PROPOSAL_ROWS:,}, and the model's context)"),
+        Option("min_ngram", "int", 1, 1, MAX_NGRAM, bound="as max_ngram's (and at most max_ngram itself)",
+               help="the shortest n-gram matched (at most max_ngram)"),
+        Option("adaptive", "bool", True,
+               help="cut each draft to the length the cost curve and the running acceptance rate favour "
+                    "(False: always the full match, as the PLD repo)"),
+    ),
+    checks=(at_most("min_ngram", "max_ngram"),),
 )
 def pld(
     target, *, max_ngram: int = 3, num_pred_tokens: int = 10, min_ngram: int = 1, adaptive: bool = True
@@ -209,9 +230,7 @@ def pld(
     """``max_ngram``/``min_ngram``: the n-gram sizes tried, longest first (PLD repo: 3..1; HF: 2..1);
     ``num_pred_tokens``: the most tokens drafted after a match (PLD repo: 10); ``adaptive``: cut each draft to
     the length this machine's cost curve and the running acceptance rate favour (False = always the full match,
-    as the PLD repo)."""
-    check_int("pld", "max_ngram", max_ngram, 1)
-    check_int("pld", "min_ngram", min_ngram, 1, max_ngram)
-    check_int("pld", "num_pred_tokens", num_pred_tokens, 1)
-    check_bool("pld", "adaptive", adaptive)
+    as the PLD repo). The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`);
+    here, the draft's rows against the model's context."""
+    check_proposal_rows("pld", 1 + num_pred_tokens, f"num_pred_tokens {num_pred_tokens}", target.max_context)
     return PromptLookupProposer(max_ngram, num_pred_tokens, min_ngram, adaptive)

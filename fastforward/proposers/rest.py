@@ -39,7 +39,7 @@ from ..tree import DraftTree, chain_shape
 from ..validation import token_ids_problem
 from . import register
 from ._backoff import BackOff
-from ._options import check_bool, check_choice, check_int
+from ._options import MAX_TREE_NODES, Option, max_nodes_option, nodes_option
 from ._rerank import best_size, build_tree, rank
 from .pld import NgramIndex
 
@@ -443,10 +443,41 @@ def _trie(rows: np.ndarray, store_rows: int):
             chained, np.where(valid, node_of, -1), r_idx)
 
 
+#: the deepest draft, and the most continuations read per step: a step reads up to MAX_CANDIDATES x MAX_DEPTH tokens
+MAX_DEPTH = 64
+MAX_CANDIDATES = 4096
+_READ_BOUND = (f"time and memory per step: a step reads up to candidates x max_depth tokens of the datastore "
+               f"({MAX_CANDIDATES:,} x {MAX_DEPTH} = {MAX_CANDIDATES * MAX_DEPTH:,})")
+
+
+def _none_needs_learn(method: str, options: dict) -> None:
+    store = options["datastore"]
+    if (store is None or str(store) == "none") and not options["learn"]:
+        raise UsageError(f"{method}: datastore=none needs learn=True (a store of learned generations alone)")
+
+
 @register(
     "rest",
     "REST: draft the continuations of the context's longest suffix in a datastore (and in the context), as a tree",
     source="He et al. 2024, REST: Retrieval-Based Speculative Decoding, arXiv 2311.08252",
+    options=(
+        Option("datastore", "path", "",
+               help="a make-data folder or a JSONL file of records with response_ids or text (default: make-data's "
+                    "output for this model, if written; none with learn=True: learned generations alone)"),
+        Option("max_depth", "int", 8, 1, MAX_DEPTH, bound=_READ_BOUND + f"; a chain of it fills at most "
+               f"{MAX_DEPTH} of a tree's {MAX_TREE_NODES} nodes", help="the deepest draft"),
+        Option("candidates", "int", 64, 1, MAX_CANDIDATES, bound=_READ_BOUND,
+               help="the most continuations read per step"),
+        nodes_option(low=2),
+        max_nodes_option(24),
+        Option("context", "choice", "first", choices=CONTEXT_MODES,
+               help="first: the context's own match when it has one worth drafting, else the datastore; merge: one "
+                    "tree of both; off: the datastore alone"),
+        Option("learn", "bool", False,
+               help="each finished generation joins the datastore for the requests after it (up to "
+                    f"{LEARN_LIMIT:,} tokens)"),
+    ),
+    checks=(_none_needs_learn,),
 )
 def rest(target, *, datastore: str = "", max_depth: int = 8, candidates: int = 64, nodes: int = 0,
          max_nodes: int = 24, context: str = "first", learn: bool = False) -> RetrievalProposer:
@@ -457,20 +488,9 @@ def rest(target, *, datastore: str = "", max_depth: int = 8, candidates: int = 6
     ``context``: ``first`` = the context's own match (as ``pld``) when it has one worth drafting, else the
     datastore; ``merge`` = one tree of both; ``off`` = the datastore alone; ``learn``: each finished generation
     joins the datastore for the requests after it (SuffixDecoding's cache of earlier outputs, up to LEARN_LIMIT
-    tokens per datastore; with ``datastore="none"``, a store of learned generations alone)."""
-    check_int("rest", "max_depth", max_depth, 1, 64)
-    check_int("rest", "candidates", candidates, 1, 4096)
-    check_int("rest", "max_nodes", max_nodes, 2, 256)
-    check_int("rest", "nodes", nodes, 0, 256)
-    if nodes == 1:
-        raise UsageError("rest: option nodes must be 0 (sized by the cost curve) or at least 2, got 1")
-    check_choice("rest", "context", context, CONTEXT_MODES)
-    check_bool("rest", "learn", learn)
-    if datastore is not None and not isinstance(datastore, (str, Path)):
-        raise UsageError(f"rest: option datastore must be a path, got {datastore!r}")
-    if datastore is None or str(datastore) == "none":
-        if not learn:
-            raise UsageError("rest: datastore=none needs learn=True (a store of learned generations alone)")
+    tokens per datastore; with ``datastore="none"``, a store of learned generations alone). The values are checked
+    against the schema (:func:`~fastforward.proposers.make_proposer`)."""
+    if datastore is None or str(datastore) == "none":  # with learn=True (the schema's check)
         datastore = None
     elif not str(datastore):  # make-data's default output for this model, when there is one
         datastore = made_data_dir(target.name)

@@ -48,10 +48,10 @@ from ..model import TargetModel
 from ..tree import DraftTree
 from ..verify import sample, target_probs
 from . import register
-from ._options import check_int
+from ._options import Option
 
 K_MAX = 8  # the longest chain the adaptive length considers
-FIXED_K_MAX = 32
+FIXED_K_MAX = 32  # the longest fixed chain: k draft-model forwards per step, 1 + k rows per target forward
 CHUNK = 256  # tokens per draft forward while reading the prompt
 # A text both tokenizers must split into the same ids (letters, digits, code, accents, CJK, a chat special token).
 PROBE_TEXT = "The quick brown fox jumps: 3.14159, print('hi')\n\tüber ñandú 日本語 <|im_end|> t1 t7 t42"
@@ -285,6 +285,16 @@ class DraftModelProposer(Proposer):
     "speculative sampling with a draft model sharing the target's tokenizer (-o draft=PATH): its chain verified "
     "with its own probabilities",
     source="Leviathan et al. 2023 (arXiv:2211.17192); Chen et al. 2023 (arXiv:2302.01318)",
+    options=(
+        Option("draft", "path", None, accepts=(TargetModel,),
+               help="the draft model: a 'fastforward train draft-model' folder, an HF folder, a .gguf file or an "
+                    "alias sharing the target's tokenizer (default: the one shipped for the target, if one ships)"),
+        Option("k", "int", None, 1, FIXED_K_MAX, special=(None,),
+               help=f"tokens drafted per step (None: chosen each step from the cost curves and the running "
+                    f"acceptance rate, up to {K_MAX})",
+               bound=f"time per step: k draft-model forwards one after another (1 + k rows per target forward); "
+                     f"{FIXED_K_MAX} is four times the longest chain the adaptive length considers"),
+    ),
 )
 def sps(target, *, draft=None, k=None) -> DraftModelProposer:
     """``draft``: the draft model -- a 'fastforward train draft-model' folder, an HF folder, a .gguf file or an
@@ -297,6 +307,4 @@ def sps(target, *, draft=None, k=None) -> DraftModelProposer:
             raise UsageError(f"sps: option draft is required (no draft model ships for '{target.name}'): -o draft=PATH "
                              "(a 'fastforward train draft-model' folder, an HF folder, a .gguf file or a model alias "
                              "sharing the target's tokenizer)")
-    if k is not None:
-        check_int("sps", "k", k, 1, FIXED_K_MAX)
     return DraftModelProposer(load_draft(target, draft), k)

@@ -43,9 +43,9 @@ from ..paths import trees_dir
 from ..tree import DraftTree, TreeShape, check_choices, load_choices, read_tree_file, tree_from_choices
 from ..validation import MAX_PROPOSAL_ROWS, check_proposal_rows
 from . import register
-from ._options import check_choice, check_int
+from ._options import Option, at_most, check_int
 from .jacobi import INIT_MODES, init_tokens
-from .pld import NgramIndex
+from .pld import MAX_NGRAM, NGRAM_BOUND, NgramIndex
 
 #: the longest prompt-lookup chain: longer continuations are rarely accepted whole, and every length gets a shape
 MAX_RETRIEVAL_LEN = 256
@@ -289,6 +289,22 @@ def resolve_tree(target, tree) -> tuple[list[list[int]], str]:
     "tr-jacobi",
     "MSN's TR-Jacobi: a Jacobi token tree (Medusa-style choices) plus a prompt-lookup retrieval chain, one forward",
     source="Make Some Noise (Wang et al., EMNLP 2024) §3.3, App. B",
+    options=(
+        Option("tree", "path", None, accepts=(list, tuple),
+               help="a tree JSON file (path:name picks a named list; a 'fastforward build-tree' output works), a "
+                    "choices list, or 'builtin' (default: the tree built for this model on this machine, else "
+                    "builtin)"),
+        Option("retrieval_len", "int", 5, 0, MAX_RETRIEVAL_LEN, help="prompt-lookup chain length (0 = none)",
+               bound=f"rows per forward with the tree (at most the engine's {MAX_PROPOSAL_ROWS:,} and the model's "
+                     "context), and one precomputed tree shape per length"),
+        Option("ngram", "int", 3, 1, MAX_NGRAM, bound=NGRAM_BOUND,
+               help="the longest suffix n-gram the lookup matches (MSN: 3)"),
+        Option("min_ngram", "int", 1, 1, MAX_NGRAM, bound="as ngram's (and at most ngram itself)",
+               help="the shortest suffix n-gram the lookup matches (at most ngram; MSN: 3, the default backs off)"),
+        Option("init", "choice", "noise", choices=INIT_MODES,
+               help="how empty table rows are filled: MSN ahead noise, prompt tokens, or the pad token"),
+    ),
+    checks=(at_most("min_ngram", "ngram"),),
 )
 def tr_jacobi(target, *, tree=None, retrieval_len: int = 5, ngram: int = 3, min_ngram: int = 1,
               init: str = "noise") -> Proposer:
@@ -297,12 +313,8 @@ def tr_jacobi(target, *, tree=None, retrieval_len: int = 5, ngram: int = 3, min_
     ``retrieval_len``: prompt-lookup chain length (0 = none, at most :data:`MAX_RETRIEVAL_LEN`).
     ``ngram``/``min_ngram``: longest and shortest suffix n-gram the lookup matches (MSN uses 3 only; the default
     backs off like PLD). ``init``: how empty table rows are filled: ``noise`` (MSN ahead noise), ``prompt`` or
-    ``pad``."""
-    check_int("tr-jacobi", "ngram", ngram, 1)
-    check_int("tr-jacobi", "min_ngram", min_ngram, 1)
-    if min_ngram > ngram:
-        raise UsageError(f"tr-jacobi: min_ngram ({min_ngram}) cannot exceed ngram ({ngram})")
-    check_choice("tr-jacobi", "init", init, INIT_MODES)
+    ``pad``. The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`); here, the
+    tree and the forward's rows against the model's context."""
     choices, source = resolve_tree(target, tree)
     template = build_template(choices, retrieval_len, target.max_context)
     return TRJacobiProposer(template, ngram=ngram, min_ngram=min_ngram, init=init, tree_source=source)
