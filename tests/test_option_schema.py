@@ -12,7 +12,7 @@ import json
 import math
 
 import pytest
-from cli_helpers import one_line_exit_2
+from cli_helpers import one_line_exit_2, run_cli
 
 import fastforward as ff
 from fastforward.proposers import available_methods, check_method_options, make_proposer
@@ -182,6 +182,29 @@ def test_rows_against_the_models_context(tiny):
     assert "at most 512" in _one_line_usage_error(lambda: make_proposer("jacobi", tiny, n_tokens=600))
     assert "at most 512" in _one_line_usage_error(lambda: make_proposer("pld", tiny, num_pred_tokens=600))
     assert make_proposer("jacobi", tiny, n_tokens=512).max_proposal_size() == 512
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fastforward methods
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_methods_lists_every_option_with_its_range_and_bound(capsys):
+    code, out, err = run_cli(capsys, "methods")
+    assert code == 0 and not err
+    assert "max_ngram=3: an integer in [1, 32]" in out
+    assert "n_tokens=16: an integer in [2, 1024]" in out
+    assert "window=0: an integer in [1, 1023] or 0" in out
+    assert "init='prompt': one of prompt, noise, pad" in out
+    for _, option in NUMERIC:
+        assert f"bound {option.high}: " in out
+    code, out, _ = run_cli(capsys, "methods", "--json")
+    data = json.loads(out)
+    assert data["pld"]["options"]["max_ngram"] == 3  # {name: default}, as before
+    schema = data["pld"]["schema"]["max_ngram"]
+    assert (schema["kind"], schema["low"], schema["high"], schema["default"]) == ("int", 1, 32, 3)
+    assert schema["bound"].startswith("memory") and schema["help"]
+    assert data["tr-jacobi"]["schema"]["tree"]["kind"] == "path"
 
 
 def test_an_option_must_state_its_bound():

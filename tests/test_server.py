@@ -79,6 +79,8 @@ def test_models_health_metrics(server, client):
     assert [m.id for m in models] == [MODEL]
     methods = models[0].model_extra["fastforward"]["methods"]
     assert set(TINY_METHODS) <= set(methods)
+    assert methods["pld"]["options"]["max_ngram"] == 3
+    assert methods["pld"]["schema"]["max_ngram"]["high"] == 32 and methods["pld"]["schema"]["max_ngram"]["bound"]
     health = json.loads(raw(server, "GET", "/health")[1])
     assert health["status"] == "ok"
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import textwrap
 import time
 
 import fastforward as ff
@@ -63,17 +64,33 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
 
 
+def _method_text(m) -> str:
+    """``fastforward methods``: a method's summary, then one line per option (its default, what it takes, what it
+    does) and, for a number, what its upper bound is derived from."""
+    lines = [f"{m.name:<12} {m.summary}",
+             f"{'':<12} lossless: {'yes' if m.lossless else 'no'}"
+             + (f"; from: {m.source}" if m.source and m.source != "-" else "")]
+    if not m.schema:
+        lines.append(f"{'':<12} options: none")
+    for o in m.schema:
+        lines += textwrap.wrap(f"{o.name}={o.default!r}: {o.range_text()}; {o.help}", 118,
+                               initial_indent=" " * 13, subsequent_indent=" " * 17)
+        if o.numeric:
+            lines += textwrap.wrap(f"bound {o.high}: {o.bound}", 118, initial_indent=" " * 17,
+                                   subsequent_indent=" " * 17)
+    return "\n".join(lines)
+
+
 def run(args, name: str) -> int:
     if name == "methods":
         methods = available_methods()
         if args.json:
             print(json.dumps({m.name: {"summary": m.summary, "lossless": m.lossless, "options": m.options(),
+                                       "schema": {o.name: o.describe() for o in m.schema},
                                        "source": m.source} for m in methods.values()}, default=str, indent=1))
             return 0
         for m in methods.values():
-            opts = ", ".join(f"{k}={v!r}" for k, v in m.options().items()) or "-"
-            print(f"{m.name:<12} {m.summary}\n{'':<12} lossless: {'yes' if m.lossless else 'no'}; options: {opts}"
-                  + (f"; from: {m.source}" if m.source and m.source != '-' else ""))
+            print(_method_text(m))
         return 0
 
     if (args.prompt is None) == (args.prompts is None):

@@ -120,7 +120,9 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
                                 "default_options": {k: _json_safe(v) for k, v in default_options.items()},
                                 "max_batch_tokens": budget,
                                 "methods": {m.name: {"summary": m.summary, "lossless": m.lossless,
-                                                     "options": {k: _json_safe(v) for k, v in m.options().items()}}
+                                                     "options": {k: _json_safe(v) for k, v in m.options().items()},
+                                                     "schema": {o.name: {k: _json_safe(v) for k, v in
+                                                                         o.describe().items()} for o in m.schema}}
                                             for m in methods.values()}}}
 
     @app.get("/v1/models")
