@@ -104,7 +104,12 @@ def resolve_specs(methods: list[MethodSpec], peers: list[MethodSpec]) -> list[Me
         if spec.method in PEERS and spec.method not in available_methods():
             raise UsageError(f"unknown method '{spec.method}' (it is a peer: use --peers); available: "
                              f"{', '.join(available_methods())}")
-        check_method_options(spec.method, spec.options)
+        if spec.method not in available_methods():
+            check_method_options(spec.method, spec.options)  # the unknown method's one-line error
+        try:  # the option names and values, against the method's schema
+            check_method_options(spec.method, spec.options)
+        except UsageError as exc:
+            raise UsageError(f"--methods {spec.label}: {exc}") from None
     for spec in peers:
         if spec.method not in PEERS:
             raise UsageError(f"unknown peer '{spec.method}'; available: {', '.join(PEERS)}")
@@ -128,8 +133,9 @@ def resolve_specs(methods: list[MethodSpec], peers: list[MethodSpec]) -> list[Me
 def check_spec_on(spec: MethodSpec, target) -> None:
     """A method spec's option values checked on the loaded ``target`` the way ``fastforward generate -o`` checks
     them, by building its proposer once (:func:`~fastforward.proposers.make_proposer`): a drafter path that is not
-    there, ``topk=0``, ``max_ngram=abc`` ... are a one-line :class:`UsageError` naming the spec, before any question
-    runs. Peers are checked by their runners."""
+    there, a forward's rows beyond the model's context ... are a one-line :class:`UsageError` naming the spec, before
+    any question runs (types and ranges, such as ``topk=0`` or ``max_ngram=abc``, were refused by
+    :func:`resolve_specs` before the model loaded). Peers are checked by their runners."""
     if spec.kind != "method":
         return
     try:
