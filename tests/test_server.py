@@ -21,7 +21,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 import fastforward as ff  # noqa: E402
-from fastforward.errors import UsageError  # noqa: E402
+from fastforward.errors import FastForwardError, UsageError  # noqa: E402
 from fastforward.server import BackgroundServer, Limits, create_app  # noqa: E402
 from fastforward.testing import tiny_hf_folder  # noqa: E402
 
@@ -44,9 +44,12 @@ def target(folder):
 
 
 @pytest.fixture(scope="module")
-def server(target):
+def server(target, folder):
+    # the server's files, named at launch (a request may not name one): sps's draft model (the tiny model itself)
+    # and rest's datastore
     app = create_app(target, model_name=MODEL, max_batch_tokens=64,
-                     limits=Limits(default_max_tokens=16, max_tokens=1000, max_body_bytes=64 * 1024))
+                     limits=Limits(default_max_tokens=16, max_tokens=1000, max_body_bytes=64 * 1024),
+                     method_options={"sps": {"draft": str(folder)}, "rest": {"datastore": str(folder / "store.jsonl")}})
     with BackgroundServer(app) as url:
         yield url
 
@@ -57,8 +60,7 @@ def client(server):
 
 
 def options_for(method, folder):
-    return {"draft": str(folder), "k": 3} if method == "sps" else \
-        {"datastore": str(folder / "store.jsonl")} if method == "rest" else {}
+    return {"k": 3} if method == "sps" else {}
 
 
 def ext(method, folder, **more):
@@ -321,7 +323,7 @@ BAD = [
     ("tr-jacobi tree of nulls", CHAT, chat(fastforward={"method": "tr-jacobi", "options": {"tree": [[None]]}}),
      400, "bad tree choice"),
     ("sps draft that does not exist", CHAT,
-     chat(fastforward={"method": "sps", "options": {"draft": "/no/such/draft"}}), 400, "unknown model"),
+     chat(fastforward={"method": "sps", "options": {"draft": "/no/such/draft"}}), 400, "option 'draft' names a file"),
     ("oversized body", CHAT, chat(messages=[{"role": "user", "content": "y" * 100_000}]), 413, "at most"),
     ("unknown route", "/v1/engines", "{}", 404, "no such endpoint"),
 ]
@@ -366,14 +368,12 @@ def test_still_serving_after_bad_input(server, client, target):
     assert r.choices[0].message.content == ref.text
 
 
-def test_sps_draft_folder_that_is_not_a_model_is_400(server, tmp_path):
+def test_sps_draft_folder_that_is_not_a_model_is_refused_at_launch(target, tmp_path):
     folder = tmp_path / "config-only"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "llama"}')
-    status, text = raw(server, "POST", CHAT, chat(fastforward={"method": "sps", "options": {"draft": str(folder)}}))
-    assert status == 400, text
-    message = json.loads(text)["error"]["message"]
-    assert str(folder) in message and "has no tokenizer" in message
+    with pytest.raises(FastForwardError, match="has no tokenizer"):
+        create_app(target, model_name=MODEL, method_options={"sps": {"draft": str(folder)}})
 
 
 def test_openai_client_raises_typed_errors(client):
@@ -526,7 +526,7 @@ def test_default_method_options_apply_under_a_requests_own(target, folder):
     with BackgroundServer(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         card = client.models.list().data[0].model_extra["fastforward"]
-        assert card["default_method"] == "rest" and card["default_options"] == {"datastore": store}
+        assert card["default_method"] == "rest" and card["default_options"] == {"datastore": "<a server path>"}
         for extra in ({"fastforward": {"token_ids": True}},
                       {"fastforward": {"method": "rest", "options": {"max_depth": 3}, "token_ids": True}}):
             r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,

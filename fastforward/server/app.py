@@ -28,7 +28,7 @@ from ..version import __version__
 from .metrics import Metrics
 from .page import PAGE
 from .scheduler import Scheduler
-from .schemas import APIError, Limits, ParsedRequest, parse
+from .schemas import APIError, Limits, ParsedRequest, parse, without_server_paths
 
 log = logging.getLogger("fastforward.server")
 
@@ -44,19 +44,38 @@ def _json_safe(value):
         return str(value)
 
 
+def _public(value):
+    """``value`` as JSON a client may see: every string without the server's paths (a launch option's file, a
+    statistic naming the tree or draft model used)."""
+    if isinstance(value, dict):
+        return {k: _public(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_public(v) for v in value]
+    value = _json_safe(value)
+    return without_server_paths(value) if isinstance(value, str) else value
+
+
 def create_app(target, *, model_name: str, default_method: str = "ar", limits: Limits | None = None,
                max_batch_tokens: int | None = None, max_running: int = 16, max_waiting: int = 64,
                aliases: tuple[str, ...] = (), prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
-               default_options: dict | None = None) -> FastAPI:
+               default_options: dict | None = None, method_options: dict[str, dict] | None = None) -> FastAPI:
     """The server's app for a loaded ``target``; the decode thread starts and stops with the app. ``default_options``
-    are options of ``default_method``, under a request's own: checked here by building that method's proposer once
-    (a bad value is a :class:`UsageError` before the server listens)."""
+    are options of ``default_method`` and ``method_options`` (method -> options) those of any method, applied under
+    a request's own: the server's files (trees, drafters, draft models, datastores) are named here, at launch, as a
+    request may not name one. Each is checked by building that method's proposer once (a bad value is a
+    :class:`UsageError` before the server listens)."""
     limits = limits or Limits()
     methods = available_methods()
     if default_method not in methods:
         raise ValueError(f"unknown default method '{default_method}'")
     default_options = dict(default_options or {})
-    make_proposer(default_method, target, **default_options)
+    launch_options = {m: dict(o) for m, o in (method_options or {}).items()}
+    unknown = sorted(set(launch_options) - set(methods))
+    if unknown:
+        raise ValueError(f"method_options names unknown method(s) {', '.join(unknown)}")
+    launch_options[default_method] = {**launch_options.get(default_method, {}), **default_options}
+    for method, options in launch_options.items():
+        make_proposer(method, target, **options)
     served = (model_name, *[a for a in aliases if a != model_name])
     metrics = Metrics()
     budget = max_batch_tokens or batch_token_budget(target)
@@ -117,7 +136,8 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
         return {"id": name, "object": "model", "created": created, "owned_by": "fastforward",
                 "max_model_len": target.max_context,
                 "fastforward": {"default_method": default_method,
-                                "default_options": {k: _json_safe(v) for k, v in default_options.items()},
+                                "default_options": _public(default_options),
+                                "launch_options": _public({m: o for m, o in launch_options.items() if o}),
                                 "max_batch_tokens": budget,
                                 "methods": {m.name: {"summary": m.summary, "lossless": m.lossless,
                                                      "options": {k: _json_safe(v) for k, v in m.options().items()},
@@ -165,7 +185,7 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
     async def generate(request: Request, kind: str, endpoint: str):
         body = await read_json(request)
         parsed = parse(kind, body, served=served, default_method=default_method, limits=limits,
-                       default_options=default_options)
+                       launch_options=launch_options)
         ticket = scheduler.submit(parsed, asyncio.get_running_loop())
         try:
             kind_, payload = await ticket.queue.get()
@@ -182,8 +202,7 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
         return await _collect(request, ticket, parsed, rid)
 
     def extension(parsed: ParsedRequest, done: dict) -> dict:
-        ext = {"method": parsed.method, "options": {k: _json_safe(v) for k, v in parsed.options.items()},
-               "stats": done["stats"]}
+        ext = {"method": parsed.method, "options": _public(parsed.options), "stats": _public(done["stats"])}
         if parsed.token_ids:
             ext["token_ids"] = done["token_ids"]
         return ext

@@ -28,7 +28,7 @@ from ..model.prefix_cache import prefix_cache_for
 from ..proposers import make_proposer
 from ..stopping import IncrementalDetokenizer, StopMatcher
 from .metrics import Metrics
-from .schemas import APIError, ParsedRequest
+from .schemas import APIError, ParsedRequest, without_server_paths
 
 log = logging.getLogger("fastforward.server")
 
@@ -198,8 +198,8 @@ class Scheduler:
             run = SequenceRun(target, ids, proposer, max_new_tokens=g.max_new_tokens, sampling=g.sampling,
                               seed=g.seed, stops=g.stops, observers=(ticket.observe,),
                               prefix_cache=self.prefix_cache)
-        except FastForwardError as exc:  # bad input, a method option naming a model that does not load, ...
-            message = str(exc)
+        except FastForwardError as exc:  # bad input, a launch option's file gone since, ...: no server path shown
+            message = without_server_paths(str(exc))
             code = "context_length_exceeded" if "context" in message else None
             self._fail(ticket, APIError(400, message, code=code))
             return

@@ -8,6 +8,7 @@ generation value (prompt text, sampling, seed, stop strings, the method and its 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
@@ -138,15 +139,46 @@ def _max_tokens(body: dict, limits: Limits) -> int:
 
 
 EXTENSION_FIELDS = ("method", "options", "trace", "token_ids")
+#: what the server shows in place of a path of its own (an error message, an answer's statistics)
+SERVER_PATH = "<a server path>"
+_PATH = re.compile(r"(?<![\w.:/~-])~?/[^\s'\"(),;:]*[^\s'\"(),;:.]")
 
 
-def _extension(body: dict, default_method: str, default_options: dict | None = None) -> tuple[str, dict, bool, bool]:
-    """(method, options, trace, token_ids) of the request's ``fastforward`` extension; the server's options of its
-    default method (``serve --method M -o KEY=VALUE``) apply under the request's own when it uses that method."""
-    defaults = dict(default_options or {})
+def without_server_paths(text: str) -> str:
+    """``text`` with each absolute path (``/...``, ``~/...``) in it replaced by :data:`SERVER_PATH`: what the server
+    answers never shows where its files are."""
+    return _PATH.sub(SERVER_PATH, text)
+
+
+def refuse_files(method: str, options: dict) -> None:
+    """A request may not name a file: every ``path`` option of ``method`` (a tree, a drafter, a draft model, a
+    datastore) is refused unless its value is one of the in-memory kinds the option accepts that JSON can carry (a
+    list: tr-jacobi's choices list). A string is refused whatever it says (an existing file, a missing one, a
+    keyword such as ``builtin``), before it is looked at; the message never repeats it. The server's files are its
+    launch options (``serve --method M -o KEY=VALUE``) or the methods' shipped defaults."""
+    info = available_methods()[method]
+    for name, value in options.items():
+        option = info.option(name)
+        if option is None or option.kind != "path":
+            continue
+        carried = tuple(t for t in option.accepts if t in (list, tuple))
+        if carried and isinstance(value, carried):
+            continue
+        also = " (a request may give it only as a list)" if carried else ""
+        raise bad(f"{method}: option '{name}' names a file; the server's files are chosen at launch (fastforward "
+                  f"serve --method {method} -o {name}=...){also}", "fastforward.options", code="option_names_a_file")
+
+
+def _extension(body: dict, default_method: str, default_options: dict | None = None,
+               launch_options: dict | None = None) -> tuple[str, dict, bool, bool]:
+    """(method, options, trace, token_ids) of the request's ``fastforward`` extension. Options naming files are
+    refused (:func:`refuse_files`); the server's launch options of the method (``default_options`` for its default
+    method: ``serve --method M -o KEY=VALUE``; ``launch_options``: method -> options) apply under the request's own."""
+    launch = {m: dict(o) for m, o in (launch_options or {}).items()}
+    launch[default_method] = {**launch.get(default_method, {}), **(default_options or {})}
     ext = body.get("fastforward")
     if ext is None:
-        return default_method, defaults, False, False
+        return default_method, launch[default_method], False, False
     if not isinstance(ext, dict):
         raise bad(f"'fastforward' must be an object {{\"method\": ..., \"options\": {{...}}}}, got "
                   f"{_type_name(ext)}", "fastforward")
@@ -165,8 +197,8 @@ def _extension(body: dict, default_method: str, default_options: dict | None = N
     if not isinstance(options, dict):
         raise bad(f"'fastforward.options' must be an object of option name -> value, got {_type_name(options)}",
                   "fastforward.options")
-    if method == default_method:
-        options = {**defaults, **options}
+    refuse_files(method, options)
+    options = {**launch.get(method, {}), **options}
     flags = []
     for name in ("trace", "token_ids"):
         flag = ext.get(name, False)
@@ -233,8 +265,9 @@ def _prompt(body: dict):
 
 
 def parse(kind: str, body, *, served: tuple[str, ...], default_method: str, limits: Limits,
-          default_options: dict | None = None) -> ParsedRequest:
-    """Check an OpenAI chat (``kind="chat"``) or completions body; raises :class:`APIError`."""
+          default_options: dict | None = None, launch_options: dict | None = None) -> ParsedRequest:
+    """Check an OpenAI chat (``kind="chat"``) or completions body; raises :class:`APIError`. ``model`` must be one
+    the server serves (``served``): a request never makes it load another."""
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {_type_name(body)}")
     model = _model(body, served)
@@ -260,7 +293,7 @@ def parse(kind: str, body, *, served: tuple[str, ...], default_method: str, limi
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise bad(f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
-    method, options, trace, token_ids = _extension(body, default_method, default_options)
+    method, options, trace, token_ids = _extension(body, default_method, default_options, launch_options)
     if kind == "chat":
         prompt, chat = _messages(body), True
     else:
