@@ -187,18 +187,6 @@ def check_int(method: str, name: str, value, low: int, high: int | None = None) 
     return value
 
 
-def check_bool(method: str, name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise UsageError(f"{method}: option {name} must be True or False, got {shown(value)}")
-    return value
-
-
-def check_choice(method: str, name: str, value, choices) -> str:
-    if value not in choices:
-        raise UsageError(f"{method}: option {name} must be one of {', '.join(choices)}, got {shown(value)}")
-    return value
-
-
 def parse_options(pairs: list[str] | None) -> dict:
     """Method options from ``KEY=VALUE`` strings (the CLI's ``-o``, the benchmark's method specs):
     ``["k=3", "tree=path.json"]`` -> ``{"k": 3, "tree": "path.json"}``. Values are Python literals when they parse
