@@ -308,10 +308,11 @@ class SequenceRun:
         self.stats.new_tokens = len(self.emitted)
         return taken
 
-    def cancel(self) -> None:
-        """Stop here (a cancelled request): finish reason "cancelled" unless already finished; frees the cache."""
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop here (a cancelled request; a server's budget spent): finish reason ``reason`` unless already
+        finished; frees the cache."""
         if not self.finished:
-            self.reason = "cancelled"
+            self.reason = reason
             self._finish()
 
     def _finish(self) -> None:
@@ -612,15 +613,16 @@ class BatchDecoder:
             self.runs.append(run)
         return taken
 
-    def remove(self, run: SequenceRun) -> None:
-        """Drop ``run`` (finished or not); an unfinished run is marked cancelled and its KV memory freed."""
+    def remove(self, run: SequenceRun, reason: str = "cancelled") -> None:
+        """Drop ``run`` (finished or not); an unfinished run ends with ``reason`` and its KV memory is freed."""
         if run in self.runs:
             self.runs.remove(run)
-        run.cancel()
+        run.cancel(reason)
 
-    def step(self) -> list[tuple[SequenceRun, list[int]]]:
-        """One step of every active run: ``[(run, newly emitted tokens), ...]``; finished runs leave."""
-        runs = list(self.runs)
+    def step(self, runs: list[SequenceRun] | None = None) -> list[tuple[SequenceRun, list[int]]]:
+        """One step of every active run (or of ``runs``, some of them): ``[(run, newly emitted tokens), ...]``;
+        finished runs leave."""
+        runs = list(self.runs if runs is None else runs)
         if self.cut_drafts and self.budget is None and len(runs) > 1:
             self.budget = draft_budget_for(runs[0].target, self.max_batch_tokens)
         out = [(runs[i], tokens)

@@ -2,8 +2,14 @@
 
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as server-sent events ending
 in ``data: [DONE]``), ``GET /health``, ``GET /metrics`` (Prometheus text) and the page at ``/``. Every error is
-OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 bad input, 404 unknown model, method
-or route, 413 body too large, 429 queue full, 500 a bug (never a traceback in the body; the log has it).
+OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 bad input (a ``Host`` the server was
+not started for included), 404 unknown model, method or route, 413 body too large, 415 a body not sent as JSON,
+429 queue full, 500 a bug (never a traceback in the body; the log has it).
+
+Requests a web page makes a browser send are kept out (see docs/serving.md, Security): the ``Host`` header must name
+the server (loopback names unless ``allowed_hosts`` says more: DNS rebinding), generation endpoints take only
+``Content-Type: application/json`` (a page's form or ``text/plain`` post, which needs no preflight), and no CORS
+header is sent unless ``cors_origins`` names the origins that may call the API.
 """
 
 from __future__ import annotations
@@ -28,9 +34,14 @@ from ..version import __version__
 from .metrics import Metrics
 from .page import PAGE
 from .scheduler import Scheduler
-from .schemas import APIError, Limits, ParsedRequest, parse, without_server_paths
+from .schemas import IGNORED_FIELDS_HEADER, APIError, Limits, ParsedRequest, parse, without_server_paths
 
 log = logging.getLogger("fastforward.server")
+
+#: the ``Host`` names a server answers by default: this machine's loopback names
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+#: the endpoints ``/metrics`` counts by name; any other path is counted as ``other``
+ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 #: how often (seconds) a non-streaming request asks whether its client is still connected
 DISCONNECT_CHECK_SECONDS = 0.25
@@ -55,16 +66,46 @@ def _public(value):
     return without_server_paths(value) if isinstance(value, str) else value
 
 
+def host_name(host_header: str) -> str:
+    """The name in a ``Host`` header, lower-cased, without its port: ``[::1]:8000`` -> ``::1``."""
+    host = host_header.strip().lower()
+    if host.startswith("["):  # an IPv6 literal
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def metrics_endpoint(path: str) -> str:
+    """The ``endpoint`` label of ``path`` in ``/metrics``: a known route, or ``other`` (a label per random path
+    would grow the metrics without bound)."""
+    if path in ENDPOINTS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+class _Guard:
+    """An ASGI middleware around the app: ``check(scope, receive, send, app)`` answers itself or calls ``app``."""
+
+    def __init__(self, app, check):
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send):
+        await self.check(scope, receive, send, self.app)
+
+
 def create_app(target, *, model_name: str, default_method: str = "ar", limits: Limits | None = None,
                max_batch_tokens: int | None = None, max_running: int = 16, max_waiting: int = 64,
                aliases: tuple[str, ...] = (), prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
-               default_options: dict | None = None, method_options: dict[str, dict] | None = None) -> FastAPI:
+               default_options: dict | None = None, method_options: dict[str, dict] | None = None,
+               allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = ()) -> FastAPI:
     """The server's app for a loaded ``target``; the decode thread starts and stops with the app. ``default_options``
     are options of ``default_method`` and ``method_options`` (method -> options) those of any method, applied under
     a request's own: the server's files (trees, drafters, draft models, datastores) are named here, at launch, as a
     request may not name one. Each is checked by building that method's proposer once (a bad value is a
-    :class:`UsageError` before the server listens)."""
+    :class:`UsageError` before the server listens). ``allowed_hosts``: ``Host`` names answered beside the loopback
+    ones (``*``: any); ``cors_origins``: the origins whose pages may call the API (none: no CORS)."""
     limits = limits or Limits()
+    hosts = {h.lower().strip("[]") for h in (*LOOPBACK_HOSTS, *allowed_hosts)}
+    any_host = "*" in hosts
     methods = available_methods()
     if default_method not in methods:
         raise ValueError(f"unknown default method '{default_method}'")
@@ -80,7 +121,9 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
     metrics = Metrics()
     budget = max_batch_tokens or batch_token_budget(target)
     scheduler = Scheduler(target, max_batch_tokens=budget, max_running=max_running, max_waiting=max_waiting,
-                          metrics=metrics, prefix_cache_tokens=prefix_cache_tokens)
+                          metrics=metrics, prefix_cache_tokens=prefix_cache_tokens,
+                          max_request_seconds=limits.max_request_seconds,
+                          max_request_cpu_seconds=limits.max_request_cpu_seconds)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -94,11 +137,34 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
     app = FastAPI(title="fastforward", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.scheduler, app.state.metrics, app.state.max_batch_tokens = scheduler, metrics, budget
+    if cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Content-Type", "Authorization"], max_age=600)
 
     def error_response(exc: APIError, endpoint: str | None = None) -> JSONResponse:
         if endpoint:
-            metrics.request(endpoint, exc.status)
+            metrics.request(metrics_endpoint(endpoint), exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def only_named_hosts(scope, receive, send, app_):
+        """A ``Host`` the server was not started for is refused before anything else: a page on another site that
+        rebinds its name to this address (DNS rebinding) sends its own name."""
+        if scope["type"] == "http" and not any_host:
+            header = dict(scope.get("headers") or ()).get(b"host")
+            header = None if header is None else header.decode("latin-1")
+            if header is None or host_name(header) not in hosts:
+                shown = "none" if header is None else repr(header[:80])
+                response = error_response(APIError(
+                    400, f"Host header {shown} is not one this server answers ({', '.join(sorted(hosts))}); start "
+                         "it with --allowed-hosts NAME to add the name clients use", param="Host",
+                    code="host_not_allowed"), scope.get("path", ""))
+                await response(scope, receive, send)
+                return
+        await app_(scope, receive, send)
+
+    app.add_middleware(_Guard, check=only_named_hosts)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -106,15 +172,16 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        message = {404: f"no such endpoint: {request.method} {request.url.path}",
-                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
-                                                                                         str(exc.detail))
+        message = {404: f"no such endpoint: {request.method} {request.url.path[:200]}",
+                   405: f"method {request.method} is not allowed on {request.url.path[:200]}"}.get(
+                       exc.status_code, str(exc.detail))
+        metrics.request(metrics_endpoint(request.url.path), exc.status_code)
         return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
-        metrics.request(request.url.path, 500)
+        metrics.request(metrics_endpoint(request.url.path), 500)
         return JSONResponse(APIError(500, "internal server error (see the server log)").body(), status_code=500)
 
     # -- informational endpoints -----------------------------------------------------------------------------------
@@ -152,12 +219,17 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         if name not in served:
-            raise APIError(404, f"the model '{name}' does not exist here; this server serves: {', '.join(served)}",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"the model '{name[:100]}' does not exist here; this server serves: "
+                                f"{', '.join(served)}", param="model", code="model_not_found")
         return model_card(name)
 
     # -- generation --------------------------------------------------------------------------------------------------
     async def read_json(request: Request):
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            shown = repr(media_type[:80]) if media_type else "none"
+            raise APIError(415, f"Content-Type must be application/json, got {shown}", param="Content-Type",
+                           code="unsupported_media_type")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
             raise APIError(413, f"the request body is {length} bytes; this server takes at most "
@@ -196,10 +268,15 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
             return error_response(payload, endpoint)
         metrics.request(endpoint, 200)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        headers = {}
+        if parsed.ignored_fields:  # ignored as OpenAI's servers do, but said
+            headers[IGNORED_FIELDS_HEADER] = ", ".join(parsed.ignored_fields)
+            log.info("%s %s: ignored body field(s) %s", endpoint, rid, ", ".join(parsed.ignored_fields))
         if parsed.stream:
             return StreamingResponse(_sse(ticket, parsed, rid), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, ticket, parsed, rid)
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        answer = await _collect(request, ticket, parsed, rid)
+        return JSONResponse(answer, headers=headers) if isinstance(answer, dict) else answer
 
     def extension(parsed: ParsedRequest, done: dict) -> dict:
         ext = {"method": parsed.method, "options": _public(parsed.options), "stats": _public(done["stats"])}

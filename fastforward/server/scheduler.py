@@ -8,6 +8,12 @@ the cancelled ones (their client went away), and runs one verification step of e
 ``max_batch_tokens`` rows. Each sequence decodes exactly as it would alone, so a greedy answer never depends on
 who else is being served.
 
+Bounds per request: a sequence whose step alone fills more than one shared forward (a wide Jacobi window, a large
+tree) steps once per ``ceil(rows / max_batch_tokens)`` rounds, so it costs the others about one forward's worth per
+round, as any other sequence does; and each request ends (finish reason ``length``) once it has used
+``max_request_seconds`` of wall time or ``max_request_cpu_seconds`` of the decode loop's CPU time (its prefill, and a
+share of every step it was in, by rows). Output never depends on either: only when it comes.
+
 Every request has a :class:`Ticket`; the loop puts its events -- ``start``, ``delta`` (text as it becomes stable,
 optionally each token's text and how it came), ``done`` (finish reason, usage, statistics) or ``error`` (an
 :class:`~fastforward.server.schemas.APIError`) -- on the ticket's asyncio queue, thread-safely.
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import threading
 import time
 import traceback
@@ -32,7 +39,8 @@ from .schemas import APIError, ParsedRequest, without_server_paths
 
 log = logging.getLogger("fastforward.server")
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "cancelled"}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "cancelled",
+                  "wall budget": "length", "cpu budget": "length"}
 
 
 class Ticket:
@@ -53,6 +61,9 @@ class Ticket:
         self.last_accepted = 0
         self.drafts = self.draft_tokens = self.accepted = 0
         self.done = False
+        self.rows = 1  # rows of its last step in the target forward
+        self.skip_rounds = 0  # rounds to sit out: its last step alone filled more than one shared forward
+        self.cpu_seconds = 0.0  # decode-loop CPU time charged to it
 
     def cancel(self) -> None:
         """The client went away: the loop drops the sequence before its next step."""
@@ -67,6 +78,7 @@ class Ticket:
     def observe(self, state, step) -> None:
         """Step observer: what this step accepted, for the token colours and the draft counts."""
         self.last_accepted = step.verdict.accepted
+        self.rows = step.proposal.size
         drafted = len(step.proposal.tree) - 1
         if drafted > 0:
             self.drafts += 1
@@ -89,6 +101,8 @@ class Ticket:
             "num_accepted_draft_tokens": self.accepted,
             "draft_acceptance_rate": round(self.accepted / self.draft_tokens, 4) if self.draft_tokens else 0.0,
             "tokens_per_s": round(s.tokens_per_s, 2),
+            "cpu_s": round(self.cpu_seconds, 4),
+            "ended_by": self.run.reason if self.run.reason in ("wall budget", "cpu budget") else None,
             "time": {
                 "queue_s": round(admit - self.t_arrival, 4),
                 "prefill_s": round(s.prefill_time, 4),
@@ -105,8 +119,11 @@ class Scheduler:
     """The decode thread and its queue (see the module docstring)."""
 
     def __init__(self, target, *, max_batch_tokens: int, max_running: int = 16, max_waiting: int = 64,
-                 metrics: Metrics | None = None, prefix_cache_tokens: int = 0):
+                 metrics: Metrics | None = None, prefix_cache_tokens: int = 0, max_request_seconds: float = 600.0,
+                 max_request_cpu_seconds: float = 300.0):
         self.target = target
+        self.max_batch_tokens = max_batch_tokens
+        self.max_request_seconds, self.max_request_cpu_seconds = max_request_seconds, max_request_cpu_seconds
         # prompts' KV kept for later prompts that start the same way (a chat template's system prompt, earlier
         # turns): None when the backend cannot reuse prefixes exactly or the size is 0
         self.prefix_cache = prefix_cache_for(target, prefix_cache_tokens)
@@ -162,31 +179,68 @@ class Scheduler:
                 if ticket.cancelled.is_set():
                     ticket.done = True
                     continue
+                waited = time.perf_counter() - ticket.t_arrival
+                if waited > self.max_request_seconds:
+                    self._fail(ticket, APIError(503, f"the request waited {waited:.0f} s in the queue, past this "
+                                                     f"server's {self.max_request_seconds:g} s per request; retry "
+                                                     "later"))
+                    continue
                 self._admit(ticket)
             self._drop_cancelled()
             if len(self.batch):
-                try:
-                    steps = self.batch.step()
-                except Exception:  # a bug: fail the requests in flight, keep serving
-                    log.error("decode step failed:\n%s", traceback.format_exc())
-                    for ticket in list(self._active.values()):
-                        self._fail(ticket, APIError(500, "internal error while decoding (see the server log)"))
-                    self.batch.runs.clear()
-                    continue
-                self.steps += 1
-                for run, tokens in steps:
-                    ticket = self._active.get(id(run))
-                    if ticket is None:
-                        continue
-                    self._emit(ticket, tokens)
-                    if run.finished:
-                        self._finish(ticket)
+                self._step()
+                self._end_over_budget()
             self.metrics.queue(len(self._pending), len(self._active))
         with self._cond:
             pending = list(self._pending) + list(self._active.values())
             self._pending.clear()
         for ticket in pending:
             self._fail(ticket, APIError(503, "the server is shutting down"))
+
+    def _step(self) -> None:
+        """One round: a step of every running sequence but those sitting out (see the module docstring); the
+        round's CPU time is charged to the sequences stepped, by their rows."""
+        stepping = [t for t in self._active.values() if t.skip_rounds == 0]
+        for ticket in self._active.values():
+            ticket.skip_rounds = max(0, ticket.skip_rounds - 1)
+        if not stepping:  # only large steps are running: nobody to leave room for
+            stepping = list(self._active.values())
+        cpu_start = time.process_time()
+        try:
+            steps = self.batch.step([t.run for t in stepping])
+        except Exception:  # a bug: fail the requests in flight, keep serving
+            log.error("decode step failed:\n%s", traceback.format_exc())
+            for ticket in list(self._active.values()):
+                self._fail(ticket, APIError(500, "internal error while decoding (see the server log)"))
+            self.batch.runs.clear()
+            return
+        self.steps += 1
+        cpu = time.process_time() - cpu_start
+        rows = sum(t.rows for t in stepping)
+        for ticket in stepping:
+            ticket.cpu_seconds += cpu * ticket.rows / rows
+            ticket.skip_rounds = math.ceil(ticket.rows / self.max_batch_tokens) - 1
+        for run, tokens in steps:
+            ticket = self._active.get(id(run))
+            if ticket is None:
+                continue
+            self._emit(ticket, tokens)
+            if run.finished:
+                self._finish(ticket)
+
+    def _end_over_budget(self) -> None:
+        now = time.perf_counter()
+        for ticket in list(self._active.values()):
+            if now - ticket.t_arrival > self.max_request_seconds:
+                reason = "wall budget"
+            elif ticket.cpu_seconds > self.max_request_cpu_seconds:
+                reason = "cpu budget"
+            else:
+                continue
+            log.info("a %s request ended after its %s (%.1f s, %.1f CPU s, %d tokens)", ticket.parsed.method,
+                     reason, now - ticket.t_arrival, ticket.cpu_seconds, ticket.run.stats.new_tokens)
+            self.batch.remove(ticket.run, reason)
+            self._finish(ticket)
 
     def _admit(self, ticket: Ticket) -> None:
         ticket.t_admit = time.perf_counter()
@@ -220,8 +274,10 @@ class Scheduler:
             ticket.tracer = IncrementalDetokenizer(target.decode)
         ticket.put("start", {"prompt_tokens": len(ids)})
         self._active[id(run)] = ticket
+        cpu_start = time.process_time()
         try:
             tokens = self.batch.add(run)
+            ticket.cpu_seconds += time.process_time() - cpu_start
         except Exception:
             log.error("prefill failed:\n%s", traceback.format_exc())
             self._fail(ticket, APIError(500, "internal error while reading the prompt (see the server log)"))

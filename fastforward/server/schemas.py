@@ -22,7 +22,8 @@ class APIError(Exception):
     """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
 
     TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+             413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+             500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -44,6 +45,12 @@ class Limits:
     default_max_tokens: int = 256
     max_tokens: int = 4096  # the largest max_tokens a request may ask for
     max_body_bytes: int = 1 << 20
+    #: wall seconds from arrival to the last token (queueing included); a request still decoding then ends with
+    #: finish_reason "length", one still waiting gets a 503
+    max_request_seconds: float = 600.0
+    #: CPU seconds of the decode loop a request may use (its prefill, and its share of each shared forward by rows);
+    #: then it ends with finish_reason "length"
+    max_request_cpu_seconds: float = 300.0
 
 
 @dataclass
@@ -58,6 +65,7 @@ class ParsedRequest:
     trace: bool = False  # stream each token's text and how it came (the page uses it)
     options: dict = field(default_factory=dict)
     token_ids: bool = False  # return the generated token ids too
+    ignored_fields: tuple[str, ...] = ()  # body fields this server does not act on (answered in a header, logged)
 
     @property
     def method(self) -> str:
@@ -120,7 +128,7 @@ def _model(body: dict, served: tuple[str, ...]) -> str:
     if not isinstance(model, str) or not model:
         raise bad("'model' is required: a string naming the model (see GET /v1/models)", "model")
     if model not in served:
-        raise APIError(404, f"the model '{model}' does not exist here; this server serves: {', '.join(served)}",
+        raise APIError(404, f"the model '{model[:100]}' does not exist here; this server serves: {', '.join(served)}",
                        param="model", code="model_not_found")
     return model
 
@@ -139,6 +147,23 @@ def _max_tokens(body: dict, limits: Limits) -> int:
 
 
 EXTENSION_FIELDS = ("method", "options", "trace", "token_ids")
+#: the body fields a request may carry that this server acts on or checks (the rest are ignored, as OpenAI's servers
+#: do, and listed in the answer's ``X-FastForward-Ignored-Fields`` header and the log)
+KNOWN_FIELDS = frozenset({"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
+                          "top_p", "top_k", "seed", "stop", "stream", "stream_options", "response_format",
+                          "fastforward", *_NEUTRAL})
+IGNORED_FIELDS_HEADER = "X-FastForward-Ignored-Fields"
+_MAX_IGNORED_LISTED = 16
+
+
+def ignored_fields(body: dict) -> tuple[str, ...]:
+    """The names of ``body``'s fields this server ignores, sorted, made safe for a header (printable ASCII, at most
+    64 characters each, at most 16 of them; more are counted as ``+N more``)."""
+    names = sorted(k for k in body if k not in KNOWN_FIELDS)
+    safe = ["".join(c if 33 <= ord(c) < 127 and c != "," else "?" for c in k)[:64] or "?" for k in names]
+    if len(safe) > _MAX_IGNORED_LISTED:
+        safe = [*safe[:_MAX_IGNORED_LISTED], f"+{len(safe) - _MAX_IGNORED_LISTED} more"]
+    return tuple(safe)
 #: what the server shows in place of a path of its own (an error message, an answer's statistics)
 SERVER_PATH = "<a server path>"
 _PATH = re.compile(r"(?<![\w.:/~-])~?/[^\s'\"(),;:]*[^\s'\"(),;:.]")
@@ -304,7 +329,8 @@ def parse(kind: str, body, *, served: tuple[str, ...], default_method: str, limi
                                        method_options=options)
     except UsageError as exc:  # the one validation path: its message names the field
         raise bad(str(exc), _param_of(str(exc))) from None
-    return ParsedRequest(kind, model, generation, stream, include_usage, trace, dict(options), token_ids)
+    return ParsedRequest(kind, model, generation, stream, include_usage, trace, dict(options), token_ids,
+                         ignored_fields(body))
 
 
 def _param_of(message: str) -> str | None:
