@@ -505,6 +505,13 @@ def test_load_test_small(server):
 @pytest.mark.parametrize("argv,fragment", [
     (["serve", "--method", "warp"], "unknown method 'warp'"),
     (["serve", "--port", "70000"], "--port"),
+    (["serve", "-o", "warp.x=1"], "'warp' is not a method"),
+    (["serve", "-o", "sps.bogus=1"], "bogus"),
+    (["serve", "-o", "k=1", "-o", "k=2"], "given twice"),
+    (["serve", "--allowed-hosts", "a b"], "not a host name"),
+    (["serve", "--cors-origin", "ftp://x/y"], "--cors-origin"),
+    (["serve", "--request-timeout", "1e9"], "at most 86400"),
+    (["serve", "--request-cpu-seconds", "0"], "positive"),
     (["serve-bench", "--methods", "ar,warp"], "unknown method(s) warp"),
     (["serve-bench", "--url", "http://127.0.0.1:9", "--model", "m", "--methods", ""], "--methods"),
 ])
@@ -514,6 +521,19 @@ def test_commands_refuse_bad_arguments_in_one_line(capsys, argv, fragment):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert fragment in err and len(err.splitlines()) == 1
+
+
+def test_launch_options_per_method():
+    """serve -o KEY=VALUE is an option of --method; -o METHOD.KEY=VALUE one of METHOD (the server's files for every
+    method are named at launch); a path with dots stays a value."""
+    from fastforward.cli.serve import allowed_hosts, launch_options
+
+    options = launch_options(["max_depth=3", "sps.draft=/models/a.b/draft", "tr-jacobi.tree=t.json", "pld.max-ngram=4"],
+                             "rest")
+    assert options == {"rest": {"max_depth": 3}, "sps": {"draft": "/models/a.b/draft"},
+                       "tr-jacobi": {"tree": "t.json"}, "pld": {"max_ngram": 4}}
+    assert allowed_hosts("a.lan, b.lan", "0.0.0.0") == ("a.lan", "b.lan")
+    assert allowed_hosts("", "192.168.1.5") == ("192.168.1.5",)
 
 
 def test_default_method_options_apply_under_a_requests_own(target, folder):

@@ -15,10 +15,12 @@ from .options import (
     model_load_kwargs,
     nonnegative_int,
     parse_options,
+    positive_float,
     positive_int,
     thread_count,
 )
 
+MAX_REQUEST_SECONDS = 86400
 SERVE_HINT = "install the server's dependencies with: pip install -e '.[serve]' (fastapi, uvicorn)"
 
 
@@ -32,8 +34,10 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the --model value)")
     p.add_argument("--method", default="ar", help="decoding method of requests that name none (default: ar)")
-    add_method_option_argument(p, help="an option of --method, for the requests that use it (under their own "
-                                       "options), e.g. --method rest -o datastore=DIR (repeatable)")
+    add_method_option_argument(p, help="an option of --method, or of any method as METHOD.KEY=VALUE, for the "
+                                       "requests that use it (under their own options): the server's files are "
+                                       "named here, as a request may not name one; e.g. --method rest -o "
+                                       "datastore=DIR -o sps.draft=FOLDER (repeatable)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=None, metavar="N",
                    help="rows per shared forward (default: sized from this machine's cost curve)")
     p.add_argument("--max-running", type=positive_int, default=16,
@@ -46,6 +50,18 @@ def add_arguments(p, name: str) -> None:
                    help="the largest max_tokens a request may ask for (default: %(default)s)")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20,
                    help="the largest request body; larger get 413 (default: %(default)s)")
+    p.add_argument("--request-timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                   help="wall time a request may take, queueing included; then it ends with finish_reason 'length' "
+                        "(default: %(default)s)")
+    p.add_argument("--request-cpu-seconds", type=positive_float, default=300.0, metavar="SECONDS",
+                   help="decode-loop CPU time a request may use; then it ends with finish_reason 'length' "
+                        "(default: %(default)s)")
+    p.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="Host header names answered beside the loopback ones, comma-separated: the names clients "
+                        "(or a reverse proxy) reach this server by; '*' answers any (default: loopback only)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="an origin (https://app.example) whose web pages may call the API (repeatable; default: "
+                        "none, no CORS headers)")
     p.add_argument("--prefix-cache-tokens", type=nonnegative_int, default=DEFAULT_PREFIX_CACHE_TOKENS, metavar="N",
                    help="prompt tokens whose KV is kept so that later prompts starting the same way (a system "
                         "prompt, earlier turns) skip reading them; 0 = off (default: %(default)s)")
@@ -123,6 +139,40 @@ def _run_bench(args) -> int:
     return 0 if ok else 1
 
 
+def launch_options(pairs: list[str] | None, default_method: str) -> dict[str, dict]:
+    """``-o KEY=VALUE`` (an option of ``default_method``) and ``-o METHOD.KEY=VALUE`` (an option of METHOD), as
+    method -> options; each method's names are checked here, their values once the model is loaded."""
+    from ..proposers import available_methods, check_method_options
+
+    methods = available_methods()
+    grouped: dict[str, list[str]] = {}
+    for pair in pairs or []:
+        key = pair.split("=", 1)[0]
+        method, dot, rest = key.partition(".")
+        if dot and method in methods:
+            grouped.setdefault(method, []).append(pair[len(method) + 1:])
+        elif dot and method not in methods and "/" not in key:
+            raise UsageError(f"-o {pair}: '{method}' is not a method (METHOD.KEY=VALUE); available: "
+                             f"{', '.join(methods)}")
+        else:
+            grouped.setdefault(default_method, []).append(pair)
+    options = {method: parse_options(group) for method, group in grouped.items()}
+    for method, opts in options.items():
+        check_method_options(method, opts)
+    return options
+
+
+def allowed_hosts(text: str, host: str) -> tuple[str, ...]:
+    """``--allowed-hosts`` as names, plus the ``--host`` address itself when it is one address (not a wildcard)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name != "*" and not all(c.isalnum() or c in ".-_:[]" for c in name):
+            raise UsageError(f"--allowed-hosts: '{name}' is not a host name (letters, digits, '.', '-', ':' or '*')")
+    if host not in ("0.0.0.0", "::", ""):
+        names.append(host)
+    return tuple(names)
+
+
 def _check_serve_arguments(args) -> None:
     """Everything about ``serve``'s flags that can be refused before the (slow) model load."""
     if not 0 <= args.port <= 65535:
@@ -134,6 +184,13 @@ def _check_serve_arguments(args) -> None:
     if args.default_max_tokens > args.max_tokens_limit:
         raise UsageError(f"--default-max-tokens {args.default_max_tokens} is above --max-tokens-limit "
                          f"{args.max_tokens_limit}")
+    for flag, value in (("--request-timeout", args.request_timeout), ("--request-cpu-seconds",
+                                                                       args.request_cpu_seconds)):
+        if value > MAX_REQUEST_SECONDS:
+            raise UsageError(f"{flag} must be at most {MAX_REQUEST_SECONDS} (a day), got {value:g}")
+    for origin in args.cors_origin:
+        if origin != "*" and not (origin.startswith(("http://", "https://")) and "/" not in origin.split("://", 1)[1]):
+            raise UsageError(f"--cors-origin {origin}: an origin is scheme://host[:port] (no path), or '*'")
     _check_can_listen(args.host, args.port)
 
 
@@ -162,25 +219,31 @@ def run(args, name: str) -> int:
         import uvicorn  # noqa: F401
     except ModuleNotFoundError:
         raise UsageError(f"'fastforward serve' needs fastapi and uvicorn: {SERVE_HINT}") from None
-    from ..proposers import available_methods, check_method_options
+    from ..proposers import available_methods
 
     if args.method not in available_methods():
         raise UsageError(f"unknown method '{args.method}'; available: {', '.join(available_methods())}")
-    default_options = parse_options(args.option)
-    check_method_options(args.method, default_options)  # the names, before loading; the values once it is loaded
+    method_options = launch_options(args.option, args.method)  # the names now; the values once it is loaded
+    hosts = allowed_hosts(args.allowed_hosts, args.host)
     import fastforward as ff
 
     from ..server import Limits, create_app, serve
 
     target = ff.load(args.model, **model_load_kwargs(args))
     limits = Limits(default_max_tokens=args.default_max_tokens, max_tokens=args.max_tokens_limit,
-                    max_body_bytes=args.max_body_bytes)
+                    max_body_bytes=args.max_body_bytes, max_request_seconds=args.request_timeout,
+                    max_request_cpu_seconds=args.request_cpu_seconds)
     model_name = args.served_model_name or args.model
     app = create_app(target, model_name=model_name, default_method=args.method, limits=limits,
                      max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                      max_waiting=args.max_waiting, prefix_cache_tokens=args.prefix_cache_tokens,
-                     default_options=default_options)
+                     method_options=method_options, allowed_hosts=hosts,
+                     cors_origins=tuple(args.cors_origin))
     print(f"fastforward serve: {model_name} on http://{args.host}:{args.port} (page at /, OpenAI API at /v1, "
           f"{app.state.max_batch_tokens} rows per shared forward)", file=sys.stderr, flush=True)
+    if args.host in ("0.0.0.0", "::") and not args.allowed_hosts:
+        print("fastforward serve: listening on every address, but answering only requests sent to a loopback name "
+              "(Host: localhost, 127.0.0.1, [::1]); give --allowed-hosts with the names clients use",
+              file=sys.stderr, flush=True)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
