@@ -7,6 +7,10 @@ Two phases against one server, plain HTTP from threads (no client library in the
 2. **C clients** at once, each sending R requests back to back: prompt ``(c + r) % P``, method
    ``(c + 2r) % M``, streaming every other one; every 8th request samples (temperature 0.8, a fixed seed) instead.
 
+3. with ``hostile=N``: phase 2 again, with N requests of the hostile corpus (:mod:`fastforward.bench.hostile`) sent
+   by four more clients, spread over the phase: each must get a 2xx or an OpenAI-shaped 4xx, and the honest
+   requests' latency p95 is compared with phase 2's.
+
 Checked: no request failed, every greedy answer equals the solo answer of its prompt token for token (methods are
 lossless and the shared forwards compute each row as alone), sampled requests with the same prompt, method and seed
 agree. Reported: aggregate tokens/s of each phase and their ratio, latency p50/p95, time to first token p50/p95
@@ -74,6 +78,45 @@ class Outcome:
     latency: float = 0.0
     ttft: float | None = None
     tau: float = 0.0
+
+
+def send_hostile(url: str, request, timeout: float = 60.0) -> tuple[int, float, str]:
+    """Send one :class:`~fastforward.bench.hostile.HostileRequest`: (status, seconds, problem); ``problem`` is
+    empty when the answer is a 2xx or an OpenAI-shaped 4xx ({"error": {"message", "type", "param", "code"}}), a
+    status 0 is a connection that failed."""
+    parsed = urlparse(url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+    t0 = time.perf_counter()
+    try:
+        headers = dict(request.headers)
+        conn.putrequest(request.method, request.path, skip_host="Host" in headers, skip_accept_encoding=True)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        conn.putheader("Content-Length", str(len(request.body)))
+        conn.endheaders(request.body)
+        resp = conn.getresponse()
+        status, text = resp.status, resp.read()
+    except Exception as exc:  # a connection reset for a body over the limit is a refusal too, but say so
+        return 0, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    seconds = time.perf_counter() - t0
+    if status >= 500:
+        return status, seconds, f"HTTP {status}: {text[:200]!r}"
+    if status >= 400:
+        try:
+            error = json.loads(text)["error"]
+            assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str)
+        except Exception:
+            return status, seconds, f"HTTP {status} without an OpenAI-shaped error: {text[:200]!r}"
+    return status, seconds, ""
+
+
+def _hostile_client(url: str, requests: list, gap: float, timeout: float, results: list) -> None:
+    for request in requests:
+        status, seconds, problem = send_hostile(url, request, timeout)
+        results.append({"name": request.name, "status": status, "seconds": seconds, "problem": problem})
+        time.sleep(gap)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -205,8 +248,9 @@ def cpu_seconds(pid: int | None) -> float | None:
 
 
 def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max_tokens: int = 64,
-             methods=DEFAULT_METHODS, timeout: float = 600.0, log=print, server_pid: int | None = None) -> dict:
-    """Both phases against the server at ``url`` serving ``model``; returns the report (see the module doc).
+             methods=DEFAULT_METHODS, timeout: float = 600.0, log=print, server_pid: int | None = None,
+             hostile: int = 0, hostile_seed: int = 0) -> dict:
+    """The phases against the server at ``url`` serving ``model``; returns the report (see the module doc).
     With the server's ``server_pid`` (a local process), each phase also reports the server's CPU seconds and tokens
     per CPU second: a measure of batching that other load on the machine does not distort as much as wall time."""
     methods = list(methods)
@@ -255,6 +299,41 @@ def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max
             return None
         return round((r1 - r0) / (f1 - f0), 2)
 
+    if hostile:
+        from .hostile import hostile_requests
+
+        plan3 = [[Outcome(o.client, o.index, o.prompt, o.method, o.stream, o.sampled) for o in jobs] for jobs in plan]
+        corpus = hostile_requests(model, hostile, hostile_seed)
+        shares = [corpus[i::4] for i in range(4)]
+        gap = many_wall / max(1, len(shares[0]))  # spread over about the time phase 2 took
+        results: list[dict] = []
+        threads = [threading.Thread(target=_hostile_client, args=(url, share, gap, timeout, results), daemon=True)
+                   for share in shares if share]
+        log(f"phase 3: phase 2 again with {hostile} hostile requests interleaved ...")
+        for t in threads:
+            t.start()
+        cpu3 = cpu_seconds(server_pid)
+        wall3 = _phase(url, model, plan3, max_tokens, timeout)
+        cpu4 = cpu_seconds(server_pid)
+        for t in threads:
+            t.join(timeout * len(shares[0]))
+        outcomes3 = [o for jobs in plan3 for o in jobs]
+        honest3 = _summary(outcomes3, wall3, cpu3, cpu4)
+        log(f"  {honest3}")
+        mismatches += [o for o in outcomes3 if o.ok and not o.sampled and o.token_ids != reference.get(o.prompt)]
+        failures += [o for o in outcomes3 if not o.ok]
+        statuses: dict[str, int] = {}
+        for r in results:
+            statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+        problems = [r for r in results if r["problem"]]
+        p95, p95_3 = many["latency_p95_s"], honest3["latency_p95_s"]
+        hostile_report = {
+            "requests": len(results), "by_status": dict(sorted(statuses.items())), "problems": len(problems),
+            "problem_examples": [f"{r['name']}: {r['problem']}" for r in problems[:5]],
+            "slowest_s": _round(max((r["seconds"] for r in results), default=None)),
+            "slowest": max(results, key=lambda r: r["seconds"])["name"] if results else None,
+            "honest": honest3, "latency_p95_ratio": round(p95_3 / p95, 3) if p95 and p95_3 else None}
+
     report = {
         "model": model, "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens,
         "methods": methods, "one_client": one, "many_clients": many,
@@ -264,13 +343,16 @@ def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max
         "rows_per_forward_one_client": per_forward(forwards0, rows0, forwards1, rows1),
         "rows_per_forward_many_clients": per_forward(forwards1, rows1, forwards2, rows2),
         "failures": len(failures), "failure_examples": [f"{o.method}: {o.error}" for o in failures[:5]],
-        "greedy_checked": sum(1 for o in outcomes if o.ok and not o.sampled),
+        "greedy_checked": sum(1 for o in outcomes if o.ok and not o.sampled) + sum(
+            1 for o in (outcomes3 if hostile else []) if o.ok and not o.sampled),
         "greedy_mismatches": len(mismatches),
         "mismatch_examples": [asdict(o) | {"token_ids": o.token_ids[:16]} for o in mismatches[:3]],
         "sampled_groups": len(groups), "sampled_disagreements": len(sampled_disagree),
         "per_method_tau": {m: _round(sum(o.tau for o in outcomes if o.ok and o.method == m) /
                                      max(1, sum(1 for o in outcomes if o.ok and o.method == m))) for m in methods},
     }
+    if hostile:
+        report["hostile"] = hostile_report
     return report
 
 
@@ -333,6 +415,18 @@ def format_report(r: dict) -> str:
         f"disagree: {r['sampled_disagreements']}/{r['sampled_groups']}",
         "tau by method (many clients): " + ", ".join(f"{m} {t}" for m, t in r["per_method_tau"].items()),
     ]
+    h = r.get("hostile")
+    if h:
+        s = h["honest"]
+        lines += [
+            f"with {h['requests']} hostile requests interleaved: honest requests {s['requests']}, failures "
+            f"{s['failures']}, tok/s {s['tokens_per_s']}, latency p50 {_fmt(s['latency_p50_s'])} p95 "
+            f"{_fmt(s['latency_p95_s'])} ({_fmt(h['latency_p95_ratio'])}x the p95 without them)",
+            "hostile answers by status: " + ", ".join(f"{k}: {v}" for k, v in h["by_status"].items())
+            + f"; not a 2xx or an OpenAI-shaped 4xx: {h['problems']}; slowest {_fmt(h['slowest_s'])} s "
+              f"({h['slowest']})",
+        ]
+        lines += [f"  {p}" for p in h["problem_examples"]]
     return "\n".join(lines)
 
 

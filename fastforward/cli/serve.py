@@ -21,6 +21,7 @@ from .options import (
 )
 
 MAX_REQUEST_SECONDS = 86400
+MAX_HOSTILE = 10_000
 SERVE_HINT = "install the server's dependencies with: pip install -e '.[serve]' (fastapi, uvicorn)"
 
 
@@ -83,6 +84,10 @@ def _add_bench_arguments(p) -> None:
                    help="methods in rotation, comma-separated (default: %(default)s)")
     p.add_argument("--timeout", type=positive_int, default=600, help="seconds one request may take (default: "
                    "%(default)s)")
+    p.add_argument("--hostile", type=nonnegative_int, default=0, metavar="N",
+                   help="run the many-clients phase again with N requests of the hostile corpus interleaved (bad "
+                        "options, paths, wrong types, oversized bodies, foreign Host headers), at most "
+                        f"{MAX_HOSTILE}; each must get a 2xx or an OpenAI-shaped 4xx (default: 0, no such phase)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON to FILE")
 
 
@@ -93,6 +98,8 @@ def _run_bench(args) -> int:
     from ..bench.serve_load import format_report, free_port, run_load, start_server
     from ..proposers import available_methods
 
+    if args.hostile > MAX_HOSTILE:
+        raise UsageError(f"--hostile must be at most {MAX_HOSTILE}, got {args.hostile}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in available_methods()]
     if not methods or unknown:
@@ -123,7 +130,7 @@ def _run_bench(args) -> int:
                 raise UsageError(f"--url {url}: no server answers there ({exc})") from None
         report = run_load(url, model, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,
                           methods=methods, timeout=args.timeout, log=lambda m: print(m, file=sys.stderr, flush=True),
-                          server_pid=None if proc is None else proc.pid)
+                          server_pid=None if proc is None else proc.pid, hostile=args.hostile)
     finally:
         if proc is not None:
             proc.terminate()
@@ -135,7 +142,8 @@ def _run_bench(args) -> int:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
-    ok = report["failures"] == 0 and report["greedy_mismatches"] == 0 and report["sampled_disagreements"] == 0
+    ok = report["failures"] == 0 and report["greedy_mismatches"] == 0 and report["sampled_disagreements"] == 0 \
+        and not report.get("hostile", {}).get("problems")
     return 0 if ok else 1
 
 

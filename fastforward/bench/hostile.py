@@ -1,0 +1,154 @@
+"""Hostile requests for ``fastforward serve``: the corpus the load test (``serve-bench --hostile N``) interleaves with
+honest traffic and the fuzz test starts from.
+
+Each entry is one HTTP request a careless or hostile client could send: option values at and beyond every bound of
+every method's schema, wrong JSON types in every field, paths on the server where a file or a model could be named,
+unknown fields, bodies nested deep or grown large, bytes that are not JSON or not UTF-8, a ``Host`` the server was
+not started for, a body a web page posts as a form. A server must answer each with a 2xx or an OpenAI-shaped 4xx,
+quickly, and go on answering honest requests as before. The corpus is built in a fixed order and sampled with a
+seed, so a run can be repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+from ..proposers import available_methods
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+#: values a path option or ``model`` could name on the server
+SERVER_PATHS = ("/etc/passwd", "/proc/self/environ", "~/.ssh/id_rsa", "../../../../etc/shadow", "/root",
+                "/tmp/x.gguf", "builtin", "none", "C:\\Windows\\win.ini", "file:///etc/passwd", "", " ")
+#: values of the wrong kind for any field
+ODD_VALUES = (None, True, -1, 0, 10**10, -(10**10), 2**70, 1.5, 1e308, float("nan"), float("inf"), "", "x" * 300,
+              "1", [], [1, 2], {}, {"a": {"b": [None]}})
+
+
+@dataclass
+class HostileRequest:
+    """One request: what it tries (``name``) and what goes on the wire."""
+
+    name: str
+    path: str = CHAT
+    body: bytes = b""
+    method: str = "POST"
+    headers: dict = field(default_factory=lambda: dict(JSON_HEADERS))
+    expect: tuple[int, ...] = ()  # the statuses a server must answer, where only some are right
+
+
+def _body(served: str, **fields) -> bytes:
+    body = {"model": served, "messages": [{"role": "user", "content": "Hello, who are you?"}], "max_tokens": 8}
+    body.update(fields)
+    return json.dumps({k: v for k, v in body.items() if v is not _DROP}, allow_nan=True).encode()
+
+
+_DROP = object()
+
+
+def _option_values(option) -> list[tuple[str, object]]:
+    """(label, value) pairs at and beyond ``option``'s bounds, and of the wrong kinds."""
+    out: list[tuple[str, object]] = []
+    if option.numeric:
+        kind = int if option.kind == "int" else float
+        low, high = kind(option.low), kind(option.high)
+        if high is not None:
+            out += [("at its upper bound", high), ("above its upper bound", high + 1), ("far above", high * 1000)]
+        if low is not None:
+            below = low - 1
+            while below in option.special:  # 0 of "[1, 1023] or 0" is allowed
+                below -= 1
+            out += [("at its lower bound", low), ("below its lower bound", below)]
+        out += [("10**10", 10**10), ("negative", -(10**10)), ("a string", "7"), ("a float", 2.5), ("null", None)]
+    elif option.kind == "path":
+        out += [(f"the path {p!r}", p) for p in SERVER_PATHS]
+        out += [("a nested list", [[["x"]]]), ("a list of numbers", [[10**9], [-1]])]
+    elif option.kind == "bool":
+        out += [("a string", "yes"), ("a number", 2)]
+    else:
+        out += [("an unknown choice", "nope"), ("a number", 7), ("a list", ["prompt"])]
+    return out
+
+
+def corpus(model: str) -> list[HostileRequest]:
+    """Every hostile request, in a fixed order (``model`` is the id the server serves)."""
+    reqs: list[HostileRequest] = []
+    add = reqs.append
+    # every option of every method, at and beyond its bounds
+    for info in available_methods().values():
+        for option in info.schema:
+            for label, value in _option_values(option):
+                refused = "above" in label or "below" in label or "names the path" in label
+                add(HostileRequest(f"{info.name}.{option.name} {label}", body=_body(
+                    model, fastforward={"method": info.name, "options": {option.name: value}}),
+                    expect=(400,) if refused else ()))
+        add(HostileRequest(f"{info.name} with an unknown option", body=_body(
+            model, fastforward={"method": info.name, "options": {"warp": 1}})))
+    # every field with values of the wrong kind
+    for name in ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+                 "seed", "stop", "stream", "stream_options", "n", "logprobs", "response_format", "fastforward"):
+        for value in ODD_VALUES:
+            add(HostileRequest(f"{name} = {str(value)[:20]}", body=_body(model, **{name: value})))
+    # names of things on the server
+    for p in SERVER_PATHS:
+        add(HostileRequest(f"model {p!r}", body=_body(model, model=p), expect=(400, 404)))
+        add(HostileRequest(f"GET /v1/models/{p}", path="/v1/models/" + quote(p.lstrip("/")), method="GET",
+                           body=b"", expect=(404,)))
+    # shapes and sizes
+    add(HostileRequest("deeply nested body", body=b"[" * 200_000 + b"]" * 200_000))
+    add(HostileRequest("deeply nested option", body=_body(model, fastforward={
+        "method": "pld", "options": {"max_ngram": json.loads("[" * 500 + "]" * 500)}})))
+    add(HostileRequest("a thousand unknown fields", body=_body(model, **{f"field{i}": i for i in range(1000)})))
+    add(HostileRequest("a thousand messages", body=_body(model, messages=[{"role": "user", "content": "hi"}] * 1000)))
+    add(HostileRequest("a prompt longer than the context", body=_body(
+        model, messages=[{"role": "user", "content": "word " * 60_000}])))
+    add(HostileRequest("a body over the size limit", body=_body(model, messages=[
+        {"role": "user", "content": "y" * (2 << 20)}]), expect=(413,)))
+    add(HostileRequest("max_tokens at a million", body=_body(model, max_tokens=1_000_000)))
+    add(HostileRequest("stop: a thousand strings", body=_body(model, stop=["a"] * 1000)))
+    add(HostileRequest("stop: one long string", body=_body(model, stop="z" * 100_000)))
+    add(HostileRequest("control characters", body=_body(model, messages=[
+        {"role": "user", "content": "\x00\x01\x1b[31m\u202e\ufeff"}])))
+    add(HostileRequest("completion with negative token ids", path=COMPLETIONS, body=_body(
+        model, messages=_DROP, prompt=[-1, -2, 2**40])))
+    add(HostileRequest("completion with a huge token list", path=COMPLETIONS, body=_body(
+        model, messages=_DROP, prompt=list(range(50_000)))))
+    # bytes that are not what they claim
+    add(HostileRequest("not JSON", body=b"{'model': 1"))
+    add(HostileRequest("not UTF-8", body=b'{"model": "\xff\xfe"}'))
+    add(HostileRequest("empty body", body=b""))
+    add(HostileRequest("NaN temperature", body=b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+                                               b'"temperature": NaN}' % model.encode()))
+    # what a web page can make a browser send
+    add(HostileRequest("a form post", body=b"model=x&messages=hi",
+                       headers={"Content-Type": "application/x-www-form-urlencoded"}, expect=(415,)))
+    add(HostileRequest("a text/plain post", body=_body(model), headers={"Content-Type": "text/plain"},
+                       expect=(415,)))
+    add(HostileRequest("no Content-Type", body=_body(model), headers={}, expect=(415,)))
+    add(HostileRequest("a rebound Host", body=_body(model), headers={**JSON_HEADERS, "Host": "attacker.example"},
+                       expect=(400,)))
+    add(HostileRequest("a rebound Host reading /v1/models", path="/v1/models", method="GET",
+                       headers={"Host": "attacker.example:8000"}, expect=(400,)))
+    # routes and verbs
+    add(HostileRequest("an unknown route", path="/v1/engines/x/completions", body=_body(model)))
+    add(HostileRequest("a long path", path="/" + "a" * 4000, method="GET", body=b""))
+    add(HostileRequest("DELETE a model", path="/v1/models/" + model, method="DELETE", body=b""))
+    add(HostileRequest("PUT the chat endpoint", method="PUT", body=_body(model)))
+    return reqs
+
+
+def hostile_requests(model: str, count: int, seed: int = 0) -> list[HostileRequest]:
+    """``count`` requests drawn from :func:`corpus` with ``seed``: every entry once before any repeats."""
+    every = corpus(model)
+    rng = random.Random(seed)
+    out: list[HostileRequest] = []
+    while len(out) < count:
+        batch = list(every)
+        rng.shuffle(batch)
+        out += batch[:count - len(out)]
+    return out
