@@ -33,7 +33,7 @@ import fastforward as ff
 
 from .bench.questions import humaneval_prompt  # the eval and the bench share the prompt
 from .errors import UsageError
-from .paths import data_root
+from .paths import data_root, owned_json
 from .stats import totals
 from .train.data import encode_examples, located_records, read_examples, split_examples, text_field
 from .train.msn import apply_ahead_noise, random_starts
@@ -362,12 +362,10 @@ def _keep_on_interrupt(samples: list, result):
 
 
 def is_eval_file(path) -> bool:
-    """Whether ``path`` is a ``fastforward eval --save`` file (a JSON object with ``task`` and ``samples``)."""
-    try:
-        saved = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(saved, dict) and "task" in saved and isinstance(saved.get("samples"), list)
+    """Whether ``path`` is a ``fastforward eval --save`` file (a JSON object with ``task`` and ``samples``; a long
+    one by its start, ``{"task": ...``: :func:`~fastforward.paths.owned_json` reads a bounded prefix)."""
+    return owned_json(path, lambda saved: isinstance(saved, dict) and "task" in saved
+                      and isinstance(saved.get("samples"), list), "task")
 
 
 def _generate(target, prompt, method: str, max_new_tokens: int, options: dict):

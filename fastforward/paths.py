@@ -7,13 +7,17 @@ Every other module asks here; none builds these paths itself.
 * ``data_root()`` -- ``$FASTFORWARD_DATA``, else a ``shared/data`` folder beside the source checkout (editable
   installs) or beside/above the working directory.
 * ``check_output_dir`` / ``check_output_file`` -- every command's output path, checked before any work: a folder must
-  be absent, empty, or marked (:data:`RUN_MARKER`) as written by the same command; everything must be writable.
+  be absent, empty, or marked (:data:`RUN_MARKER`) as written by the same command; an existing file must be a regular
+  file the same command wrote (:func:`owned_json`, :func:`owned_jsonl`: they read a bounded prefix, never a whole
+  file); everything must be writable.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -154,7 +158,76 @@ def check_output_file(path, flag: str, *, owned: Callable[[Path], bool] | None =
     if not file.parent.is_dir():
         what = "is not a folder" if file.parent.exists() else "does not exist"
         raise UsageError(f"{flag}: the folder {file.parent} {what}")
+    if file.exists() and not file.is_file():  # a device, a FIFO, a socket (/dev/full, /dev/stdout on a terminal)
+        raise UsageError(f"{flag} {file} exists and is not a regular file (a device, pipe or socket); "
+                         "give a file name")
     if file.exists() and owned is not None and not owned(file):
         raise UsageError(f"{flag} {file} exists and was not written by fastforward; remove it or give another name")
     check_writable(file, flag)
     return file
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Ownership checks: whether an existing output file is one a command wrote, from a bounded prefix of it
+# ------------------------------------------------------------------------------------------------------------------
+
+OWNED_CHECK_BYTES = 64 * 1024  # an ownership check reads at most this much of a file (plus one byte)
+
+
+def file_head(path, limit: int = OWNED_CHECK_BYTES) -> tuple[bytes, bool] | None:
+    """The first ``limit`` bytes of the regular file ``path`` and whether they are the whole file; ``None`` when it is
+    not a regular file or cannot be read. Reads at most ``limit + 1`` bytes and never blocks on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data[:limit], len(data) <= limit
+
+
+def owned_json(path, check: Callable[[object], bool], first_key: str) -> bool:
+    """Whether ``path`` holds the JSON a command wrote: parsed and ``check``-ed when the whole file is at most
+    :data:`OWNED_CHECK_BYTES`; a longer file is recognised by how the command starts it -- an object whose first key
+    is ``first_key`` -- without reading the rest."""
+    head = file_head(path)
+    if head is None:
+        return False
+    data, whole = head
+    if not whole:
+        return re.match(rb'\s*\{\s*"' + re.escape(first_key.encode()) + rb'"\s*:', data) is not None
+    try:
+        return bool(check(json.loads(data)))
+    except (ValueError, RecursionError):  # not UTF-8, not JSON
+        return False
+
+
+def owned_jsonl(path, check: Callable[[dict], bool]) -> bool:
+    """Whether ``path`` holds JSONL records a command wrote: every line in its first :data:`OWNED_CHECK_BYTES` a JSON
+    object passing ``check`` (an empty file passes). A last line without its newline is judged only when it parses
+    (a writer killed mid-line leaves one) or is all there is; a file longer than the prefix needs a whole line in it."""
+    head = file_head(path)
+    if head is None:
+        return False
+    data, whole = head
+    *lines, tail = data.split(b"\n")  # the tail: a line cut by the limit, or torn by a writer killed mid-line
+    try:
+        records = [json.loads(line) for line in lines if line.strip()]
+    except (ValueError, RecursionError):
+        return False
+    if whole and tail.strip():
+        try:
+            records.append(json.loads(tail))
+        except (ValueError, RecursionError):
+            if not records:  # nothing parsed at all: not a torn file, a wrong one
+                return False
+    if not whole and not records:
+        return False
+    return all(isinstance(record, dict) and check(record) for record in records)

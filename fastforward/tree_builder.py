@@ -36,8 +36,9 @@ import torch
 from .costs import DEFAULT_QS, CostCurve, measure_forward_costs
 from .engine import Generation
 from .errors import UsageError
+from .paths import owned_json
 from .proposers.tr_jacobi import TRJacobiProposer, build_template
-from .tree import TREE_FORMAT, is_built_tree, read_tree_file, write_tree_file
+from .tree import TREE_FORMAT, is_built_tree, write_tree_file
 
 __all__ = [
     "Calibration",
@@ -430,11 +431,10 @@ def build_tree(
 
 
 def is_tree_file(path) -> bool:
-    """Whether ``path`` holds a tree ``fastforward build-tree`` wrote (so writing there again replaces only that)."""
-    try:
-        return is_built_tree(read_tree_file(path))
-    except UsageError:
-        return False
+    """Whether ``path`` holds a tree ``fastforward build-tree`` wrote (so writing there again replaces only that); a
+    long file by its start, ``{"format": ...`` (:func:`~fastforward.paths.owned_json` reads a bounded prefix)."""
+    return owned_json(path, lambda data: is_built_tree(data) and data.get("format", TREE_FORMAT) == TREE_FORMAT,
+                      "format")
 
 
 def save_tree(data: dict, path) -> Path:

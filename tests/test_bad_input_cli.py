@@ -282,6 +282,106 @@ def test_bench_marks_its_folder_and_resumes_it(tiny, tmp_path, monkeypatch, caps
     assert "holds the output of 'fastforward bench'" in train_line
 
 
+def special_files(tmp_path) -> list[Path]:
+    """Paths that exist and are not regular files: a FIFO, a socket and /dev/full where this system has them."""
+    import socket
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    found = [fifo]
+    sock = tmp_path / "sock"
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(sock))
+        found.append(sock)
+    except (OSError, AttributeError):  # a path too long for a socket, or no AF_UNIX
+        pass
+    if Path("/dev/full").exists():
+        found.append(Path("/dev/full"))
+    return found
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused_unread(files, tmp_path, monkeypatch, no_load, capsys):
+    """``--save /dev/full`` read the device whole (out of memory) and ``--save /dev/stdout`` (a pipe, a terminal)
+    waited forever: an existing output that is not a regular file is refused, and never opened to see whose it is."""
+    from fastforward.cli import eval as cli_eval
+    from fastforward.cli import tree as cli_tree
+
+    looked = []
+    monkeypatch.setattr(cli_eval, "is_eval_file", lambda path: looked.append(path) or False)
+    monkeypatch.setattr(cli_tree, "is_tree_file", lambda path: looked.append(path) or False)
+    for special in special_files(tmp_path):
+        for argv in ([*EVAL, "--save", special], [*TREE[:5], "--out", special]):
+            line = one_line_exit_2(capsys, fill(files, argv))
+            assert "is not a regular file" in line and str(special) in line, line
+    assert not looked
+
+
+def test_check_output_file_never_asks_whose_a_special_file_is(tmp_path):
+    from fastforward.errors import UsageError
+    from fastforward.paths import check_output_file
+
+    looked = []
+    for special in special_files(tmp_path):
+        with pytest.raises(UsageError, match="is not a regular file") as info:
+            check_output_file(special, "--out", owned=lambda path: looked.append(path) or False)
+        assert "\n" not in str(info.value)
+    assert not looked
+
+
+def test_ownership_checks_read_a_bounded_prefix(tmp_path):
+    """Whether an output file is one fastforward wrote is judged from its start: a huge file (here 64 MiB, sparse) is
+    never read whole, and a long file in the command's own format is still recognised."""
+    import tracemalloc
+
+    from fastforward.evaluate import is_eval_file
+    from fastforward.pasta.annotate import check_records_output
+    from fastforward.pasta.evaluation import is_evaluate_result
+    from fastforward.train.make_data import is_heldout_file
+    from fastforward.tree import TREE_FORMAT
+    from fastforward.tree_builder import is_tree_file
+
+    def huge(name: str, start: str) -> Path:
+        path = tmp_path / name
+        with open(path, "wb") as f:
+            f.write(start.encode())
+            f.truncate(64 << 20)
+        return path
+
+    cases = [
+        (is_eval_file, huge("eval.json", '{\n "task": "gsm8k",\n "model": "m",\n "samples": [')),
+        (is_tree_file, huge("tree.json", f'{{\n  "format": "{TREE_FORMAT}",\n  "choices": [')),
+        (is_evaluate_result, huge("pasta.json", '{\n "models": {\n')),
+        (is_heldout_file, huge("heldout.jsonl", '{"id": "a", "category": "c", "prompt": "p"}\n{"id": ')),
+    ]
+    src = tmp_path / "responses.jsonl"
+    src.write_text("")
+    annotated = huge("annotated.jsonl", '{"pasta": "x"}\n{"pasta": ')
+    for owned, path in cases:
+        tracemalloc.start()
+        try:
+            assert owned(path), owned.__name__
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, (owned.__name__, peak)
+    tracemalloc.start()
+    try:
+        assert check_records_output(annotated, src, "pasta") == annotated
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    # a long file in another shape is still somebody else's; a short one is still judged whole
+    other = huge("other.json", '{"mine": true, "task": "x", "samples": [')
+    assert not is_eval_file(other)
+    short = tmp_path / "short.json"
+    short.write_text('{"task": "gsm8k"}')
+    assert not is_eval_file(short)
+    short.write_text(json.dumps({"task": "gsm8k", "samples": []}, indent=1))
+    assert is_eval_file(short)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Unwritable outputs fail before the work
 # --------------------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ import torch
 
 from ..errors import PastaSyntaxError, UsageError
 from ..jsonl import jsonl_records
-from ..paths import check_output_file
+from ..paths import check_output_file, owned_jsonl
 from ..train.make_data import RESPONSES
 from ..train.pasta import read_records
 from .language import ASYNC as ASYNC_TAG
@@ -519,10 +519,8 @@ def check_records_output(out, src: Path, key: str) -> Path:
 
 
 def _every_record_has(path: Path, key: str) -> bool:
-    try:
-        return all(key in record for _, record in jsonl_records(path))
-    except UsageError:
-        return False
+    """Every record in a bounded prefix of ``path`` carries ``key`` (:func:`~fastforward.paths.owned_jsonl`)."""
+    return owned_jsonl(path, lambda record: key in record)
 
 
 def check_annotate(src, out, mode: str, threshold: float, sync_threshold: float, min_words: int,

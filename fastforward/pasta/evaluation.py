@@ -10,12 +10,12 @@ parallelism, as geometric means) and the judge's win rate against the Baseline's
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
 from ..bench.questions import _parse_record, _read_records
 from ..errors import UsageError
+from ..paths import file_head, owned_json
 from .interpreter import PastaProposer
 from .judge import win_rate
 from .metrics import PromptMetrics, result_theoretical, summarize, timed_decode
@@ -85,13 +85,12 @@ def leave_out(prompts: list[dict], exclude: str) -> tuple[list[dict], list[dict]
 
 
 def is_evaluate_result(path) -> bool:
-    """Whether ``path`` is empty or holds an :func:`evaluate_models` result (what ``pasta evaluate --out`` writes)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-        data = json.loads(text) if text.strip() else {"models": {}, "baseline": []}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(data, dict) and set(data) == {"models", "baseline"}
+    """Whether ``path`` is empty or holds an :func:`evaluate_models` result (what ``pasta evaluate --out`` writes; a
+    long one by its start: :func:`~fastforward.paths.owned_json` reads a bounded prefix)."""
+    head = file_head(path)
+    if head is not None and head[1] and not head[0].strip():
+        return True
+    return owned_json(path, lambda data: isinstance(data, dict) and set(data) == {"models", "baseline"}, "models")
 
 
 def evaluate_models(baseline, models: dict, prompts: list[dict], judge, *, max_new_tokens: int = 256,

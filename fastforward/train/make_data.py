@@ -36,7 +36,7 @@ import torch
 from ..engine import Proposer
 from ..errors import UsageError
 from ..jsonl import jsonl_records
-from ..paths import check_output_dir, check_output_file, data_root, made_data_dir, mark_output_dir
+from ..paths import check_output_dir, check_output_file, data_root, made_data_dir, mark_output_dir, owned_jsonl
 from ..validation import token_ids_problem
 from .data import check_heldout, located_records, parse_paths, text_field
 
@@ -138,12 +138,9 @@ HELDOUT_QUESTION_KEYS = {"id", "category", "prompt"}  # a line of a --write-held
 
 def is_heldout_file(path) -> bool:
     """Whether ``path`` is a file :func:`write_heldout_prompts` wrote (empty, or every line a question with exactly
-    its keys), so writing it again loses nothing of the user's."""
-    try:
-        lines = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return all(isinstance(q, dict) and set(q) == HELDOUT_QUESTION_KEYS for q in lines)
+    its keys, judged on a bounded prefix: :func:`~fastforward.paths.owned_jsonl`), so writing it again loses nothing
+    of the user's."""
+    return owned_jsonl(path, lambda q: set(q) == HELDOUT_QUESTION_KEYS)
 
 
 def write_heldout_prompts(path, sources=None, *, heldout: float = DEFAULT_HELDOUT, seed: int = 0) -> dict:
