@@ -168,6 +168,17 @@ CASES = [
     (["generate", "hi", "--prompts", "{q}", "--model", "{tiny}"], "one of them"),
     (["generate", "--prompts", "{q}", "--model", "{tiny}", "--batch-tokens", "0"], "--batch-tokens"),
     (["generate", "hi", "--model", "{tiny}", "--no-cut-drafts"], "apply to --prompts"),
+    # serve-bench --url: checked before anything is sent
+    (["serve-bench", "--url", "not-a-url"], "not an http:// or https:// URL"),
+    (["serve-bench", "--url", "ftp://127.0.0.1:9"], "not an http:// or https:// URL"),
+    (["serve-bench", "--url", "http://"], "names no host"),
+    (["serve-bench", "--url", "http://127.0.0.1:99999"], "the port must be in [1, 65535]"),
+    (["serve-bench", "--url", "http://127.0.0.1:0"], "the port must be in [1, 65535]"),
+    (["serve-bench", "--url", "http://127.0.0.1:http"], "not a valid URL"),
+    (["serve-bench", "--url", "http://[::1"], "not a valid URL"),
+    (["serve-bench", "--url", "http://127.0.0.1:9/v1"], "has a path"),
+    (["serve-bench", "--url", "not-a-url", "--model", "m"], "not an http:// or https:// URL"),
+    (["serve-bench", "--url", "http://127.0.0.1:99999", "--model", "m"], "the port must be in [1, 65535]"),
     # methods, and the command line itself
     (["methods", "--bogus"], "unrecognized arguments"),
     (["methods", "extra"], "unrecognized arguments"),
@@ -380,6 +391,67 @@ def test_ownership_checks_read_a_bounded_prefix(tmp_path):
     assert not is_eval_file(short)
     short.write_text(json.dumps({"task": "gsm8k", "samples": []}, indent=1))
     assert is_eval_file(short)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# serve-bench against a server that is not ours: one line, not an internal error
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def odd_server():
+    """A loopback HTTP server answering like fastforward serve, except where ``odd_server.broken`` ({path: bytes})
+    says otherwise; yields its URL-setting object."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(broken={}, url="")
+    answers = {"/v1/models": json.dumps({"data": [{"id": "fake"}]}).encode(),
+               "/v1/chat/completions": json.dumps({"usage": {"completion_tokens": 1},
+                                                   "fastforward": {"token_ids": [1]}}).encode(),
+               "/metrics": b"fastforward_target_forwards_total 1\n"}
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = state.broken.get(self.path, answers.get(self.path, b"{}"))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = answer
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_serve_bench_against_a_server_whose_models_answer_is_not_json(odd_server, no_load, capsys):
+    odd_server.broken["/v1/models"] = b"<html>not an API</html>"
+    line = one_line_exit_2(capsys, ["serve-bench", "--url", odd_server.url, "--requests", 1, "--clients", 1])
+    assert "names no model" in line and odd_server.url in line, line
+
+
+def test_serve_bench_when_the_server_answers_garbage_midway_is_one_error_line(odd_server, no_load, capsys):
+    odd_server.broken["/metrics"] = b"\xff\xfe not UTF-8"
+    code, out, err = run_cli(capsys, "serve-bench", "--url", odd_server.url, "--methods", "ar", "--requests", 1,
+                             "--clients", 1, "--max-tokens", 1)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert lines[-1].startswith("fastforward: error: --url " + odd_server.url), lines[-1]
+    assert all(line.startswith("phase ") for line in lines[:-1]), err  # the progress lines before it only
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -84,8 +84,7 @@ def send_hostile(url: str, request, timeout: float = 60.0) -> tuple[int, float, 
     """Send one :class:`~fastforward.bench.hostile.HostileRequest`: (status, seconds, problem); ``problem`` is
     empty when the answer is a 2xx or an OpenAI-shaped 4xx ({"error": {"message", "type", "param", "code"}}), a
     status 0 is a connection that failed."""
-    parsed = urlparse(url)
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+    conn = _connection(url, timeout)
     t0 = time.perf_counter()
     try:
         headers = dict(request.headers)
@@ -180,9 +179,15 @@ def _request(conn: http.client.HTTPConnection, model: str, prompt: str, method: 
     outcome.ok = True
 
 
-def _client(url: str, model: str, jobs: list[Outcome], max_tokens: int, timeout: float) -> None:
+def _connection(url: str, timeout: float) -> http.client.HTTPConnection:
+    """A connection to the server at ``url`` (http, or https)."""
     parsed = urlparse(url)
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+    kind = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+    return kind(parsed.hostname, parsed.port, timeout=timeout)
+
+
+def _client(url: str, model: str, jobs: list[Outcome], max_tokens: int, timeout: float) -> None:
+    conn = _connection(url, timeout)
     for job in jobs:
         try:
             _request(conn, model, PROMPTS[job.prompt], job.method, stream=job.stream, max_tokens=max_tokens,
@@ -190,7 +195,7 @@ def _client(url: str, model: str, jobs: list[Outcome], max_tokens: int, timeout:
         except Exception as exc:  # a failure to report, not to crash the load test on
             job.error = f"{type(exc).__name__}: {exc}"
             conn.close()
-            conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout)
+            conn = _connection(url, timeout)
     conn.close()
 
 
@@ -224,8 +229,7 @@ def _round(x):
 
 
 def _metric(url: str, name: str) -> float | None:
-    parsed = urlparse(url)
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=30)
+    conn = _connection(url, 30)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()

@@ -6,7 +6,7 @@ import socket
 import sys
 
 from ..bench.serve_load import DEFAULT_METHODS
-from ..errors import UsageError
+from ..errors import FastForwardError, UsageError
 from ..model import DEFAULT_MODEL
 from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
 from .options import (
@@ -91,6 +91,29 @@ def _add_bench_arguments(p) -> None:
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON to FILE")
 
 
+def _check_url(url: str) -> str:
+    """``--url`` of serve-bench, checked before anything is sent: http or https, a host, a port in [1, 65535] when
+    given, no path beyond ``/`` (the server's root, not an API path); returns it as ``scheme://host[:port]``."""
+    from urllib.parse import urlsplit
+
+    example = "give the server's address, such as http://127.0.0.1:8000"
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port  # a ValueError when not a number or out of range
+    except ValueError as exc:
+        problem = "the port must be in [1, 65535]" if "out of range" in str(exc) else f"not a valid URL ({exc})"
+        raise UsageError(f"--url {url!r}: {problem}; {example}") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise UsageError(f"--url {url!r} is not an http:// or https:// URL; {example}")
+    if not parts.hostname:
+        raise UsageError(f"--url {url!r} names no host; {example}")
+    if port == 0:
+        raise UsageError(f"--url {url!r}: the port must be in [1, 65535]; {example}")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise UsageError(f"--url {url!r} has a path; {example} (serve-bench adds /v1/... itself)")
+    return f"{parts.scheme.lower()}://{parts.netloc}"
+
+
 def _run_bench(args) -> int:
     import json
     import urllib.request
@@ -98,6 +121,8 @@ def _run_bench(args) -> int:
     from ..bench.serve_load import format_report, free_port, run_load, start_server
     from ..proposers import available_methods
 
+    if args.url is not None:
+        args.url = _check_url(args.url)
     if args.hostile > MAX_HOSTILE:
         raise UsageError(f"--hostile must be at most {MAX_HOSTILE}, got {args.hostile}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -128,9 +153,17 @@ def _run_bench(args) -> int:
                     model = json.loads(r.read())["data"][0]["id"]
             except OSError as exc:
                 raise UsageError(f"--url {url}: no server answers there ({exc})") from None
+            except (ValueError, LookupError, TypeError):
+                raise FastForwardError(f"--url {url}: the answer to GET /v1/models names no model; is it a "
+                                       "fastforward (OpenAI-compatible) server? (or give --model)") from None
         report = run_load(url, model, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,
                           methods=methods, timeout=args.timeout, log=lambda m: print(m, file=sys.stderr, flush=True),
                           server_pid=None if proc is None else proc.pid, hostile=args.hostile)
+    except FastForwardError:
+        raise
+    except (OSError, ValueError) as exc:  # the server went away, or answered what a server of ours does not
+        where = f"--url {url}" if args.url is not None else f"the server at {url}"
+        raise FastForwardError(f"{where}: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
     finally:
         if proc is not None:
             proc.terminate()
