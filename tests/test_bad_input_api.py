@@ -200,7 +200,11 @@ def test_observers_still_run(tiny):
     ({"config.json": "[1, 2]"}, "config.json is not a JSON object"),
     ({"config.json": '{"model_type": "llama"}', "tokenizer.json": "{}"}, "has no weights"),
     ({"config.json": '{"model_type": "llama", "fastforward": {"kind": "eagle3"}}'}, "drafter (kind eagle3)"),
-], ids=["config only", "config not JSON", "config not an object", "no weights", "an EAGLE drafter"])
+    ({}, "has no config.json"),
+    ({"model.safetensors": "x", "tokenizer.json": "{}"}, "has no config.json"),
+    ({"model.Q4_0.gguf": "x"}, "holds model.Q4_0.gguf: give the .gguf file itself"),
+], ids=["config only", "config not JSON", "config not an object", "no weights", "an EAGLE drafter", "empty",
+        "no config", "a GGUF inside"])
 def test_load_refuses_a_folder_that_is_not_a_model(tmp_path, files, words):
     folder = tmp_path / "not-a-model"
     folder.mkdir()

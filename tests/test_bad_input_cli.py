@@ -238,6 +238,22 @@ def test_hf_folder_without_tokenizer_or_weights(files, tmp_path, no_load, capsys
     assert "config.json is not readable JSON" in one_line_exit_2(capsys, ["generate", "hi", "--model", weightless])
 
 
+def test_a_model_folder_without_config_json_says_so(tmp_path, monkeypatch, capsys):
+    """A folder given as --model without config.json said only "unknown model": it now names the folder and what an
+    HF folder needs (or the GGUF file in it to give instead)."""
+    monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    line = one_line_exit_2(capsys, ["generate", "hi", "--model", folder])
+    assert "has no config.json" in line and str(folder) in line and "unknown model" not in line, line
+    (folder / "model.safetensors").write_bytes(b"\x00")
+    line = one_line_exit_2(capsys, ["generate", "hi", "--model", folder])
+    assert "has no config.json" in line and "weights" in line, line
+    write_tiny_gguf(folder / "tiny.gguf")
+    line = one_line_exit_2(capsys, ["generate", "hi", "--model", folder])
+    assert "tiny.gguf" in line and "give the .gguf file itself" in line, line
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Nothing is written over what a command did not write
 # --------------------------------------------------------------------------------------------------------------

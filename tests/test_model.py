@@ -299,8 +299,8 @@ def test_from_hf(tiny):
 def test_resolve_model_errors(tmp_path):
     with pytest.raises(ModelNotFoundError, match="unknown model"):
         resolve_model(str(tmp_path / "nowhere"))
-    with pytest.raises(ModelNotFoundError, match="unknown model"):
-        resolve_model(str(tmp_path))  # a folder without config.json
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        resolve_model(str(tmp_path))  # a folder without config.json: says so, not "unknown model"
     with pytest.raises(UsageError, match="empty"):
         resolve_model("  ")
     with pytest.raises(UsageError):

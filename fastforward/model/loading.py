@@ -70,8 +70,25 @@ def resolve_model(name: str) -> tuple[str, Path]:
         return "gguf", path
     if path.is_dir() and (path / "config.json").is_file():
         return "hf", path
+    if path.is_dir():
+        raise ModelNotFoundError(_folder_without_config(path))
     known = ", ".join(sorted(PACKAGED_MODELS) + sorted(SHIPPED_ADAPTERS))
     raise ModelNotFoundError(f"unknown model '{name}': give {known}, a local Hugging Face folder or a .gguf file")
+
+
+def _folder_without_config(path: Path) -> str:
+    """What is wrong with a model folder that has no config.json, in one line naming it (and the GGUF files in it,
+    which load when given themselves)."""
+    try:
+        ggufs = sorted(p.name for p in path.glob("*.gguf") if p.is_file())
+    except OSError:
+        ggufs = []
+    if ggufs:
+        files = ", ".join(ggufs[:3]) + (f" and {len(ggufs) - 3} more" if len(ggufs) > 3 else "")
+        return (f"model folder {path} has no config.json; it holds {files}: give the .gguf file itself as the "
+                "model (a Hugging Face folder needs config.json and weights)")
+    return (f"model folder {path} has no config.json: a Hugging Face model folder needs config.json, a tokenizer "
+            f"and weights ({' or '.join(WEIGHT_FILES)}); or give a .gguf file")
 
 
 def adapted_model_folder(alias: str) -> Path:
