@@ -255,6 +255,67 @@ def test_a_model_folder_without_config_json_says_so(tmp_path, monkeypatch, capsy
 
 
 # --------------------------------------------------------------------------------------------------------------
+# --method pasta: no progress bar on stderr
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_pasta_generation_on_a_log_prints_no_progress(monkeypatch, capsys):
+    """A long prompt's "reading the prompt" line is rewritten in place on a terminal; on a log or a pipe (here:
+    captured) every rewrite was text. Nothing is printed there now, for pasta as for ar."""
+    import torch
+
+    from fastforward.model import TargetModel
+    from fastforward.pasta.language import add_pasta_tokens
+    from fastforward.testing import tiny_llama_hf, tiny_tokenizer_hf
+
+    tokenizer = tiny_tokenizer_hf()
+    add_pasta_tokens(tokenizer)
+    target = TargetModel("tiny-pasta", tiny_llama_hf(vocab_size=320, seed=1, dtype=torch.float32,
+                                                     max_positions=2048), tokenizer, backend="lean")
+    monkeypatch.setattr(ff, "load", lambda *a, **k: target)
+    prompt = "word " * 300  # 1,500 tokens: a prefill of several chunks
+    for method in ("pasta", "ar"):
+        code, out, err = run_cli(capsys, "generate", prompt, "--method", method, "--model", "tiny-pasta",
+                                 "--max-new-tokens", 8, "--no-stream")
+        assert code == 0, err
+        assert "\r" not in err and len(err.splitlines()) <= 1, (method, err[:500])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # on a terminal: the one line, rewritten in place
+    for method in ("pasta", "ar"):
+        code, out, err = run_cli(capsys, "generate", prompt, "--method", method, "--model", "tiny-pasta",
+                                 "--max-new-tokens", 8, "--no-stream")
+        assert code == 0, err
+        assert err.startswith("\r") and err.endswith("\n") and err.count("\n") == 1, err
+        assert all(part.startswith("reading the prompt") for part in err[1:].split("\r")), err
+
+
+def test_gguf_conversion_prints_one_line_not_a_progress_bar(tmp_path, monkeypatch, capsys):
+    """Converting a GGUF file (the first --method pasta run converts the default model) ran transformers' tqdm bar
+    over its tensors: dozens of lines on a log. It is one line saying what happens now."""
+    import torch
+    import transformers
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from fastforward.model.loading import convert_gguf
+    from fastforward.testing import tiny_llama_hf, tiny_tokenizer_hf
+
+    def model_from_gguf(*args, **kwargs):  # what transformers does, bar included, without a real GGUF tokenizer
+        for _ in gguf_utils.tqdm(range(272), desc="Converting and de-quantizing GGUF tensors...", mininterval=0):
+            pass
+        return tiny_llama_hf(vocab_size=260, dtype=torch.float32)
+
+    bar = gguf_utils.tqdm
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer_hf())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model_from_gguf)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    convert_gguf(gguf, tmp_path / "converted")
+    err = capsys.readouterr().err
+    assert (tmp_path / "converted" / "config.json").is_file()
+    assert "Converting" not in err and "\r" not in err and len(err.splitlines()) == 1, err[:500]
+    assert gguf_utils.tqdm is bar  # transformers' own bar is back as it was
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Nothing is written over what a command did not write
 # --------------------------------------------------------------------------------------------------------------
 

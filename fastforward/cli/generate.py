@@ -17,7 +17,14 @@ from .options import add_method_option_argument, add_model_arguments, model_load
 
 
 def _prefill_progress(min_tokens: int = 1024):
-    """A callback printing how far a long prompt has been read (on stderr, one line rewritten in place)."""
+    """A callback printing how far a long prompt has been read on stderr, one line rewritten in place -- when stderr
+    is a terminal; ``None`` otherwise (a log or a pipe would get every rewrite as text)."""
+    try:
+        terminal = sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        terminal = False
+    if not terminal:
+        return None
     t0 = time.perf_counter()
 
     def report(done: int, total: int) -> None:

@@ -4,11 +4,13 @@ file (its packed weights used directly, or dequantised into a cached HF folder).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -182,13 +184,38 @@ def _not_loadable(path: Path, part: str):
         raise ModelNotFoundError(f"{path} is not a loadable model: {part} does not load ({reason})") from exc
 
 
+@contextlib.contextmanager
+def _no_gguf_progress_bar():
+    """transformers' bar over a GGUF file's tensors ("Converting and de-quantizing GGUF tensors...", a plain tqdm
+    that its ``disable_progress_bar`` does not reach) turned off for the block: on a log or a pipe it is dozens of
+    lines (the first ``--method pasta`` run converts the default model)."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def convert_gguf(gguf: Path, out_dir: Path, dtype=torch.float32):
     """Dequantise a GGUF file into an HF safetensors folder (done once; later loads read the folder)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype, local_files_only=True)
+    print(f"fastforward: converting {gguf.name} into a cached Hugging Face folder (once; {out_dir.parent})",
+          file=sys.stderr, flush=True)
+    with _no_gguf_progress_bar():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype,
+                                                     local_files_only=True)
     model.hf_quantizer = None  # save_pretrained refuses a GGUF-loaded model otherwise
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
