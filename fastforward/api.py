@@ -27,8 +27,25 @@ def _target(model) -> TargetModel:
     return model
 
 
-def _request(prompt, method, options) -> GenerationRequest:
+#: what :func:`stream` and :func:`generate_batch` set on the requests they build when an argument is left out
+REQUEST_DEFAULTS = dict(method="ar", max_new_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
+                        chat=True, system=None, method_options=None)
+
+
+def _left_out(value, default) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def _request(prompt, method, options, where: str = "prompt") -> GenerationRequest:
+    """The request of ``prompt``: built from the arguments, or the ready :class:`GenerationRequest` given -- which
+    carries every setting of its own, so an argument given beside it (one not left at its default) is refused
+    rather than ignored."""
     if isinstance(prompt, GenerationRequest):
+        given = [name for name, value in {"method": method, **options}.items()
+                 if not _left_out(value, REQUEST_DEFAULTS[name])]
+        if given:
+            raise UsageError(f"{', '.join(given)} given beside a GenerationRequest as the {where}: the request "
+                             "carries its own settings and would ignore them; set them on the request")
         return prompt
     return GenerationRequest(prompt, method, **options)
 
@@ -52,8 +69,10 @@ def stream(
 ) -> Generation:
     """A :class:`Generation` to iterate for text deltas (``.result`` after), or to ``.run()`` to the end.
 
-    ``prompt`` is text, a list of chat messages, a list of token ids, or a ready :class:`GenerationRequest` (then
-    the other arguments are ignored). ``observers``: callables ``(state, step)`` called after every verification
+    ``prompt`` is text, a list of chat messages, a list of token ids, or a ready :class:`GenerationRequest` (which
+    carries its own settings: the arguments it holds are then refused, not ignored). ``chat=False`` feeds text
+    without the chat template (messages are always templated); ``system`` is a system prompt for text in the chat
+    template. ``observers``: callables ``(state, step)`` called after every verification
     step (statistics, calibration, trajectory recording). Everything is checked before the model is touched.
     """
     request = _request(prompt, method, dict(
@@ -152,7 +171,7 @@ def generate_batch(
     seeds = per_prompt("seed", seed)
     requests = [_request(p, methods[i], dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[i], stop=stop,
-        chat=chat, system=system, method_options=method_options)) for i, p in enumerate(prompts)]
+        chat=chat, system=system, method_options=method_options), f"prompts[{i}]") for i, p in enumerate(prompts)]
     if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool)
                                          or max_batch_tokens <= 0):
         raise UsageError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")

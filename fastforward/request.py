@@ -71,10 +71,34 @@ class GenerationRequest:
             if not isinstance(self.system, str):
                 raise InputTypeError(f"system must be a string, got {type(self.system).__name__}")
             check_text("the system prompt", self.system)
+        self._check_prompt_settings()
         self.method_options = check_method(self.method, self.method_options)
+
+    def _check_prompt_settings(self) -> None:
+        """``chat`` and ``system`` are refused where the prompt's kind would ignore them: chat messages are always
+        chat-templated, token ids are fed as given, and a system prompt exists only inside the chat template."""
+        messages = isinstance(self.prompt, list) and isinstance(self.prompt[0], dict)
+        token_ids = isinstance(self.prompt, list) and not messages
+        if messages and not self.chat:
+            raise UsageError("chat=False (--no-chat) cannot apply to a list of chat messages: they are always "
+                             "chat-templated; give the text itself, or leave chat on")
+        if not self.system:  # None, or "" (no system prompt either way)
+            return
+        if token_ids:
+            raise UsageError("system cannot be combined with a prompt of token ids: the ids are fed as given; put "
+                             "the system prompt into them, or give the prompt as text")
+        if messages:
+            raise UsageError("system cannot be combined with a list of chat messages: give it as their first "
+                             "message, {'role': 'system', 'content': ...}")
+        if not self.chat:
+            raise UsageError("system cannot be combined with chat=False (--no-chat): a system prompt is part of the "
+                             "chat template, which chat=False leaves out")
 
     def prompt_ids(self, target) -> list[int]:
         """The prompt as token ids for ``target``, checked against its vocabulary and context."""
+        if self.system and isinstance(self.prompt, str) and not getattr(target.tokenizer, "chat_template", None):
+            raise UsageError(f"system needs a chat template, and the model {target.name} has none (its prompts are "
+                             "fed as plain text): leave system out, or put it into the prompt")
         ids = target.encode(self.prompt, chat=self.chat, system=self.system)
         if not ids:
             raise UsageError("the prompt is empty")

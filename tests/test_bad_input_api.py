@@ -97,6 +97,16 @@ CASES = [
     ("chat not bool", dict(chat="yes"), TypeError, "chat"),
     ("system not str", dict(system=5), TypeError, "system"),
     ("system lone surrogate", dict(system="\udcff"), UsageError, "UTF-8"),
+    # settings the prompt's kind would ignore: refused, not ignored
+    ("chat False with messages", dict(prompt=[{"role": "user", "content": "hi"}], chat=False), UsageError,
+     "chat=False (--no-chat) cannot apply to a list of chat messages"),
+    ("system with token ids", dict(system="Be brief."), UsageError, "system cannot be combined with a prompt of token"),
+    ("system with messages", dict(prompt=[{"role": "user", "content": "hi"}], system="Be brief."), UsageError,
+     "system cannot be combined with a list of chat messages"),
+    ("system with chat False", dict(prompt="hi", system="Be brief.", chat=False), UsageError,
+     "system cannot be combined with chat=False"),
+    ("system without a chat template", dict(prompt="hi", system="Be brief."), UsageError,
+     "system needs a chat template"),
     ("on_prefill not callable", dict(on_prefill=5), TypeError, "on_prefill"),
     ("observers an int", dict(observers=5), TypeError, "observers"),
     ("observers a list of ints", dict(observers=[5]), TypeError, "observers[0]"),
@@ -161,6 +171,48 @@ def test_bad_load_options(kwargs, words):
 def test_load_rejects_a_non_path():
     with pytest.raises(TypeError, match="model"):
         ff.load(123)
+
+
+def test_settings_beside_a_generation_request_are_refused(tiny, monkeypatch):
+    """A GenerationRequest carries every setting of its own: an argument given beside it was silently ignored."""
+    started = []
+    monkeypatch.setattr(SequenceRun, "prefill", lambda self: started.append(1) or [])
+    request = ff.GenerationRequest(OK, max_new_tokens=4)
+    cases = [
+        (lambda: ff.generate(tiny, request, max_new_tokens=5), "max_new_tokens given beside a GenerationRequest"),
+        (lambda: ff.stream(tiny, request, "pld"), "method given beside"),
+        (lambda: ff.generate(tiny, request, temperature=0.5, seed=3), "temperature, seed given beside"),
+        (lambda: ff.generate(tiny, request, temperature=0), "temperature given beside"),
+        (lambda: ff.generate(tiny, request, chat=False, system="x", stop="\n", method_options={}),
+         "stop, chat, system, method_options given beside"),
+        (lambda: ff.generate_batch(tiny, [[4, 5], request], top_k=3), "top_k given beside a GenerationRequest as the "
+                                                                        "prompts[1]"),
+        (lambda: ff.generate_batch(tiny, [request, [4, 5]], method=["pld", "ar"]), "as the prompts[0]"),
+    ]
+    for call, words in cases:
+        with pytest.raises(UsageError) as info:
+            call()
+        message = str(info.value)
+        assert words in message and "\n" not in message, message
+    assert not started
+    monkeypatch.undo()
+    # arguments that are not the request's settings still apply; so do per-prompt ones for the other prompts
+    seen = []
+    result = ff.generate(tiny, request, observers=[lambda state, step: seen.append(step)], on_prefill=lambda d, t: 0)
+    assert len(result.token_ids) == 4 and seen
+    results = ff.generate_batch(tiny, [request, [4, 5]], method=["ar", "pld"], seed=[None, 7], max_batch_tokens=16)
+    assert len(results[0].token_ids) == 4
+
+
+def test_request_defaults_are_the_signature_defaults():
+    """The defaults a left-out argument is recognised by are the ones stream and generate_batch declare."""
+    import inspect
+
+    from fastforward.api import REQUEST_DEFAULTS
+
+    for function in (ff.stream, ff.generate_batch):
+        params = inspect.signature(function).parameters
+        assert {name: params[name].default for name in REQUEST_DEFAULTS} == REQUEST_DEFAULTS, function.__name__
 
 
 def test_huge_max_new_tokens_is_bounded_by_the_context(tiny):
