@@ -290,7 +290,7 @@ def test_pasta_generation_on_a_log_prints_no_progress(monkeypatch, capsys):
 
 def test_gguf_conversion_prints_one_line_not_a_progress_bar(tmp_path, monkeypatch, capsys):
     """Converting a GGUF file (the first --method pasta run converts the default model) ran transformers' tqdm bar
-    over its tensors: dozens of lines on a log. It is one line saying what happens now."""
+    over its tensors: dozens of lines on a log. A log gets nothing now; a terminal one line saying what happens."""
     import torch
     import transformers
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
@@ -311,7 +311,12 @@ def test_gguf_conversion_prints_one_line_not_a_progress_bar(tmp_path, monkeypatc
     convert_gguf(gguf, tmp_path / "converted")
     err = capsys.readouterr().err
     assert (tmp_path / "converted" / "config.json").is_file()
+    assert err == "", err[:500]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    convert_gguf(gguf, tmp_path / "converted")
+    err = capsys.readouterr().err
     assert "Converting" not in err and "\r" not in err and len(err.splitlines()) == 1, err[:500]
+    assert err.startswith("fastforward: converting m.gguf"), err
     assert gguf_utils.tqdm is bar  # transformers' own bar is back as it was
 
 

@@ -184,6 +184,13 @@ def _not_loadable(path: Path, part: str):
         raise ModelNotFoundError(f"{path} is not a loadable model: {part} does not load ({reason})") from exc
 
 
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False
+
+
 @contextlib.contextmanager
 def _no_gguf_progress_bar():
     """transformers' bar over a GGUF file's tensors ("Converting and de-quantizing GGUF tensors...", a plain tqdm
@@ -210,8 +217,9 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
-    print(f"fastforward: converting {gguf.name} into a cached Hugging Face folder (once; {out_dir.parent})",
-          file=sys.stderr, flush=True)
+    if _stderr_is_terminal():  # a log or a pipe gets nothing (an error after it is then still one line)
+        print(f"fastforward: converting {gguf.name} into a cached Hugging Face folder (once; {out_dir.parent})",
+              file=sys.stderr, flush=True)
     with _no_gguf_progress_bar():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype,
