@@ -40,6 +40,7 @@ class HostileRequest:
     method: str = "POST"
     headers: dict = field(default_factory=lambda: dict(JSON_HEADERS))
     expect: tuple[int, ...] = ()  # the statuses a server must answer, where only some are right
+    heavy: bool = False  # valid, and as costly as the bounds allow: every draw of the corpus includes these
 
 
 def _body(served: str, **fields) -> bytes:
@@ -75,10 +76,28 @@ def _option_values(option) -> list[tuple[str, object]]:
     return out
 
 
+#: valid requests as costly as the bounds allow: a long prompt, the widest draft of each kind, many tokens
+HEAVY = (
+    ("a 3,000-word prompt", {"messages": [{"role": "user", "content": "word " * 3000}]}),
+    ("a 6,000-word prompt", {"messages": [{"role": "user", "content": "word " * 6000}]}),
+    ("jacobi at its widest, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
+        "method": "jacobi", "options": {"n_tokens": 1024}}}),
+    ("pld at its longest drafts, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
+        "method": "pld", "options": {"max_ngram": 32, "num_pred_tokens": 1023, "adaptive": False}},
+        "messages": [{"role": "user", "content": "Repeat this forever: the cat sat on the mat. " * 20}]}),
+    ("rest reading the most, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
+        "method": "rest", "options": {"candidates": 4096, "max_depth": 64, "nodes": 256}}}),
+    ("tr-jacobi at its longest chain, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
+        "method": "tr-jacobi", "options": {"retrieval_len": 256, "ngram": 32}}}),
+)
+
+
 def corpus(model: str) -> list[HostileRequest]:
     """Every hostile request, in a fixed order (``model`` is the id the server serves)."""
     reqs: list[HostileRequest] = []
     add = reqs.append
+    for name, fields in HEAVY:
+        add(HostileRequest(name, body=_body(model, **fields), heavy=True))
     # every option of every method, at and beyond its bounds
     for info in available_methods().values():
         for option in info.schema:
@@ -143,12 +162,17 @@ def corpus(model: str) -> list[HostileRequest]:
 
 
 def hostile_requests(model: str, count: int, seed: int = 0) -> list[HostileRequest]:
-    """``count`` requests drawn from :func:`corpus` with ``seed``: every entry once before any repeats."""
+    """``count`` requests drawn from :func:`corpus` with ``seed``, in shuffled order: the heavy ones always (as many
+    as fit), the others each once before any repeats."""
     every = corpus(model)
     rng = random.Random(seed)
+    heavy = [r for r in every if r.heavy][:count]
+    light = [r for r in every if not r.heavy]
     out: list[HostileRequest] = []
-    while len(out) < count:
-        batch = list(every)
+    while len(out) < count - len(heavy):
+        batch = list(light)
         rng.shuffle(batch)
-        out += batch[:count - len(out)]
+        out += batch[:count - len(heavy) - len(out)]
+    out += heavy
+    rng.shuffle(out)
     return out
