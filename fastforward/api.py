@@ -1,17 +1,17 @@
 """The Python API: :func:`generate`, :func:`stream` and :func:`generate_batch`.
 
 Every call builds one :class:`~fastforward.request.GenerationRequest` per prompt (validated before any model
-work), turns it into a :class:`~fastforward.engine.SequenceRun`, and lets the engine drive it -- alone
-(:func:`stream`; :func:`generate` is ``stream(...).run()``) or together with others (:func:`generate_batch`).
+work), starts it as a :class:`~fastforward.engine.Generation` (the request, its run, its text, its result:
+``request.start(target)``), and lets the engine drive it -- alone (:func:`stream`; :func:`generate` is
+``stream(...).run()``) or together with others (:func:`generate_batch`).
 """
 
 from __future__ import annotations
 
-from .engine import Generation, GenerationResult, SequenceRun, decode_batch
+from .engine import Generation, GenerationResult, decode_batch
 from .errors import InputTypeError, UsageError
 from .model import TargetModel, load
 from .model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS, prefix_cache_for
-from .proposers import make_proposer
 from .request import GenerationRequest
 from .validation import check_observers
 
@@ -81,12 +81,7 @@ def stream(
     if on_prefill is not None and not callable(on_prefill):
         raise InputTypeError("on_prefill must be a callable (done, total) or None")
     observers = check_observers(observers)
-    target = _target(model)
-    prompt_ids = request.prompt_ids(target)
-    proposer = make_proposer(request.method, target, **request.method_options)
-    return Generation(target, prompt_ids, proposer, stop=request.stops or None,
-                      max_new_tokens=request.max_new_tokens, sampling=request.sampling, seed=request.seed,
-                      on_prefill=on_prefill, observers=observers)
+    return request.start(_target(model), on_prefill=on_prefill, observers=observers)
 
 
 def generate(model, prompt, method="ar", **kwargs) -> GenerationResult:
@@ -196,26 +191,19 @@ def generate_batch(
     else:
         observers = [check_observers(obs, f"observers[{i}]") for i, obs in enumerate(observers)]
     target = _target(model)
-    prompt_ids = [r.prompt_ids(target) for r in requests]
+    prompt_ids = [r.prompt_ids(target) for r in requests]  # every prompt checked before any method is built
     # prompts that start alike (a chat template's system prompt) read their shared prefix once
     prefix_cache = prefix_cache_for(target, DEFAULT_PREFIX_CACHE_TOKENS) if n > 1 else None
-    runs = [SequenceRun(target, ids, make_proposer(r.method, target, **r.method_options),
-                        max_new_tokens=r.max_new_tokens, sampling=r.sampling, seed=r.seed, stops=r.stops,
-                        observers=obs, prefix_cache=prefix_cache)
-            for r, ids, obs in zip(requests, prompt_ids, observers, strict=True)]
+    generations = [r.start(target, prompt_ids=ids, observers=obs, prefix_cache=prefix_cache)
+                   for r, ids, obs in zip(requests, prompt_ids, observers, strict=True)]
     budget = max_batch_tokens or batch_token_budget(target)
-    results: list[GenerationResult | None] = [None] * n
-
-    def finished(i: int) -> GenerationResult:
-        run = runs[i]
-        text = Generation.final_text(target, run.emitted, run.stops)
-        return GenerationResult(text, list(run.emitted), run.stats, run.prompt_ids)
-
-    for i, tokens in decode_batch(runs, budget, max_active, cut_drafts):
+    for i, tokens in decode_batch([g.sequence for g in generations], budget, max_active, cut_drafts):
+        generation = generations[i]
+        generation.add(tokens)
         if on_tokens is not None and tokens:
             on_tokens(i, tokens)
-        if runs[i].finished and results[i] is None:
-            results[i] = finished(i)
+        if generation.sequence.finished and generation.result is None:
+            generation.finish()
             if on_result is not None:
-                on_result(i, results[i])
-    return [r if r is not None else finished(i) for i, r in enumerate(results)]
+                on_result(i, generation.result)
+    return [g.result if g.result is not None else g.finish() for g in generations]

@@ -1,22 +1,29 @@
-"""The decode loop: one engine, many proposers.
+"""The decode loop: one engine, many methods.
 
-Each step a :class:`Proposer` proposes a :class:`~fastforward.tree.DraftTree` rooted at the last accepted token
-(plus, optionally, auxiliary tokens it wants the target to score without verifying them, as lookahead decoding
-does). The target scores everything in one forward under a tree mask, the verifier keeps the longest acceptable
-path, the KV cache keeps that path, and the proposer observes the outcome.
+A decoding method builds the run of each prompt (:class:`Method`, ``method.new_run(target, prompt_ids, ...)``); every
+run speaks the same small protocol (:class:`Run`: ``prefill``, then steps of ``propose`` / a target forward over
+``forward_request`` / ``complete`` until ``finished``; ``cancel`` at any time). Two kinds of run exist:
 
-:class:`SequenceRun` is one sequence in flight (its ids, cache, proposer, sampling RNG, stop matcher, statistics)
-with the three calls of a step; :func:`decode_steps` drives one run, :func:`decode_batch` several at once through
-shared forwards, :class:`BatchDecoder` the same while admitting and dropping runs between steps (a server);
-:class:`Generation` streams one run's text.
+* :class:`SequenceRun`, draft-then-verify, built by every :class:`Proposer`. Each step the proposer proposes a
+  :class:`~fastforward.tree.DraftTree` rooted at the last accepted token (plus, optionally, auxiliary tokens it wants
+  the target to score without verifying them, as lookahead decoding does). The target scores everything in one
+  forward under a tree mask, the verifier keeps the longest acceptable path, the KV cache keeps that path, and the
+  proposer observes the outcome.
+* :class:`~fastforward.pasta.interpreter.PastaRun`, PASTA's asynchronous threads of one answer.
+
+:func:`decode_steps` drives one run, :class:`BatchDecoder` several at once through shared forwards while admitting
+and dropping runs between steps (a server), :func:`decode_batch` a list of runs through a :class:`BatchDecoder`;
+:class:`Generation` is one request in flight, from its run to its text and result.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -110,14 +117,17 @@ class Proposer:
     lossless = True
     #: layers whose hidden states the proposer wants from every target forward (see ``TargetModel.forward``)
     hidden_layers: tuple[int, ...] = ()
-    #: a SequenceRun subclass that decodes this method instead of draft-then-verify (None: the engine's own)
-    run_class = None
     #: whether it learns from finished requests for later ones (``finish``): a benchmark refuses such a method, as
     #: its questions' answers (and the warm-up's) would draft for one another
     learns_across_requests = False
     #: whether its drafts carry draft probabilities when sampling (verified by recursive rejection, which draws
     #: from the run's generator: such a draft must not be cut, or a seeded answer would depend on the batch)
     drafts_with_probabilities = False
+
+    def new_run(self, target: TargetModel, prompt_ids: list[int], **settings) -> SequenceRun:
+        """The run of one prompt with this method: draft-then-verify (:class:`SequenceRun`; ``settings`` are its
+        keyword arguments)."""
+        return SequenceRun(target, prompt_ids, self, **settings)
 
     def max_proposal_size(self) -> int:
         """An upper bound on ``Proposal.size`` (reserved in the KV cache)."""
@@ -145,6 +155,23 @@ class Proposer:
     def stats(self) -> dict:
         """Method-specific statistics for the run report."""
         return {}
+
+
+class Method(Protocol):
+    """A decoding method as the engine sees it: what the registry's factories return
+    (:func:`~fastforward.proposers.make_proposer`). It builds the run of each prompt; every :class:`Proposer` is
+    one (its run is :class:`SequenceRun`), and a method that is not draft-then-verify brings its own kind of
+    :class:`Run` (PASTA's :class:`~fastforward.pasta.interpreter.PastaMethod`)."""
+
+    name: str
+    lossless: bool
+    #: see :attr:`Proposer.learns_across_requests`
+    learns_across_requests: bool
+
+    def new_run(self, target: TargetModel, prompt_ids: list[int], *, max_new_tokens: int, sampling: SamplingConfig,
+                seed: int | None, stops=(), stats: GenerationStats | None = None, on_prefill=None, observers=(),
+                prefix_cache=None) -> Run:
+        """The run of ``prompt_ids`` (see :class:`Run` for the settings)."""
 
 
 @dataclass
@@ -183,8 +210,8 @@ def _full_mask(proposal: Proposal) -> torch.Tensor | None:
 PREFILL_CHUNK = 256  # prompt tokens per prefill forward: bounded activations, and progress to report
 
 
-def _prefill(target, prompt, cache, hidden_layers, on_prefill=None,
-             prefix_cache=None) -> tuple[ForwardOutput, int]:
+def read_prompt(target, prompt, cache, hidden_layers, on_prefill=None,
+                prefix_cache=None) -> tuple[ForwardOutput, int]:
     """The prompt's KV in chunks of :data:`PREFILL_CHUNK` tokens; returns the last position's logits and every prompt
     token's requested hidden states, and how many prompt positions came from the ``prefix_cache``: the longest kept
     prefix of the prompt is copied in instead of read (bitwise the same entries), and the prompt is kept for later
@@ -216,28 +243,27 @@ def _prefill(target, prompt, cache, hidden_layers, on_prefill=None,
     return out, begin
 
 
-class SequenceRun:
-    """One sequence being decoded: its token ids, KV cache, proposer, sampling RNG, stop conditions and stats.
+class Run:
+    """One sequence being decoded: the protocol the engine drives, and what every run holds.
 
-    The engine drives it in three calls per step -- :meth:`propose` (the draft, fitted to the cache), a target
-    forward over :meth:`forward_request` (alone, or together with other sequences'), :meth:`complete` (verify,
-    keep the accepted path in the cache, emit, let the proposer observe) -- after one :meth:`prefill`. A run's
-    output does not depend on which other runs share its forwards: every row of a forward is computed as alone.
+    The engine calls :meth:`prefill` once, then steps of three calls until :attr:`finished` -- :meth:`propose` (this
+    step's rows, anything with a ``size``), a target forward over :meth:`forward_request` (alone, or together with
+    other runs'), :meth:`complete` (the emitted tokens) -- and :meth:`cancel` at any time. In a shared forward a run
+    may let its drafts be cut to their worth there (:attr:`draft_negotiable`, :meth:`draft_levels`,
+    :meth:`cut_draft`); the defaults here say no. A run's output does not depend on which other runs share its
+    forwards: every row of a forward is computed as alone.
+
+    Every run holds the checked prompt and its ids (``ids``: prompt, then generated), what its method may read
+    (``state``: the sampling RNG and keyed draws among them), the stop matcher, the tokens it emitted, its finish
+    reason (``reason``; empty while running), its statistics and its KV cache (``cache``, freed when it ends).
+    Two kinds exist: :class:`SequenceRun` (draft-then-verify) and
+    :class:`~fastforward.pasta.interpreter.PastaRun`; a :class:`Method` builds its own (``method.new_run``).
     """
 
-    #: whether a shared step may cut this run's drafts to their worth in the shared forward
-    #: (:mod:`fastforward.draft_budget`); a run class that is not draft-then-verify says no
-    draft_cuttable = True
+    #: layers whose hidden states the run wants from every target forward (see ``TargetModel.forward``)
+    hidden_layers: tuple[int, ...] = ()
 
-    def __new__(cls, target=None, prompt_ids=None, proposer=None, **kwargs):
-        # A method that is not draft-then-verify (PASTA's interpreter) brings its own run class, a subclass with
-        # the same three steps; every caller that makes a SequenceRun for it gets one.
-        run_class = getattr(proposer, "run_class", None)
-        if cls is SequenceRun and run_class is not None:
-            cls = run_class
-        return super().__new__(cls)
-
-    def __init__(self, target: TargetModel, prompt_ids: list[int], proposer: Proposer, *, max_new_tokens: int,
+    def __init__(self, target: TargetModel, prompt_ids: list[int], name: str, *, max_new_tokens: int,
                  sampling: SamplingConfig, seed: int | None, stops=(), stats: GenerationStats | None = None,
                  on_prefill=None, observers=(), prefix_cache=None):
         n_prompt = len(prompt_ids)
@@ -245,11 +271,11 @@ class SequenceRun:
             raise UsageError("the prompt is empty")
         if n_prompt >= target.max_context:
             raise UsageError(f"the prompt has {n_prompt} tokens; the model's context is {target.max_context}")
-        self.target, self.proposer, self.sampling = target, proposer, sampling
+        self.target, self.sampling = target, sampling
         self.max_new_tokens, self.stops, self.on_prefill = max_new_tokens, tuple(stops), on_prefill
         self.observers = check_observers(observers)
         self.prefix_cache = prefix_cache  # a model.prefix_cache.PrefixCache shared by runs of the same target
-        self.stats = stats if stats is not None else GenerationStats(proposer.name)
+        self.stats = stats if stats is not None else GenerationStats(name)
         self.stats.prompt_tokens = n_prompt
         self.prompt_ids = list(prompt_ids)
         # [prompt + generated + 1]; never more than the context holds, whatever max_new_tokens says
@@ -268,13 +294,84 @@ class SequenceRun:
         self.cache = None
         # stop strings: looked for in a tail of the text, decoded a few tokens at a time (None: no stop strings)
         self.stop_matcher = StopMatcher(target.decode, self.stops) if self.stops else None
-        self._proposal: Proposal | None = None
         self._t_start = 0.0
-        proposer.prepare(target)  # before any clock: a first measurement of the cost curve is not drafting time
 
     @property
     def finished(self) -> bool:
         return bool(self.reason)
+
+    # -- the protocol ----------------------------------------------------------------------------------------------
+    def prefill(self) -> list[int]:
+        """Read the prompt into a fresh KV cache and choose the first token(s); returns the emitted tokens."""
+        raise NotImplementedError
+
+    def propose(self):
+        """This step's rows (anything with a ``size``: the rows it puts in the forward)."""
+        raise NotImplementedError
+
+    def forward_request(self) -> ForwardRequest:
+        """The target forward this step needs."""
+        raise NotImplementedError
+
+    def complete(self, out: ForwardOutput, forward_seconds: float) -> list[int]:
+        """Take this step's logits; returns the emitted tokens."""
+        raise NotImplementedError
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop here (a cancelled request; a server's budget spent): finish reason ``reason`` unless already
+        finished; frees the cache."""
+        if not self.finished:
+            self.reason = reason
+            self._finish()
+
+    @property
+    def draft_negotiable(self) -> bool:
+        """Whether a shared step may shorten this run's drafts without changing its answer."""
+        return False
+
+    def draft_levels(self) -> DraftLevels | None:
+        """This step's draft level by level, or None when it may not be cut."""
+        return None
+
+    def cut_draft(self, depth: int) -> int:
+        """Keep this step's draft no deeper than ``depth``; returns the size of what this step forwards."""
+        raise NotImplementedError
+
+    # -- for the kinds of run --------------------------------------------------------------------------------------
+    def _read_prompt(self, capacity: int, hidden_layers=()) -> ForwardOutput:
+        """Start the clock, make a KV cache of ``capacity`` positions and read the prompt into it
+        (:func:`read_prompt`); the prefill's statistics are kept."""
+        target, stats, n_prompt = self.target, self.stats, self.state.prompt_length
+        self._t_start = time.perf_counter()
+        self.cache = target.new_cache(capacity)
+        out, stats.cached_prompt_tokens = read_prompt(target, self.ids[:n_prompt], self.cache, hidden_layers,
+                                                      self.on_prefill, self.prefix_cache)
+        stats.target_forwards = 1
+        stats.prefill_time = time.perf_counter() - self._t_start
+        return out
+
+    def _finish(self) -> None:
+        self.stats.finish_reason = self.reason
+        self.stats.wall_time = time.perf_counter() - self._t_start
+        self.cache = None  # free the KV memory as soon as the run ends
+
+
+class SequenceRun(Run):
+    """Draft-then-verify: one sequence decoded by a :class:`Proposer`.
+
+    :meth:`propose` is the proposer's draft, fitted to the cache; :meth:`complete` verifies it against the target's
+    logits, keeps the accepted path in the cache, emits, and lets the proposer observe.
+    """
+
+    def __init__(self, target: TargetModel, prompt_ids: list[int], proposer: Proposer, **settings):
+        super().__init__(target, prompt_ids, proposer.name, **settings)
+        self.proposer = proposer
+        self._proposal: Proposal | None = None
+        proposer.prepare(target)  # before any clock: a first measurement of the cost curve is not drafting time
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return self.proposer.hidden_layers
 
     # -- emitting ----------------------------------------------------------------------------------------------
     def _emit(self, tokens: list[int]) -> list[int]:
@@ -308,32 +405,18 @@ class SequenceRun:
         self.stats.new_tokens = len(self.emitted)
         return taken
 
-    def cancel(self, reason: str = "cancelled") -> None:
-        """Stop here (a cancelled request; a server's budget spent): finish reason ``reason`` unless already
-        finished; frees the cache."""
-        if not self.finished:
-            self.reason = reason
-            self._finish()
-
     def _finish(self) -> None:
-        self.stats.finish_reason = self.reason
-        self.stats.wall_time = time.perf_counter() - self._t_start
+        super()._finish()
         self.stats.method_stats = self.proposer.stats()
-        self.cache = None  # free the KV memory as soon as the run ends
         self.proposer.finish(self.state)  # after the timing: what a method learns for later requests is not this one's
 
     # -- the three steps -----------------------------------------------------------------------------------------
     def prefill(self) -> list[int]:
         """Read the prompt into a fresh KV cache and choose the first token; returns the emitted token(s)."""
         target, stats, n_prompt = self.target, self.stats, self.state.prompt_length
-        self._t_start = time.perf_counter()
         capacity = min(target.max_context, n_prompt + self.max_new_tokens + self.proposer.max_proposal_size() + 1)
-        self.cache = target.new_cache(capacity)
-        out, stats.cached_prompt_tokens = _prefill(target, self.ids[:n_prompt], self.cache,
-                                                   self.proposer.hidden_layers, self.on_prefill, self.prefix_cache)
+        out = self._read_prompt(capacity, self.proposer.hidden_layers)
         first = next_token(out.logits[-1], self.sampling, self.state.generator, self.state.keyed, n_prompt)
-        stats.target_forwards = 1
-        stats.prefill_time = time.perf_counter() - self._t_start
         taken = self._emit([first])
         stats.accept_lengths.append(len(taken))
         t0 = time.perf_counter()
@@ -359,9 +442,9 @@ class SequenceRun:
     def draft_negotiable(self) -> bool:
         """Whether a shared step may shorten this run's drafts without changing its answer: greedy runs, and
         sampled ones whose drafts are guesses (keyed draws: the same samples whatever was drafted)."""
-        return self.draft_cuttable and (self.sampling.greedy or not self.proposer.drafts_with_probabilities)
+        return self.sampling.greedy or not self.proposer.drafts_with_probabilities
 
-    def draft_levels(self):
+    def draft_levels(self) -> DraftLevels | None:
         """This step's draft level by level (rows, expected tokens from this run's acceptance history), or None
         when it may not be cut (see :attr:`draft_negotiable`) or there is nothing to cut."""
         proposal = self._proposal
@@ -430,7 +513,7 @@ class SequenceRun:
 def decode_steps(
     target: TargetModel,
     prompt_ids: list[int],
-    proposer: Proposer,
+    proposer: Method,
     *,
     max_new_tokens: int = 256,
     sampling: SamplingConfig = SamplingConfig(),
@@ -446,9 +529,9 @@ def decode_steps(
     here, before the first step, not when iteration starts.
     """
     max_new_tokens = check_max_new_tokens(max_new_tokens)
-    run = SequenceRun(target, prompt_ids, proposer, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                      stops=check_stop(stop), stats=stats, on_prefill=on_prefill, observers=observers)
-    return _run_steps(run)
+    run = proposer.new_run(target, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                           stops=check_stop(stop), stats=stats, on_prefill=on_prefill, observers=observers)
+    return run_steps(run)
 
 
 #: the clock that times verification forwards (a test may put a deterministic one in its place)
@@ -465,42 +548,32 @@ def timed_forward(target: TargetModel, requests: list[ForwardRequest], hidden_la
     return outs, seconds
 
 
-def _run_steps(run: SequenceRun) -> Iterator[list[int]]:
+def run_steps(run: Run) -> Iterator[list[int]]:
+    """Drive ``run`` alone to its end, yielding what each of its forwards emitted (the prefill's first)."""
     yield run.prefill()
     while not run.finished:
         run.propose()
-        outs, seconds = timed_forward(run.target, [run.forward_request()], run.proposer.hidden_layers)
+        outs, seconds = timed_forward(run.target, [run.forward_request()], run.hidden_layers)
         yield run.complete(outs[0], seconds)
 
 
-def decode_batch(runs: list[SequenceRun], max_batch_tokens: int, max_active: int | None = None,
+def decode_batch(runs: list[Run], max_batch_tokens: int, max_active: int | None = None,
                  cut_drafts: bool = True) -> Iterator[tuple[int, list[int]]]:
     """Decode several sequences together, yielding ``(index of the run, its newly emitted tokens)`` as they come.
 
     At most ``max_active`` runs decode at once (all when None); the others wait in order and start (prefill) as
-    soon as one finishes -- continuous batching. Each step every active run proposes what it would alone; with
-    ``cut_drafts`` the runs' drafts are then cut to what they are worth in the shared forward
-    (:mod:`fastforward.draft_budget`; the output is the same, only the speed changes); the proposals are packed in
-    order into forwards of at most ``max_batch_tokens`` rows (a proposal larger than that gets a forward of its
-    own); each forward carries every packed sequence's root and draft nodes (a sequence sees only its own cache and
-    nodes), and each run completes from its slice of the logits, exactly as alone.
+    soon as one finishes -- continuous batching, through a :class:`BatchDecoder` (which says how the runs share
+    their forwards). Each run completes exactly as alone.
     """
-    waiting = list(range(len(runs)))[::-1]  # a stack: the next run to start is at the end
-    active: list[int] = []
-    budget = None
-    while waiting or active:
-        while waiting and (max_active is None or len(active) < max_active):
-            i = waiting.pop()
-            yield i, runs[i].prefill()
-            if not runs[i].finished:
-                active.append(i)
-        if not active:
-            continue
-        if cut_drafts and budget is None and len(active) > 1:
-            budget = draft_budget_for(runs[active[0]].target, max_batch_tokens)
-        for j, tokens in shared_step([runs[i] for i in active], max_batch_tokens, budget=budget):
-            yield active[j], tokens
-        active = [i for i in active if not runs[i].finished]
+    batch = BatchDecoder(max_batch_tokens, cut_drafts=cut_drafts)
+    index = {id(run): i for i, run in enumerate(runs)}
+    waiting = deque(range(len(runs)))
+    while waiting or len(batch):
+        while waiting and (max_active is None or len(batch) < max_active):
+            i = waiting.popleft()
+            yield i, batch.add(runs[i])
+        for run, tokens in batch.steps():
+            yield index[id(run)], tokens
 
 
 def draft_budget_for(target: TargetModel, max_batch_tokens: int) -> DraftBudget | None:
@@ -513,7 +586,7 @@ def draft_budget_for(target: TargetModel, max_batch_tokens: int) -> DraftBudget 
 PLANNED_DEPTH = 8  # the deepest draft a shared step plans for before the proposals are known
 
 
-def _announce_draft_depths(runs: list[SequenceRun], budget: DraftBudget) -> None:
+def _announce_draft_depths(runs: list[Run], budget: DraftBudget) -> None:
     """Before proposing: tell each run how deep a one-node-per-level draft of its could be worth going in
     this shared step (from its acceptance history), so that drafters with a cost of their own can skip work."""
     plans, who = [], []
@@ -530,7 +603,7 @@ def _announce_draft_depths(runs: list[SequenceRun], budget: DraftBudget) -> None
         run.state.max_draft_depth = depth
 
 
-def _cut_drafts(runs: list[SequenceRun], sizes: list[int], budget: DraftBudget) -> list[int]:
+def _cut_drafts(runs: list[Run], sizes: list[int], budget: DraftBudget) -> list[int]:
     """Cut the runs' drafts to the depths that maximise the shared step's expected tokens per ms; returns
     the proposals' sizes after the cut."""
     fixed_rows, fixed_tokens = 0, float(len(runs))  # every run gains its root's next token
@@ -551,7 +624,7 @@ def _cut_drafts(runs: list[SequenceRun], sizes: list[int], budget: DraftBudget) 
     return sizes
 
 
-def shared_step(runs: list[SequenceRun], max_batch_tokens: int, on_forward=None,
+def shared_step(runs: list[Run], max_batch_tokens: int, on_forward=None,
                 budget: DraftBudget | None = None) -> Iterator[tuple[int, list[int]]]:
     """One verification step of every run in ``runs`` (none finished), through shared forwards: yields
     ``(index in runs, newly emitted tokens)``. With a ``budget`` and more than one run, drafts are first cut
@@ -577,7 +650,7 @@ def shared_step(runs: list[SequenceRun], max_batch_tokens: int, on_forward=None,
             groups.append([i])
             used = size
     for group in groups:
-        hidden_layers = sorted(set().union(*(runs[i].proposer.hidden_layers for i in group)))
+        hidden_layers = sorted(set().union(*(runs[i].hidden_layers for i in group)))
         target = runs[group[0]].target
         outs, seconds = timed_forward(target, [runs[i].forward_request() for i in group], hidden_layers)
         if on_forward is not None:
@@ -590,9 +663,14 @@ class BatchDecoder:
     """Sequences decoded together and admitted continuously: :meth:`add` prefills a run, which then joins the next
     :meth:`step`; :meth:`step` advances every active run by one verification step through shared forwards of at
     most ``max_batch_tokens`` rows and drops the runs that finished; :meth:`remove` drops a run at any time between
-    steps (a cancelled request). With ``cut_drafts`` the runs' drafts are cut to their worth in the shared
-    forward (:mod:`fastforward.draft_budget`). Each run's output is what it gives alone, whatever joins or leaves
-    around it."""
+    steps (a cancelled request).
+
+    Each step every active run proposes what it would alone; with ``cut_drafts`` the runs' drafts are then cut to
+    what they are worth in the shared forward (:mod:`fastforward.draft_budget`; the output is the same, only the
+    speed changes); the proposals are packed in order into forwards of at most ``max_batch_tokens`` rows (a proposal
+    larger than that gets a forward of its own); each forward carries every packed sequence's root and draft nodes
+    (a sequence sees only its own cache and nodes), and each run completes from its slice of the logits. Each run's
+    output is what it gives alone, whatever joins or leaves around it."""
 
     def __init__(self, max_batch_tokens: int, on_forward=None, cut_drafts: bool = True):
         if not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool) or max_batch_tokens <= 0:
@@ -601,54 +679,74 @@ class BatchDecoder:
         self.on_forward = on_forward
         self.cut_drafts = cut_drafts
         self.budget: DraftBudget | None = None
-        self.runs: list[SequenceRun] = []
+        self.runs: list[Run] = []
 
     def __len__(self) -> int:
         return len(self.runs)
 
-    def add(self, run: SequenceRun) -> list[int]:
+    def add(self, run: Run) -> list[int]:
         """Prefill ``run`` (its first token is returned) and let it join the next step unless it already ended."""
         taken = run.prefill()
         if not run.finished:
             self.runs.append(run)
         return taken
 
-    def remove(self, run: SequenceRun, reason: str = "cancelled") -> None:
+    def remove(self, run: Run, reason: str = "cancelled") -> None:
         """Drop ``run`` (finished or not); an unfinished run ends with ``reason`` and its KV memory is freed."""
         if run in self.runs:
             self.runs.remove(run)
         run.cancel(reason)
 
-    def step(self, runs: list[SequenceRun] | None = None) -> list[tuple[SequenceRun, list[int]]]:
-        """One step of every active run (or of ``runs``, some of them): ``[(run, newly emitted tokens), ...]``;
-        finished runs leave."""
+    def steps(self, runs: list[Run] | None = None) -> Iterator[tuple[Run, list[int]]]:
+        """One step of every active run (or of ``runs``, some of them), yielding ``(run, newly emitted tokens)`` as
+        each forward completes; once it is exhausted, finished runs have left."""
         runs = list(self.runs if runs is None else runs)
+        if not runs:
+            return
         if self.cut_drafts and self.budget is None and len(runs) > 1:
             self.budget = draft_budget_for(runs[0].target, self.max_batch_tokens)
-        out = [(runs[i], tokens)
-               for i, tokens in shared_step(runs, self.max_batch_tokens, self.on_forward, self.budget)]
+        for i, tokens in shared_step(runs, self.max_batch_tokens, self.on_forward, self.budget):
+            yield runs[i], tokens
         self.runs = [run for run in self.runs if not run.finished]
-        return out
+
+    def step(self, runs: list[Run] | None = None) -> list[tuple[Run, list[int]]]:
+        """One step of every active run (or of ``runs``, some of them): ``[(run, newly emitted tokens), ...]``;
+        finished runs leave."""
+        return list(self.steps(runs))
 
 
 class Generation:
-    """A streaming generation: iterate for text deltas; ``.result`` holds the full result once done (or call
-    :meth:`run`). Arguments are checked here, before any model work."""
+    """One request in flight, from its run to its text: the request (a
+    :class:`~fastforward.request.GenerationRequest`, when it was built from one: ``request.start(target)``), the
+    run its method built (``sequence``), the text streamer (a :class:`~fastforward.stopping.StopMatcher`: the run's
+    own when there are stop strings), the token ids so far and, once done, the :class:`GenerationResult`.
 
-    def __init__(self, target: TargetModel, prompt_ids, proposer: Proposer, stop=None, *, max_new_tokens: int = 256,
+    Alone, iterate it for text deltas (``stream``) or :meth:`run` it to the end (``generate``). Driven with others
+    (a batch, the server), hand it each step's tokens (:meth:`add`), ask for the text that may be shown
+    (:meth:`visible_delta`, :meth:`final_delta`) and, once its run has ended, :meth:`finish` it. Arguments are
+    checked here, before any model work."""
+
+    def __init__(self, target: TargetModel, prompt_ids, proposer: Method, stop=None, *, max_new_tokens: int = 256,
                  sampling: SamplingConfig = SamplingConfig(), seed: int | None = None, on_prefill=None,
-                 observers=()):
+                 observers=(), prefix_cache=None, request=None):
         self.target = target
+        self.request = request
         self.prompt_ids = list(prompt_ids)
         self.stats = GenerationStats(proposer.name)
         self.stop = check_stop(stop)
-        self.sequence = SequenceRun(target, self.prompt_ids, proposer,
-                                    max_new_tokens=check_max_new_tokens(max_new_tokens), sampling=sampling,
-                                    seed=seed, stops=self.stop, stats=self.stats, on_prefill=on_prefill,
-                                    observers=observers)
-        self._steps = _run_steps(self.sequence)
+        self.sequence = proposer.new_run(target, self.prompt_ids, max_new_tokens=check_max_new_tokens(max_new_tokens),
+                                         sampling=sampling, seed=seed, stops=self.stop, stats=self.stats,
+                                         on_prefill=on_prefill, observers=observers, prefix_cache=prefix_cache)
+        self._steps = run_steps(self.sequence)
         self.token_ids: list[int] = []
         self.result: GenerationResult | None = None
+        # the text: the run's own matcher (fed in its steps) when there are stop strings; else ours, fed here
+        self.text = self.sequence.stop_matcher
+        self._own_text = self.text is None
+        if self._own_text:
+            self.text = StopMatcher(target.decode)
+        self._fed = 0  # token ids fed to our own matcher
+        self._streamed = False  # whether the text was asked for while running
 
     @staticmethod
     def final_text(target: TargetModel, token_ids: list[int], stops) -> str:
@@ -657,26 +755,49 @@ class Generation:
         cut = cut_at_stop(text, stops)
         return text if cut is None else text[:cut]
 
+    # -- driven step by step ---------------------------------------------------------------------------------------
+    def add(self, tokens: list[int]) -> None:
+        """The tokens one step of the run emitted."""
+        self.token_ids.extend(tokens)
+
+    def _catch_up(self) -> None:
+        self._streamed = True
+        if self._own_text and self._fed < len(self.token_ids):
+            self.text.feed(self.token_ids[self._fed :])
+            self._fed = len(self.token_ids)
+
+    def visible_delta(self) -> str:
+        """The text that may be shown now and was not yet (held back: an incomplete character, a possible stop
+        string's start)."""
+        self._catch_up()
+        return self.text.visible_delta()
+
+    def final_delta(self) -> str:
+        """Once the run has ended: the text not shown yet."""
+        self._catch_up()
+        return self.text.final_delta()
+
+    def finish(self) -> GenerationResult:
+        """The result, once the run has ended: the text (cut before the first stop string), the token ids, the
+        statistics."""
+        text = self.text.text() if self._streamed else self._text()
+        self.result = GenerationResult(text, self.token_ids, self.stats, self.prompt_ids)
+        return self.result
+
     def _text(self) -> str:
         return self.final_text(self.target, self.token_ids, self.stop)
 
+    # -- alone -------------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[str]:
-        # The run's own matcher (fed in _emit before each step is yielded) when there are stop strings; else ours.
-        text = self.sequence.stop_matcher
-        own = text is None
-        if own:
-            text = StopMatcher(self.target.decode)
         for tokens in self._steps:
-            self.token_ids.extend(tokens)
-            if own:
-                text.feed(tokens)
-            delta = text.visible_delta()  # held back: an incomplete character, a possible stop string's start
+            self.add(tokens)
+            delta = self.visible_delta()
             if delta:
                 yield delta
-        delta = text.final_delta()
+        delta = self.final_delta()
         if delta:
             yield delta
-        self.result = GenerationResult(text.text(), self.token_ids, self.stats, self.prompt_ids)
+        self.finish()
 
     def partial_result(self, reason: str = "interrupted") -> GenerationResult:
         """What was produced so far, as a result (after an interruption); ``finish_reason`` is ``reason``."""
@@ -687,6 +808,5 @@ class Generation:
 
     def run(self) -> GenerationResult:
         for tokens in self._steps:
-            self.token_ids.extend(tokens)
-        self.result = GenerationResult(self._text(), self.token_ids, self.stats, self.prompt_ids)
-        return self.result
+            self.add(tokens)
+        return self.finish()

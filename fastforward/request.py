@@ -1,6 +1,10 @@
 """One generation request, validated once: the CLI, the Python API, the benchmark, evaluation and the server all
 build a :class:`GenerationRequest` and hand it to the engine.
 
+:meth:`GenerationRequest.start` turns it into a :class:`~fastforward.engine.Generation` -- the request, the run its
+method builds, the text streamer and, once done, the result -- which ``stream``, ``generate_batch`` and the server's
+scheduler all drive.
+
 ``GenerationRequest(...)`` checks everything that can be checked without the model (types, ranges, text encoding,
 the method name and its options' names); :meth:`GenerationRequest.prompt_ids` checks the rest against the target
 (token ids in range, the prompt fits the context). Every problem is one :class:`~fastforward.errors.UsageError`
@@ -11,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .engine import Generation
 from .errors import InputTypeError, UsageError
-from .proposers import available_methods, check_method_options
+from .proposers import available_methods, check_method_options, is_method, make_proposer
 from .validation import (
     check_max_new_tokens,
     check_prompt,
@@ -25,7 +30,7 @@ from .verify import SamplingConfig
 
 
 def check_method(method, method_options) -> dict:
-    """The method's name (or a ready Proposer) and its options' names; values are checked by the method."""
+    """The method's name (or a ready method instance) and its options' names; values are checked by the method."""
     options = {} if method_options is None else method_options
     if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
         raise InputTypeError("method_options must be a dict of option name -> value")
@@ -34,7 +39,7 @@ def check_method(method, method_options) -> dict:
         if method not in methods:
             raise UsageError(f"unknown method '{method}'; available: {', '.join(methods)}")
         check_method_options(method, options)
-    elif not hasattr(method, "propose"):
+    elif not is_method(method):
         raise InputTypeError(f"method must be a method name or a Proposer, got {type(method).__name__}")
     elif options:
         raise UsageError("options cannot be given with a ready proposer instance")
@@ -109,3 +114,14 @@ class GenerationRequest:
         if len(ids) >= target.max_context:
             raise UsageError(f"the prompt has {len(ids)} tokens; the model's context is {target.max_context}")
         return ids
+
+    def start(self, target, *, prompt_ids: list[int] | None = None, on_prefill=None, observers=(),
+              prefix_cache=None) -> Generation:
+        """This request in flight on ``target``: its method built and its run made (nothing is decoded yet).
+        ``prompt_ids``: :meth:`prompt_ids` already taken; ``observers`` and ``on_prefill`` are the run's step
+        observers and prefill progress; ``prefix_cache`` one shared with other runs of ``target``."""
+        ids = self.prompt_ids(target) if prompt_ids is None else prompt_ids
+        method = make_proposer(self.method, target, **self.method_options)
+        return Generation(target, ids, method, self.stops or None, max_new_tokens=self.max_new_tokens,
+                          sampling=self.sampling, seed=self.seed, on_prefill=on_prefill, observers=observers,
+                          prefix_cache=prefix_cache, request=self)

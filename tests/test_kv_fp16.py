@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import fastforward as ff
 from fastforward import kernels
-from fastforward.engine import _prefill
+from fastforward.engine import read_prompt
 from fastforward.errors import UsageError
 from fastforward.machine import forward_read_bytes
 from fastforward.model.prefix_cache import prefix_cache_for
@@ -103,18 +103,18 @@ def test_reused_prefix_is_bitwise_a_full_prefill_and_never_crosses_precisions(ta
     second = torch.cat([first[:7], torch.tensor([11, 12, 13, 14])])
     pc = prefix_cache_for(fp16, 1000)
     assert pc is not None
-    _prefill(fp16, first, fp16.new_cache(32), (), prefix_cache=pc)
+    read_prompt(fp16, first, fp16.new_cache(32), (), prefix_cache=pc)
     cached = fp16.new_cache(32)
-    out, reused = _prefill(fp16, second, cached, (), prefix_cache=pc)
+    out, reused = read_prompt(fp16, second, cached, (), prefix_cache=pc)
     plain = fp16.new_cache(32)
-    ref, _ = _prefill(fp16, second, plain, ())
+    ref, _ = read_prompt(fp16, second, plain, ())
     assert reused == 7 and torch.equal(out.logits, ref.logits)
     n = second.numel()
     assert torch.equal(cached.k[:, :, :n], plain.k[:, :, :n]) and torch.equal(cached.v[:, :, :n], plain.v[:, :, :n])
     # an fp32 cache finds no fp16 entry to reuse (their keys are another model's), and the other way round: its
     # entry for `second` (replacing the fp16 one) is passed over for the fp16 entry of `first`
-    assert _prefill(fp32, second, fp32.new_cache(32), (), prefix_cache=pc)[1] == 0
-    assert _prefill(fp16, torch.cat([second, torch.tensor([1])]), fp16.new_cache(32), (), prefix_cache=pc)[1] == 7
+    assert read_prompt(fp32, second, fp32.new_cache(32), (), prefix_cache=pc)[1] == 0
+    assert read_prompt(fp16, torch.cat([second, torch.tensor([1])]), fp16.new_cache(32), (), prefix_cache=pc)[1] == 7
 
 
 def test_plain_torch_forward_stores_the_same_rounding(targets, tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import fastforward as ff
 from fastforward.errors import PastaSyntaxError, UsageError
 from fastforward.model import TargetModel
-from fastforward.pasta.interpreter import PastaProposer
+from fastforward.pasta.interpreter import PastaMethod
 from fastforward.pasta.language import add_pasta_tokens, parse_ids, thread_cap
 from fastforward.pasta.layout import pasta_layout, thread_streams
 from fastforward.testing import tiny_llama_hf, tiny_tokenizer_hf
@@ -48,7 +48,7 @@ def _vocab(target):
 
 
 def _run(target, prompt, force=None, max_new_tokens=200, **kw):
-    proposer = PastaProposer(target, force=force, trace=True)
+    proposer = PastaMethod(target, force=force, trace=True)
     gen = ff.stream(target, prompt, proposer, max_new_tokens=max_new_tokens, **kw)
     result = gen.run()
     return gen.sequence, result
@@ -357,14 +357,14 @@ def test_sft_batch_is_what_the_interpreter_computes(pasta_target):
 
 def test_topic_banned_ids_are_decoded_once_per_tokenizer(pasta_target, monkeypatch):
     """Decoding the whole vocabulary costs about half a second on a real model: one request pays it, not each."""
-    from fastforward.pasta.interpreter import TOPIC_FORBIDDEN, PastaProposer
+    from fastforward.pasta.interpreter import TOPIC_FORBIDDEN, PastaMethod
 
     tokenizer = pasta_target.tokenizer
     calls = []
     real = type(tokenizer).batch_decode
     monkeypatch.setattr(type(tokenizer), "batch_decode", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    first = PastaProposer(pasta_target).topic_banned()
-    second = PastaProposer(pasta_target).topic_banned()
+    first = PastaMethod(pasta_target).topic_banned()
+    second = PastaMethod(pasta_target).topic_banned()
     assert len(calls) <= 1 and torch.equal(first, second)
     texts = [tokenizer.decode([i]) for i in range(pasta_target.vocab_size)]
     assert first.tolist() == [i for i, t in enumerate(texts) if any(c in t for c in TOPIC_FORBIDDEN)]

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from fastforward.model import TargetModel
-from fastforward.pasta.interpreter import PastaProposer
+from fastforward.pasta.interpreter import PastaMethod
 from fastforward.pasta.language import add_pasta_tokens
 from fastforward.pasta.metrics import critical_path, evaluate, theoretical
 from fastforward.stats import geomean
@@ -61,8 +61,8 @@ def test_evaluate(models):
 
     def proposer(target):
         if target is pasta:
-            return PastaProposer(target, force=lambda k, o: main[o] if k == 0 and o < len(main) else None)
-        return PastaProposer(target)
+            return PastaMethod(target, force=lambda k, o: main[o] if k == 0 and o < len(main) else None)
+        return PastaMethod(target)
 
     prompts = [[1, 2, 3], [4, 5]]
     out = evaluate(baseline, pasta, prompts, max_new_tokens=60, proposer=proposer)

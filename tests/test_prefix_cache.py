@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastforward as ff
-from fastforward.engine import SequenceRun, _prefill, _run_steps
+from fastforward.engine import SequenceRun, read_prompt, run_steps
 from fastforward.model.kv import StaticKVCache
 from fastforward.model.prefix_cache import PrefixCache, prefix_cache_for
 from fastforward.proposers import make_proposer
@@ -63,11 +63,11 @@ def test_reused_prefix_is_bitwise_a_full_prefill(packed):
     second = torch.cat([first[:7], torch.tensor([11, 12, 13, 14])])
     pc = prefix_cache_for(packed, 1000)
     assert pc is not None
-    _prefill(packed, first, packed.new_cache(32), layers, prefix_cache=pc)
+    read_prompt(packed, first, packed.new_cache(32), layers, prefix_cache=pc)
     cached = packed.new_cache(32)
-    out, reused = _prefill(packed, second, cached, layers, prefix_cache=pc)
+    out, reused = read_prompt(packed, second, cached, layers, prefix_cache=pc)
     plain = packed.new_cache(32)
-    ref, none = _prefill(packed, second, plain, layers)
+    ref, none = read_prompt(packed, second, plain, layers)
     assert reused == 7 and none == 0
     assert torch.equal(out.logits, ref.logits)
     n = second.numel()
@@ -89,7 +89,7 @@ def test_outputs_with_a_prefix_cache_equal_ar(packed, shared, tails, method):
         ids = shared + tail
         run = SequenceRun(packed, ids, make_proposer(method, packed), max_new_tokens=12, sampling=SamplingConfig(),
                           seed=0, prefix_cache=pc)
-        for _ in _run_steps(run):
+        for _ in run_steps(run):
             pass
         assert run.emitted == ff.generate(packed, ids, "ar", max_new_tokens=12).token_ids
     assert pc.hits >= len(shared) * (len(tails) - 1) - len(tails)  # later prompts found the shared part

@@ -9,12 +9,13 @@ all in the sequence's one KV pool (explicit write slots and per-row visibility:
 Where tokens sit and what they see is :class:`~fastforward.pasta.layout.PastaSchedule` -- the same rule
 :func:`~fastforward.pasta.layout.pasta_layout` gives training.
 
-:class:`PastaRun` is a :class:`~fastforward.engine.SequenceRun` with the engine's three steps (``propose`` plans the
-rows, ``forward_request`` is the pool forward, ``complete`` lets every thread choose), so ``generate``, ``stream``,
-``generate_batch`` (several PASTA answers per forward) and the CLI run it like any method. The output is the answer
-in logical order, tags and topics removed (streamed as it settles: a block's text comes out once it is finished);
-the annotated ids are in ``stats.method_stats``. A model whose tokenizer has no PASTA-LANG tokens decodes its main
-thread only: exactly autoregressive decoding.
+:class:`PastaMethod` is the method (what ``make_proposer("pasta", ...)`` returns): it proposes nothing, it builds a
+:class:`PastaRun` per prompt -- a :class:`~fastforward.engine.Run` with the engine's three steps (``propose`` plans
+the rows, ``forward_request`` is the pool forward, ``complete`` lets every thread choose), so ``generate``,
+``stream``, ``generate_batch`` (several PASTA answers per forward) and the CLI run it like any method. The output
+is the answer in logical order, tags and topics removed (streamed as it settles: a block's text comes out once it is
+finished); the annotated ids are in ``stats.method_stats``. A model whose tokenizer has no PASTA-LANG tokens decodes
+its main thread only: exactly autoregressive decoding.
 
 Decoding is constrained to well-formed PASTA-LANG (a logits mask per thread state, never a Python loop over the
 vocabulary): the main thread cannot open or close a block, nor sync with nothing outstanding, nor end inside a
@@ -29,7 +30,7 @@ import weakref
 
 import torch
 
-from ..engine import Proposer, SequenceRun, _prefill
+from ..engine import Run
 from ..errors import UsageError
 from ..model import ForwardRequest
 from ..verify import next_token
@@ -56,13 +57,14 @@ def _topic_banned_ids(tokenizer, vocab_size: int) -> torch.Tensor:
     return cached[vocab_size]
 
 
-class PastaProposer(Proposer):
-    """The PASTA method's settings; its run class does the decoding. ``force(thread, ordinal)`` (tests, teacher
-    forcing) may return the token a thread must take next instead of sampling (None: sample); ``trace`` keeps
-    every forward's rows on the run (``run.trace``)."""
+class PastaMethod:
+    """The PASTA method: its settings, the constraint masks its runs share, and :meth:`new_run` (a
+    :class:`PastaRun`). ``force(thread, ordinal)`` (tests, teacher forcing) may return the token a thread must take
+    next instead of sampling (None: sample); ``trace`` keeps every forward's rows on the run (``run.trace``)."""
 
     name = "pasta"
     lossless = False
+    learns_across_requests = False
 
     def __init__(self, target, max_forks: int = 8, force=None, trace: bool = False):
         tokenizer = target.tokenizer
@@ -75,12 +77,9 @@ class PastaProposer(Proposer):
         self.target = target
         self._masks: dict = {}
 
-    @property
-    def run_class(self):
-        return PastaRun
-
-    def max_proposal_size(self) -> int:
-        return 1 + 2 * self.max_forks
+    def new_run(self, target, prompt_ids, **settings) -> PastaRun:
+        """The run of one prompt (``settings``: :class:`~fastforward.engine.Run`'s)."""
+        return PastaRun(target, prompt_ids, self, **settings)
 
     # -- the constraint masks --------------------------------------------------------------------------------------
     def topic_banned(self) -> torch.Tensor:
@@ -115,39 +114,35 @@ class PastaProposer(Proposer):
         self._masks[key] = result
         return result
 
-    def stats(self) -> dict:
-        return {}
+
+#: the former name of :class:`PastaMethod` (it was a proposer that never proposed)
+PastaProposer = PastaMethod
 
 
-class PastaRun(SequenceRun):
-    """One PASTA answer in flight: the engine's three steps over a :class:`PastaSchedule`."""
+class PastaRun(Run):
+    """One PASTA answer in flight: the engine's three steps over a :class:`PastaSchedule`. Its rows are threads of
+    the answer, not drafts: a shared step never cuts them (the :class:`~fastforward.engine.Run` defaults)."""
 
-    draft_cuttable = False  # its rows are threads of the answer, not drafts
-
-    def __init__(self, target, prompt_ids, proposer: PastaProposer, **kwargs):
-        super().__init__(target, prompt_ids, proposer, **kwargs)
+    def __init__(self, target, prompt_ids, method: PastaMethod, **settings):
+        super().__init__(target, prompt_ids, method.name, **settings)
+        self.method = method
         if target.backend_name != "lean":
             raise UsageError("method pasta needs the lean backend (threads share one KV pool with explicit slots)")
         self.schedule: PastaSchedule | None = None
         self.settler: Settler | None = None
         self.annotated: list[int] = []  # the settled answer with its tags, in logical order
-        self.trace = [] if proposer.trace else None
+        self.trace = [] if method.trace else None
         self._rows = None
         self._in_topic = False
 
     # -- the three steps -------------------------------------------------------------------------------------------
     def prefill(self) -> list[int]:
-        target, stats, n_prompt = self.target, self.stats, self.state.prompt_length
-        self._t_start = time.perf_counter()
+        target, n_prompt = self.target, self.state.prompt_length
         capacity = min(target.max_context, n_prompt + self.max_new_tokens + 2)
-        self.cache = target.new_cache(capacity)
-        out, stats.cached_prompt_tokens = _prefill(target, self.ids[:n_prompt], self.cache, (), self.on_prefill,
-                                                   self.prefix_cache)
-        self.schedule = PastaSchedule(self.proposer.vocab, n_prompt, capacity - n_prompt, target.eos_token_ids,
-                                      self.proposer.max_forks)
+        out = self._read_prompt(capacity)
+        self.schedule = PastaSchedule(self.method.vocab, n_prompt, capacity - n_prompt, target.eos_token_ids,
+                                      self.method.max_forks)
         self.settler = Settler(self.schedule)
-        stats.target_forwards = 1
-        stats.prefill_time = time.perf_counter() - self._t_start
         self._choose(self.schedule.main, out.logits[-1])
         return self._settle()
 
@@ -189,11 +184,11 @@ class PastaRun(SequenceRun):
 
     # -- choosing and emitting -------------------------------------------------------------------------------------
     def _choose(self, thread: Thread, logits: torch.Tensor) -> None:
-        proposer = self.proposer
-        token = proposer.force(thread.index, len(thread.tokens)) if proposer.force is not None else None
+        method = self.method
+        token = method.force(thread.index, len(thread.tokens)) if method.force is not None else None
         if token is None:
-            if proposer.vocab is not None:
-                kind, ids = proposer.mask(self.schedule.constraint(thread))
+            if method.vocab is not None:
+                kind, ids = method.mask(self.schedule.constraint(thread))
                 if kind == "ban":
                     logits = logits.index_fill(0, ids, float("-inf"))
                 else:
@@ -205,7 +200,7 @@ class PastaRun(SequenceRun):
         self.schedule.choose(thread, int(token))
 
     def _plain(self, tokens: list[int]) -> list[int]:
-        v = self.proposer.vocab
+        v = self.method.vocab
         if v is None:
             return tokens
         out = []
@@ -252,11 +247,11 @@ class PastaRun(SequenceRun):
         eos = self.target.eos_token_ids
         shown = [t for t in self.annotated if t not in eos]
         self.stats.method_stats = {
-            "pasta_tokens": self.proposer.vocab is not None,
+            "pasta_tokens": self.method.vocab is not None,
             "forks": len(s.main.forks),
             "decode_forwards": s.steps,
             "generated_tokens": s.generated,
             "annotated_ids": list(self.annotated),
             "annotated": self.target.tokenizer.decode(shown, skip_special_tokens=False)
-            if self.proposer.vocab is not None else "",
+            if self.method.vocab is not None else "",
         }

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import PastaSyntaxError
 from ..stats import geomean
-from .interpreter import PastaProposer
+from .interpreter import PastaMethod
 from .language import PastaVocab, strip_ids
 from .layout import pasta_layout
 
@@ -87,9 +87,9 @@ def evaluate(baseline, pasta, prompts: list[list[int]], *, max_new_tokens: int =
              on_prompt=None) -> dict:
     """The three metrics of the PASTA model ``pasta`` against the baseline model ``baseline`` (TargetModels) on
     ``prompts`` (token ids, chat template applied). ``proposer(target)`` makes the interpreter's proposer (default
-    :class:`PastaProposer`); ``on_prompt(PromptMetrics)`` is called after each prompt. Returns
+    :class:`PastaMethod`); ``on_prompt(PromptMetrics)`` is called after each prompt. Returns
     ``{"prompts": [...], "summary": {...}}`` with geometric means."""
-    make = proposer or (lambda target: PastaProposer(target))
+    make = proposer or (lambda target: PastaMethod(target))
     rows = []
     for i, prompt in enumerate(prompts):
         base = timed_decode(baseline, prompt, make, max_new_tokens)

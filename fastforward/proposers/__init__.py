@@ -1,6 +1,8 @@
-"""Decoding methods as proposers, by name.
+"""Decoding methods by name.
 
-A method registers a factory ``factory(target, **options) -> Proposer`` with the schema of its options
+A method registers a factory ``factory(target, **options)`` -- returning a :class:`~fastforward.engine.Proposer` (a
+draft-then-verify method), or another :class:`~fastforward.engine.Method` that builds its own kind of run (PASTA) --
+with the schema of its options
 (:class:`~fastforward.proposers._options.Option`: type, range or allowed set, default, description). The factory's
 keyword-only parameters are the options with their defaults (the schema names the same ones, with the same
 defaults); the CLI, the API, the server and the benchmark pass options through by name, and every value is checked
@@ -14,7 +16,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine import Proposer
+from ..engine import Method
 from ..errors import UsageError
 from ._options import Option
 
@@ -82,11 +84,17 @@ def available_methods() -> dict[str, MethodInfo]:
     return dict(METHODS)
 
 
-def make_proposer(method, target, **options) -> Proposer:
-    """A proposer for ``method`` (a registered name or a ready Proposer instance), its options checked against the
-    method's schema first (the checks that need the model, such as a forward's rows against its context, are the
-    factory's)."""
-    if isinstance(method, Proposer):
+def is_method(value) -> bool:
+    """Whether ``value`` is a ready method instance (a :class:`~fastforward.engine.Proposer`, or another
+    :class:`~fastforward.engine.Method`): it builds runs."""
+    return callable(getattr(value, "new_run", None))
+
+
+def make_proposer(method, target, **options) -> Method:
+    """The method ``method`` (a registered name or a ready method instance) for ``target``, its options checked
+    against the method's schema first (the checks that need the model, such as a forward's rows against its context,
+    are the factory's): a :class:`~fastforward.engine.Proposer`, or a method with its own kind of run."""
+    if is_method(method):
         if options:
             raise UsageError("options cannot be given with a ready proposer instance")
         return method

@@ -4,7 +4,7 @@ is the PASTA model's own, decoded asynchronously. A model without PASTA-LANG tok
 ``bench --methods all`` leaves it out), unless ``plain=True``: then it decodes exactly as ``ar``."""
 
 from ..errors import UsageError
-from ..pasta.interpreter import PastaProposer
+from ..pasta.interpreter import PastaMethod
 from . import register
 from ._options import Option
 
@@ -21,11 +21,11 @@ MAX_FORKS = 64
               Option("plain", "bool", False,
                      help="decode a model without PASTA-LANG tokens as ar (its main thread only)"),
           ))
-def pasta(target, *, max_forks: int = 8, plain: bool = False) -> PastaProposer:
+def pasta(target, *, max_forks: int = 8, plain: bool = False) -> PastaMethod:
     """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
     if target.backend_name != "lean":
         raise UsageError("method pasta needs the lean backend (threads share one KV pool with explicit slots)")
-    proposer = PastaProposer(target, max_forks=max_forks)
+    proposer = PastaMethod(target, max_forks=max_forks)
     if proposer.vocab is None and not plain:
         raise UsageError(f"method pasta: {target.name} has no PASTA-LANG tokens (it was never trained for PASTA); "
                          "use --model smollm2-135m-pasta (the default model's shipped PASTA adapter) or a model from "

@@ -14,7 +14,9 @@ round, as any other sequence does; and each request ends (finish reason ``length
 ``max_request_seconds`` of wall time or ``max_request_cpu_seconds`` of the decode loop's CPU time (its prefill, and a
 share of every step it was in, by rows). Output never depends on either: only when it comes.
 
-Every request has a :class:`Ticket`; the loop puts its events -- ``start``, ``delta`` (text as it becomes stable,
+Every request has a :class:`Ticket`, which holds its :class:`~fastforward.engine.Generation` once admitted (the
+request, its run, its text streamer: the same object ``stream`` and ``generate_batch`` drive); the loop puts its
+events -- ``start``, ``delta`` (text as it becomes stable,
 optionally each token's text and how it came), ``done`` (finish reason, usage, statistics) or ``error`` (an
 :class:`~fastforward.server.schemas.APIError`) -- on the ticket's asyncio queue, thread-safely.
 """
@@ -29,11 +31,10 @@ import threading
 import time
 import traceback
 
-from ..engine import BatchDecoder, SequenceRun
+from ..engine import BatchDecoder, Generation, Run
 from ..errors import FastForwardError
 from ..model.prefix_cache import prefix_cache_for
-from ..proposers import make_proposer
-from ..stopping import IncrementalDetokenizer, StopMatcher
+from ..stopping import IncrementalDetokenizer
 from .metrics import Metrics
 from .schemas import APIError, ParsedRequest, without_server_paths
 
@@ -44,7 +45,8 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": 
 
 
 class Ticket:
-    """One request in the server: its parsed form, its event queue, its timing and draft counts."""
+    """One request in the server: its parsed form, its generation (once admitted), its event queue, its timing,
+    draft counts and CPU account."""
 
     def __init__(self, parsed: ParsedRequest, loop: asyncio.AbstractEventLoop):
         self.parsed = parsed
@@ -54,9 +56,7 @@ class Ticket:
         self.t_arrival = time.perf_counter()
         self.t_admit: float | None = None
         self.t_first: float | None = None
-        self.run: SequenceRun | None = None
-        self.matcher: StopMatcher | None = None
-        self.own_matcher = False
+        self.generation: Generation | None = None
         self.tracer: IncrementalDetokenizer | None = None
         self.last_accepted = 0
         self.drafts = self.draft_tokens = self.accepted = 0
@@ -64,6 +64,10 @@ class Ticket:
         self.rows = 1  # rows of its last step in the target forward
         self.skip_rounds = 0  # rounds to sit out: its last step alone filled more than one shared forward
         self.cpu_seconds = 0.0  # decode-loop CPU time charged to it
+
+    @property
+    def run(self) -> Run | None:
+        return None if self.generation is None else self.generation.sequence
 
     def cancel(self) -> None:
         """The client went away: the loop drops the sequence before its next step."""
@@ -244,14 +248,9 @@ class Scheduler:
 
     def _admit(self, ticket: Ticket) -> None:
         ticket.t_admit = time.perf_counter()
-        g = ticket.parsed.generation
-        target = self.target
         try:
-            ids = g.prompt_ids(target)
-            proposer = make_proposer(g.method, target, **g.method_options)
-            run = SequenceRun(target, ids, proposer, max_new_tokens=g.max_new_tokens, sampling=g.sampling,
-                              seed=g.seed, stops=g.stops, observers=(ticket.observe,),
-                              prefix_cache=self.prefix_cache)
+            generation = ticket.parsed.generation.start(self.target, observers=(ticket.observe,),
+                                                        prefix_cache=self.prefix_cache)
         except FastForwardError as exc:  # bad input, a launch option's file gone since, ...: no server path shown
             message = without_server_paths(str(exc))
             code = "context_length_exceeded" if "context" in message else None
@@ -265,14 +264,11 @@ class Scheduler:
             log.error("starting a request failed:\n%s", traceback.format_exc())
             self._fail(ticket, APIError(500, "internal error while starting the request (see the server log)"))
             return
-        ticket.run = run
-        ticket.matcher = run.stop_matcher
-        ticket.own_matcher = ticket.matcher is None
-        if ticket.own_matcher:
-            ticket.matcher = StopMatcher(target.decode)
+        ticket.generation = generation
+        run = generation.sequence
         if ticket.parsed.trace:
-            ticket.tracer = IncrementalDetokenizer(target.decode)
-        ticket.put("start", {"prompt_tokens": len(ids)})
+            ticket.tracer = IncrementalDetokenizer(self.target.decode)
+        ticket.put("start", {"prompt_tokens": len(generation.prompt_ids)})
         self._active[id(run)] = ticket
         cpu_start = time.process_time()
         try:
@@ -295,9 +291,8 @@ class Scheduler:
             ticket.t_first = time.perf_counter()
         if depths is None:  # the accepted draft tokens at depths 1..a, then the target's own (bonus) token
             depths = list(range(1, ticket.last_accepted + 1)) + [0]
-        if ticket.own_matcher:
-            ticket.matcher.feed(tokens)
-        delta = ticket.matcher.visible_delta()
+        ticket.generation.add(tokens)
+        delta = ticket.generation.visible_delta()
         event = {"text": delta}
         if ticket.tracer is not None:
             event["pieces"] = [[ticket.tracer.push([tok]), d] for tok, d in zip(tokens, depths, strict=False)]
@@ -311,7 +306,7 @@ class Scheduler:
         run = ticket.run
         self._active.pop(id(run), None)
         now = time.perf_counter()
-        event = {"text": ticket.matcher.final_delta(),
+        event = {"text": ticket.generation.final_delta(),
                  "finish_reason": FINISH_REASONS.get(run.reason, run.reason),
                  "usage": {"prompt_tokens": run.stats.prompt_tokens, "completion_tokens": run.stats.new_tokens,
                            "total_tokens": run.stats.prompt_tokens + run.stats.new_tokens,
