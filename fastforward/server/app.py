@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -82,14 +82,84 @@ def metrics_endpoint(path: str) -> str:
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
-class _Guard:
-    """An ASGI middleware around the app: ``check(scope, receive, send, app)`` answers itself or calls ``app``."""
+class ServerState:
+    """What the handlers share, kept on ``app.state.server``: the model and the names it is served under, the
+    launch settings (default method, launch options, limits, answered hosts), the metrics and the scheduler.
+    Building it checks the settings (see :func:`create_app`)."""
 
-    def __init__(self, app, check):
-        self.app, self.check = app, check
+    def __init__(self, target, *, model_name: str, default_method: str, limits: Limits | None,
+                 max_batch_tokens: int | None, max_running: int, max_waiting: int, aliases: tuple[str, ...],
+                 prefix_cache_tokens: int, default_options: dict | None, method_options: dict[str, dict] | None,
+                 allowed_hosts: tuple[str, ...]):
+        self.target, self.model_name, self.default_method = target, model_name, default_method
+        self.limits = limits or Limits()
+        self.hosts = {h.lower().strip("[]") for h in (*LOOPBACK_HOSTS, *allowed_hosts)}
+        self.any_host = "*" in self.hosts
+        self.methods = available_methods()
+        if default_method not in self.methods:
+            raise ValueError(f"unknown default method '{default_method}'")
+        self.default_options = dict(default_options or {})
+        launch_options = {m: dict(o) for m, o in (method_options or {}).items()}
+        unknown = sorted(set(launch_options) - set(self.methods))
+        if unknown:
+            raise ValueError(f"method_options names unknown method(s) {', '.join(unknown)}")
+        launch_options[default_method] = {**launch_options.get(default_method, {}), **self.default_options}
+        for method, options in launch_options.items():
+            make_proposer(method, target, **options)
+        self.launch_options = launch_options
+        self.served = (model_name, *[a for a in aliases if a != model_name])
+        self.metrics = Metrics()
+        self.max_batch_tokens = max_batch_tokens or batch_token_budget(target)
+        self.scheduler = Scheduler(target, max_batch_tokens=self.max_batch_tokens, max_running=max_running,
+                                   max_waiting=max_waiting, metrics=self.metrics,
+                                   prefix_cache_tokens=prefix_cache_tokens,
+                                   max_request_seconds=self.limits.max_request_seconds,
+                                   max_request_cpu_seconds=self.limits.max_request_cpu_seconds)
+        self.created = int(time.time())
+
+    def error_response(self, exc: APIError, endpoint: str | None = None) -> JSONResponse:
+        if endpoint:
+            self.metrics.request(metrics_endpoint(endpoint), exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    def model_card(self, name: str) -> dict:
+        methods = {m.name: {"summary": m.summary, "lossless": m.lossless,
+                            "options": {k: _json_safe(v) for k, v in m.options().items()},
+                            "schema": {o.name: {k: _json_safe(v) for k, v in o.describe().items()} for o in m.schema}}
+                   for m in self.methods.values()}
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "fastforward",
+                "max_model_len": self.target.max_context,
+                "fastforward": {"default_method": self.default_method,
+                                "default_options": _public(self.default_options),
+                                "launch_options": _public({m: o for m, o in self.launch_options.items() if o}),
+                                "max_batch_tokens": self.max_batch_tokens, "methods": methods}}
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+class _HostGuard:
+    """An ASGI middleware around the app: a ``Host`` the server was not started for is refused before anything
+    else (a page on another site that rebinds its name to this address -- DNS rebinding -- sends its own name)."""
+
+    def __init__(self, app, server: ServerState):
+        self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send):
-        await self.check(scope, receive, send, self.app)
+        server = self.server
+        if scope["type"] == "http" and not server.any_host:
+            header = dict(scope.get("headers") or ()).get(b"host")
+            header = None if header is None else header.decode("latin-1")
+            if header is None or host_name(header) not in server.hosts:
+                shown = "none" if header is None else repr(header[:80])
+                response = server.error_response(APIError(
+                    400, f"Host header {shown} is not one this server answers ({', '.join(sorted(server.hosts))}); "
+                         "start it with --allowed-hosts NAME to add the name clients use", param="Host",
+                    code="host_not_allowed"), scope.get("path", ""))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(target, *, model_name: str, default_method: str = "ar", limits: Limits | None = None,
@@ -103,288 +173,274 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
     request may not name one. Each is checked by building that method's proposer once (a bad value is a
     :class:`UsageError` before the server listens). ``allowed_hosts``: ``Host`` names answered beside the loopback
     ones (``*``: any); ``cors_origins``: the origins whose pages may call the API (none: no CORS)."""
-    limits = limits or Limits()
-    hosts = {h.lower().strip("[]") for h in (*LOOPBACK_HOSTS, *allowed_hosts)}
-    any_host = "*" in hosts
-    methods = available_methods()
-    if default_method not in methods:
-        raise ValueError(f"unknown default method '{default_method}'")
-    default_options = dict(default_options or {})
-    launch_options = {m: dict(o) for m, o in (method_options or {}).items()}
-    unknown = sorted(set(launch_options) - set(methods))
-    if unknown:
-        raise ValueError(f"method_options names unknown method(s) {', '.join(unknown)}")
-    launch_options[default_method] = {**launch_options.get(default_method, {}), **default_options}
-    for method, options in launch_options.items():
-        make_proposer(method, target, **options)
-    served = (model_name, *[a for a in aliases if a != model_name])
-    metrics = Metrics()
-    budget = max_batch_tokens or batch_token_budget(target)
-    scheduler = Scheduler(target, max_batch_tokens=budget, max_running=max_running, max_waiting=max_waiting,
-                          metrics=metrics, prefix_cache_tokens=prefix_cache_tokens,
-                          max_request_seconds=limits.max_request_seconds,
-                          max_request_cpu_seconds=limits.max_request_cpu_seconds)
-    created = int(time.time())
+    server = ServerState(target, model_name=model_name, default_method=default_method, limits=limits,
+                         max_batch_tokens=max_batch_tokens, max_running=max_running, max_waiting=max_waiting,
+                         aliases=aliases, prefix_cache_tokens=prefix_cache_tokens, default_options=default_options,
+                         method_options=method_options, allowed_hosts=allowed_hosts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        scheduler.start()
+        server.scheduler.start()
         try:
             yield
         finally:
-            scheduler.stop()
+            server.scheduler.stop()
 
     app = FastAPI(title="fastforward", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.state.scheduler, app.state.metrics, app.state.max_batch_tokens = scheduler, metrics, budget
+    app.state.server = server
+    app.state.scheduler, app.state.metrics = server.scheduler, server.metrics
+    app.state.max_batch_tokens = server.max_batch_tokens
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "Authorization"], max_age=600)
+    app.add_middleware(_HostGuard, server=server)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _bug)
+    app.include_router(router)
+    return app
 
-    def error_response(exc: APIError, endpoint: str | None = None) -> JSONResponse:
-        if endpoint:
-            metrics.request(metrics_endpoint(endpoint), exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
 
-    async def only_named_hosts(scope, receive, send, app_):
-        """A ``Host`` the server was not started for is refused before anything else: a page on another site that
-        rebinds its name to this address (DNS rebinding) sends its own name."""
-        if scope["type"] == "http" and not any_host:
-            header = dict(scope.get("headers") or ()).get(b"host")
-            header = None if header is None else header.decode("latin-1")
-            if header is None or host_name(header) not in hosts:
-                shown = "none" if header is None else repr(header[:80])
-                response = error_response(APIError(
-                    400, f"Host header {shown} is not one this server answers ({', '.join(sorted(hosts))}); start "
-                         "it with --allowed-hosts NAME to add the name clients use", param="Host",
-                    code="host_not_allowed"), scope.get("path", ""))
-                await response(scope, receive, send)
-                return
-        await app_(scope, receive, send)
+# -- errors ------------------------------------------------------------------------------------------------------------
+async def _api_error(request: Request, exc: APIError):
+    return _server(request).error_response(exc, request.url.path)
 
-    app.add_middleware(_Guard, check=only_named_hosts)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return error_response(exc, request.url.path)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    message = {404: f"no such endpoint: {request.method} {request.url.path[:200]}",
+               405: f"method {request.method} is not allowed on {request.url.path[:200]}"}.get(
+                   exc.status_code, str(exc.detail))
+    _server(request).metrics.request(metrics_endpoint(request.url.path), exc.status_code)
+    return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        message = {404: f"no such endpoint: {request.method} {request.url.path[:200]}",
-                   405: f"method {request.method} is not allowed on {request.url.path[:200]}"}.get(
-                       exc.status_code, str(exc.detail))
-        metrics.request(metrics_endpoint(request.url.path), exc.status_code)
-        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception):
-        log.error("unhandled error on %s", request.url.path, exc_info=exc)
-        metrics.request(metrics_endpoint(request.url.path), 500)
-        return JSONResponse(APIError(500, "internal server error (see the server log)").body(), status_code=500)
+async def _bug(request: Request, exc: Exception):
+    log.error("unhandled error on %s", request.url.path, exc_info=exc)
+    _server(request).metrics.request(metrics_endpoint(request.url.path), 500)
+    return JSONResponse(APIError(500, "internal server error (see the server log)").body(), status_code=500)
 
-    # -- informational endpoints -----------------------------------------------------------------------------------
-    @app.get("/", response_class=HTMLResponse)
-    async def page():
-        return HTMLResponse(PAGE)
 
-    @app.get("/health")
-    async def health():
-        if not scheduler.alive:
-            return JSONResponse({"status": "error", "message": "the decode loop is not running"}, status_code=503)
-        return {"status": "ok", "model": model_name}
+router = APIRouter()
 
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "fastforward",
-                "max_model_len": target.max_context,
-                "fastforward": {"default_method": default_method,
-                                "default_options": _public(default_options),
-                                "launch_options": _public({m: o for m, o in launch_options.items() if o}),
-                                "max_batch_tokens": budget,
-                                "methods": {m.name: {"summary": m.summary, "lossless": m.lossless,
-                                                     "options": {k: _json_safe(v) for k, v in m.options().items()},
-                                                     "schema": {o.name: {k: _json_safe(v) for k, v in
-                                                                         o.describe().items()} for o in m.schema}}
-                                            for m in methods.values()}}}
+# -- informational endpoints -------------------------------------------------------------------------------------------
+@router.get("/", response_class=HTMLResponse)
+async def page():
+    return HTMLResponse(PAGE)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card(name) for name in served]}
 
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str):
-        if name not in served:
-            raise APIError(404, f"the model '{name[:100]}' does not exist here; this server serves: "
-                                f"{', '.join(served)}", param="model", code="model_not_found")
-        return model_card(name)
+@router.get("/health")
+async def health(request: Request):
+    server = _server(request)
+    if not server.scheduler.alive:
+        return JSONResponse({"status": "error", "message": "the decode loop is not running"}, status_code=503)
+    return {"status": "ok", "model": server.model_name}
 
-    # -- generation --------------------------------------------------------------------------------------------------
-    async def read_json(request: Request):
-        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type != "application/json":
-            shown = repr(media_type[:80]) if media_type else "none"
-            raise APIError(415, f"Content-Type must be application/json, got {shown}", param="Content-Type",
-                           code="unsupported_media_type")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
-            raise APIError(413, f"the request body is {length} bytes; this server takes at most "
-                                f"{limits.max_body_bytes}", code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:
-                raise APIError(413, f"the request body is larger than {limits.max_body_bytes} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        if not raw.strip():
-            raise APIError(400, "the request body is empty; send a JSON object")
+
+@router.get("/metrics")
+async def prometheus(request: Request):
+    return PlainTextResponse(_server(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    server = _server(request)
+    return {"object": "list", "data": [server.model_card(name) for name in server.served]}
+
+
+@router.get("/v1/models/{name:path}")
+async def model(request: Request, name: str):
+    server = _server(request)
+    if name not in server.served:
+        raise APIError(404, f"the model '{name[:100]}' does not exist here; this server serves: "
+                            f"{', '.join(server.served)}", param="model", code="model_not_found")
+    return server.model_card(name)
+
+
+# -- generation --------------------------------------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    return await generate(request, "chat", "/v1/chat/completions")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    return await generate(request, "completion", "/v1/completions")
+
+
+async def read_json(request: Request, limits: Limits):
+    """The request's body as JSON: sent as ``application/json``, at most ``limits.max_body_bytes``, UTF-8."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = repr(media_type[:80]) if media_type else "none"
+        raise APIError(415, f"Content-Type must be application/json, got {shown}", param="Content-Type",
+                       code="unsupported_media_type")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
+        raise APIError(413, f"the request body is {length} bytes; this server takes at most "
+                            f"{limits.max_body_bytes}", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_body_bytes:
+            raise APIError(413, f"the request body is larger than {limits.max_body_bytes} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not UTF-8 (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
+                            f"{exc.colno}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+
+
+async def generate(request: Request, kind: str, endpoint: str):
+    """A completion (``kind`` "completion") or chat completion ("chat"): parsed, queued, answered as a stream of
+    server-sent events or as one JSON body."""
+    server = _server(request)
+    body = await read_json(request, server.limits)
+    parsed = parse(kind, body, served=server.served, default_method=server.default_method, limits=server.limits,
+                   launch_options=server.launch_options)
+    ticket = server.scheduler.submit(parsed, asyncio.get_running_loop())
+    try:
+        kind_, payload = await ticket.queue.get()
+    except asyncio.CancelledError:
+        ticket.cancel()
+        raise
+    if kind_ == "error":
+        return server.error_response(payload, endpoint)
+    server.metrics.request(endpoint, 200)
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    headers = {}
+    if parsed.ignored_fields:  # ignored as OpenAI's servers do, but said
+        headers[IGNORED_FIELDS_HEADER] = ", ".join(parsed.ignored_fields)
+        log.info("%s %s: ignored body field(s) %s", endpoint, rid, ", ".join(parsed.ignored_fields))
+    if parsed.stream:
+        return StreamingResponse(_sse(ticket, parsed, rid), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+    answer = await _collect(request, ticket, parsed, rid)
+    return JSONResponse(answer, headers=headers) if isinstance(answer, dict) else answer
+
+
+def _extension(parsed: ParsedRequest, done: dict) -> dict:
+    """The ``fastforward`` object of an answer: method, options, statistics (and token ids when asked)."""
+    ext = {"method": parsed.method, "options": _public(parsed.options), "stats": _public(done["stats"])}
+    if parsed.token_ids:
+        ext["token_ids"] = done["token_ids"]
+    return ext
+
+
+async def _collect(request: Request, ticket, parsed: ParsedRequest, rid: str):
+    """The whole answer of a non-streaming request. Whether its client is still there is asked every
+    :data:`DISCONNECT_CHECK_SECONDS` (while text keeps coming too): a client that went away has its sequence
+    dropped (counted as cancelled), as a streaming one has."""
+    parts = []
+    next_check = time.monotonic() + DISCONNECT_CHECK_SECONDS
+    while True:
         try:
-            return json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise APIError(400, f"the request body is not UTF-8 (byte {exc.start})") from None
-        except json.JSONDecodeError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
-                                f"{exc.colno}") from None
-        except RecursionError:
-            raise APIError(400, "the request body is nested too deeply") from None
-
-    async def generate(request: Request, kind: str, endpoint: str):
-        body = await read_json(request)
-        parsed = parse(kind, body, served=served, default_method=default_method, limits=limits,
-                       launch_options=launch_options)
-        ticket = scheduler.submit(parsed, asyncio.get_running_loop())
-        try:
-            kind_, payload = await ticket.queue.get()
+            kind, payload = await asyncio.wait_for(ticket.queue.get(), DISCONNECT_CHECK_SECONDS)
+        except TimeoutError:
+            kind, payload = None, None
         except asyncio.CancelledError:
             ticket.cancel()
             raise
-        if kind_ == "error":
-            return error_response(payload, endpoint)
-        metrics.request(endpoint, 200)
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        headers = {}
-        if parsed.ignored_fields:  # ignored as OpenAI's servers do, but said
-            headers[IGNORED_FIELDS_HEADER] = ", ".join(parsed.ignored_fields)
-            log.info("%s %s: ignored body field(s) %s", endpoint, rid, ", ".join(parsed.ignored_fields))
-        if parsed.stream:
-            return StreamingResponse(_sse(ticket, parsed, rid), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-        answer = await _collect(request, ticket, parsed, rid)
-        return JSONResponse(answer, headers=headers) if isinstance(answer, dict) else answer
-
-    def extension(parsed: ParsedRequest, done: dict) -> dict:
-        ext = {"method": parsed.method, "options": _public(parsed.options), "stats": _public(done["stats"])}
-        if parsed.token_ids:
-            ext["token_ids"] = done["token_ids"]
-        return ext
-
-    async def _collect(request: Request, ticket, parsed: ParsedRequest, rid: str):
-        """The whole answer of a non-streaming request. Whether its client is still there is asked every
-        :data:`DISCONNECT_CHECK_SECONDS` (while text keeps coming too): a client that went away has its sequence
-        dropped (counted as cancelled), as a streaming one has."""
-        parts = []
-        next_check = time.monotonic() + DISCONNECT_CHECK_SECONDS
-        while True:
-            try:
-                kind, payload = await asyncio.wait_for(ticket.queue.get(), DISCONNECT_CHECK_SECONDS)
-            except TimeoutError:
-                kind, payload = None, None
-            except asyncio.CancelledError:
+        if kind not in ("done", "error") and time.monotonic() >= next_check:
+            if await request.is_disconnected():
                 ticket.cancel()
-                raise
-            if kind not in ("done", "error") and time.monotonic() >= next_check:
-                if await request.is_disconnected():
-                    ticket.cancel()
-                    return Response(status_code=499)
-                next_check = time.monotonic() + DISCONNECT_CHECK_SECONDS
-            if kind == "delta":
-                parts.append(payload["text"])
-            elif kind == "error":
-                return error_response(payload)
-            elif kind == "done":
-                parts.append(payload["text"])
-                text = "".join(parts)
-                if parsed.kind == "chat":
-                    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                              "finish_reason": payload["finish_reason"]}
-                    obj = "chat.completion"
-                else:
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": payload["finish_reason"]}
-                    obj = "text_completion"
-                return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model,
-                        "choices": [choice], "usage": payload["usage"],
-                        "fastforward": extension(parsed, payload)}
+                return Response(status_code=499)
+            next_check = time.monotonic() + DISCONNECT_CHECK_SECONDS
+        if kind == "delta":
+            parts.append(payload["text"])
+        elif kind == "error":
+            return _server(request).error_response(payload)
+        elif kind == "done":
+            parts.append(payload["text"])
+            return _answer(parsed, rid, "".join(parts), payload)
 
-    async def _sse(ticket, parsed: ParsedRequest, rid: str):
-        created_at = int(time.time())
-        chat = parsed.kind == "chat"
-        obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None = None, finish: str | None = None, first: bool = False, extra=None,
-                  choices: bool = True) -> str:
-            record = {"id": rid, "object": obj, "created": created_at, "model": parsed.model}
-            if choices:
-                if chat:
-                    delta = {"role": "assistant", "content": ""} if first else \
-                        ({} if text is None else {"content": text})
-                    record["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-                else:
-                    record["choices"] = [{"index": 0, "text": text or "", "logprobs": None,
-                                          "finish_reason": finish}]
+def _answer(parsed: ParsedRequest, rid: str, text: str, done: dict) -> dict:
+    """The JSON body of a non-streaming answer with ``text``."""
+    if parsed.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": done["finish_reason"]}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done["finish_reason"]}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model, "choices": [choice],
+            "usage": done["usage"], "fastforward": _extension(parsed, done)}
+
+
+class _Chunks:
+    """The server-sent events of one streamed answer, as OpenAI shapes them."""
+
+    def __init__(self, parsed: ParsedRequest, rid: str):
+        self.parsed, self.rid = parsed, rid
+        self.created = int(time.time())
+        self.chat = parsed.kind == "chat"
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
+
+    def __call__(self, text: str | None = None, finish: str | None = None, first: bool = False, extra=None,
+                 choices: bool = True) -> str:
+        record = {"id": self.rid, "object": self.object, "created": self.created, "model": self.parsed.model}
+        if choices:
+            if self.chat:
+                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+                record["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
             else:
-                record["choices"] = []
-            if extra:
-                record.update(extra)
-            return f"data: {json.dumps(record)}\n\n"
+                record["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        else:
+            record["choices"] = []
+        if extra:
+            record.update(extra)
+        return f"data: {json.dumps(record)}\n\n"
 
-        ended = False
-        try:
-            if chat:
-                yield chunk(first=True)
-            while True:
-                kind, payload = await ticket.queue.get()
-                if kind == "delta":
-                    extra = None
-                    if parsed.trace:
-                        extra = {"fastforward": {"pieces": payload["pieces"], "tau": payload["tau"],
-                                                 "tokens": payload["tokens"]}}
-                    if payload["text"] or extra:
-                        yield chunk(payload["text"], extra=extra)
-                elif kind == "error":
-                    ended = True
-                    yield f"data: {json.dumps(payload.body())}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-                elif kind == "done":
-                    ended = True
-                    if payload["text"] or (parsed.trace and payload.get("pieces")):
-                        extra = {"fastforward": {"pieces": payload["pieces"]}} if parsed.trace else None
-                        yield chunk(payload["text"], extra=extra)
-                    ext = {"fastforward": extension(parsed, payload)}
-                    yield chunk(None if chat else "", finish=payload["finish_reason"], extra=ext)
-                    if parsed.include_usage:
-                        yield chunk(choices=False, extra={"usage": payload["usage"], **ext})
-                    yield "data: [DONE]\n\n"
-                    return
-        finally:
-            if not ended:  # the client went away (or the server stops): drop the sequence
-                ticket.cancel()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate(request, "chat", "/v1/chat/completions")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate(request, "completion", "/v1/completions")
-
-    return app
+async def _sse(ticket, parsed: ParsedRequest, rid: str):
+    """A streamed answer: its events as the ticket's queue gives them, ending in ``data: [DONE]``; a client that
+    goes away has its sequence dropped."""
+    chunk = _Chunks(parsed, rid)
+    ended = False
+    try:
+        if chunk.chat:
+            yield chunk(first=True)
+        while True:
+            kind, payload = await ticket.queue.get()
+            if kind == "delta":
+                extra = None
+                if parsed.trace:
+                    extra = {"fastforward": {"pieces": payload["pieces"], "tau": payload["tau"],
+                                             "tokens": payload["tokens"]}}
+                if payload["text"] or extra:
+                    yield chunk(payload["text"], extra=extra)
+            elif kind == "error":
+                ended = True
+                yield f"data: {json.dumps(payload.body())}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            elif kind == "done":
+                ended = True
+                if payload["text"] or (parsed.trace and payload.get("pieces")):
+                    extra = {"fastforward": {"pieces": payload["pieces"]}} if parsed.trace else None
+                    yield chunk(payload["text"], extra=extra)
+                ext = {"fastforward": _extension(parsed, payload)}
+                yield chunk(None if chunk.chat else "", finish=payload["finish_reason"], extra=ext)
+                if parsed.include_usage:
+                    yield chunk(choices=False, extra={"usage": payload["usage"], **ext})
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        if not ended:  # the client went away (or the server stops): drop the sequence
+            ticket.cancel()
 
 
 # ----------------------------------------------------------------------------------------------------------------
