@@ -7,10 +7,12 @@ tokenizer folder saved by transformers (``tokenizer.json``, ``tokenizer_config.j
 makes around it (special tokens, the post-processor, space clean-up on decode, chat-template rendering), so its
 outputs equal ``transformers.AutoTokenizer.from_pretrained(folder)``'s.
 
-:class:`LightTokenizer` covers what fastforward uses (``__call__``, ``encode``, ``decode``, ``batch_decode``, token/id
-conversion, the special tokens and their ids, ``apply_chat_template``, ``vocab_size``, ``save_pretrained``). Any other
-attribute -- and calls with options the light path does not implement (padding, truncation, tensors of
-pairs...) -- goes to the full transformers tokenizer, loaded lazily from the same folder on first need.
+:class:`LightTokenizer` implements only what fastforward calls: ``tok(text, add_special_tokens=...)``, ``encode``,
+``decode``, ``batch_decode``, ``apply_chat_template`` of one conversation into text, ``chat_template``, the special
+tokens and their ids, ``get_vocab``, ``len``, ``add_tokens`` and ``save_pretrained``. Everything else asks
+transformers: :meth:`LightTokenizer.transformers` is the full transformers tokenizer for the same folder (loaded on
+first need), and any other public attribute, or a call with options the light path does not take (tensors,
+padding, batches, pairs, a chat template tokenized...), is answered by it.
 """
 
 from __future__ import annotations
@@ -27,15 +29,10 @@ from tokenizers import AddedToken, Tokenizer, processors
 
 # The named special tokens transformers knows, in the order it lists them (``all_special_tokens``).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-VERY_LARGE_INTEGER = int(1e30)
 
 _FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
           "chat_template.json", "added_tokens.json")
 _TEMPLATE_DIR = "additional_chat_templates"
-
-# ``__call__`` / ``encode`` options the light path handles itself; anything else goes to transformers.
-_LIGHT_CALL_OPTIONS = {"add_special_tokens", "return_tensors", "return_attention_mask", "split_special_tokens",
-                       "padding", "truncation", "verbose"}
 
 
 class Encoding(dict):
@@ -64,34 +61,24 @@ def _to_ids(token_ids) -> Any:
         token_ids = token_ids.tolist()  # tensor, ndarray or numpy scalar
     if isinstance(token_ids, (list, tuple)):
         return [_to_ids(t) for t in token_ids]
-    if isinstance(token_ids, Mapping) and "input_ids" in token_ids:
-        return _to_ids(token_ids["input_ids"])
     return int(token_ids)
 
 
 class LightTokenizer:
-    """A fast tokenizer over ``tokenizers.Tokenizer`` that behaves like transformers' for what fastforward uses."""
-
-    is_fast = True
+    """A fast tokenizer over ``tokenizers.Tokenizer`` that behaves like transformers' for what fastforward uses
+    (see the module docstring); anything else is :meth:`transformers`'."""
 
     def __init__(self, backend: Tokenizer, config: dict | None = None, chat_template=None,
                  folder: str | Path | None = None, special_tokens_map: dict | None = None):
         config = dict(config or {})
         self._backend = backend
-        self._config = config
         self._hf = None
         self.folder = Path(folder) if folder is not None else None
-        self.name_or_path = str(folder) if folder is not None else ""
         self.chat_template = chat_template
-        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        self._cleanup_bpe_anyway = bool(
+        self._clean_up = bool(config.get("clean_up_tokenization_spaces", False))
+        self._clean_up_bpe_anyway = bool(
             config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
-        self.split_special_tokens = bool(config.get("split_special_tokens", False))
-        max_length = config.get("model_max_length", config.get("max_len"))
-        self.model_max_length = max_length if max_length is not None else VERY_LARGE_INTEGER
-        self.padding_side = config.get("padding_side", "right")
-        self.truncation_side = config.get("truncation_side", "right")
-        self.model_input_names = list(config.get("model_input_names", ["input_ids", "attention_mask"]))
+        self._attention_mask = "attention_mask" in config.get("model_input_names", ["attention_mask"])
         self._modified = False
         self._grown = False  # tokens added since loading (save_pretrained writes the backend then)
 
@@ -142,7 +129,7 @@ class LightTokenizer:
         self._extra = [t for t in (_added_token(v) for v in (extra or [])) if t is not None]
 
         self._register_special_tokens(config.get("added_tokens_decoder") or {})
-        backend.encode_special_tokens = self.split_special_tokens
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         if backend.post_processor is None:
             # transformers installs a template processor then; without add_bos/add_eos (ignored when a
             # tokenizer.json exists) it adds nothing.
@@ -193,7 +180,7 @@ class LightTokenizer:
         """Copy the tokenizer files into ``save_directory`` (named special tokens changed since loading are
         written into its ``tokenizer_config.json``)."""
         if kwargs.get("filename_prefix") or kwargs.get("push_to_hub"):
-            return self._fallback().save_pretrained(save_directory, **kwargs)
+            return self.transformers().save_pretrained(save_directory, **kwargs)
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
         saved = []
@@ -242,59 +229,27 @@ class LightTokenizer:
         else:
             self._special[name] = value
         self._modified = True
-        self._hf = None  # a fallback tokenizer loaded earlier no longer matches
+        self._hf = None  # a transformers tokenizer loaded earlier no longer matches
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
         return {name: str(self._special[name]) for name in self._names if self._special.get(name) is not None}
 
-    @property
-    def extra_special_tokens(self) -> list[str]:
-        return [str(t) for t in self._extra]
-
-    additional_special_tokens = extra_special_tokens
-
-    @property
-    def all_special_tokens(self) -> list[str]:
-        seen: list[str] = []
-        for token in list(self.special_tokens_map.values()) + self.extra_special_tokens:
-            if token not in seen:
-                seen.append(token)
-        return seen
-
-    @property
-    def all_special_ids(self) -> list[int]:
-        return self.convert_tokens_to_ids(self.all_special_tokens)
+    def convert_tokens_to_ids(self, tokens):
+        if isinstance(tokens, str):
+            index = self._backend.token_to_id(tokens)
+            return self.unk_token_id if index is None and tokens != self._token("unk_token") else index
+        return [self.convert_tokens_to_ids(t) for t in tokens]
 
     # ------------------------------------------------------------------------------------------------------------
     # Vocabulary
     # ------------------------------------------------------------------------------------------------------------
 
-    @property
-    def backend_tokenizer(self) -> Tokenizer:
-        return self._backend
-
-    @property
-    def vocab_size(self) -> int:
-        """The base vocabulary's size (without added tokens), like transformers'."""
-        return self._backend.get_vocab_size(with_added_tokens=False)
-
     def __len__(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
-    def __bool__(self) -> bool:
-        return True
-
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
-
-    @property
-    def added_tokens_decoder(self) -> dict[int, AddedToken]:
-        return self._backend.get_added_tokens_decoder()
-
-    @property
-    def added_tokens_encoder(self) -> dict[str, int]:
-        return {t.content: i for i, t in sorted(self.added_tokens_decoder.items())}
 
     def add_tokens(self, new_tokens, special_tokens: bool = False) -> int:
         """Append tokens to the vocabulary (existing ids never change), as transformers' ``add_tokens``; returns
@@ -315,194 +270,98 @@ class LightTokenizer:
             self._backend.add_tokens(tokens)
         self._grown = True
         self._modified = True
-        self._hf = None  # a fallback tokenizer loaded earlier no longer matches
+        self._hf = None  # a transformers tokenizer loaded earlier no longer matches
         return len(tokens)
-
-    def convert_tokens_to_ids(self, tokens):
-        if isinstance(tokens, str):
-            index = self._backend.token_to_id(tokens)
-            return self.unk_token_id if index is None and tokens != self._token("unk_token") else index
-        return [self.convert_tokens_to_ids(t) for t in tokens]
-
-    def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False):
-        ids = _to_ids(ids)
-        if isinstance(ids, int):
-            return self._backend.id_to_token(ids)
-        skip = set(self.all_special_ids) if skip_special_tokens else set()
-        return [self._backend.id_to_token(i) for i in ids if i not in skip]
-
-    def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        decoder = self._backend.decoder
-        return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
 
     # ------------------------------------------------------------------------------------------------------------
     # Encoding and decoding
     # ------------------------------------------------------------------------------------------------------------
 
-    def _light_call_ok(self, kwargs) -> bool:
-        if any(k not in _LIGHT_CALL_OPTIONS for k in kwargs):
-            return False
-        if kwargs.get("padding") not in (None, False, "do_not_pad"):
-            return False
-        if kwargs.get("truncation") not in (None, False, "do_not_truncate"):
-            return False
-        return kwargs.get("return_tensors") in (None, "pt", "np")
-
-    def _encode_batch(self, texts: list[str], add_special_tokens: bool, split_special_tokens) -> list[list[int]]:
-        split = self.split_special_tokens if split_special_tokens is None else bool(split_special_tokens)
-        if self._backend.encode_special_tokens != split:
-            self._backend.encode_special_tokens = split
-        try:
-            return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
-        finally:
-            if split != self.split_special_tokens:
-                self._backend.encode_special_tokens = self.split_special_tokens
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def __call__(self, text=None, text_pair=None, add_special_tokens: bool = True, **kwargs):
-        """Token ids for a string (or a list of strings): ``{"input_ids": [...], "attention_mask": [...]}``."""
-        batched = isinstance(text, (list, tuple))
-        texts = list(text) if batched else [text]
-        if text_pair is not None or not self._light_call_ok(kwargs) or not all(isinstance(t, str) for t in texts):
-            return self._fallback()(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
-        ids = self._encode_batch(texts, add_special_tokens, kwargs.get("split_special_tokens"))
-        out = Encoding(input_ids=ids if batched else ids[0])
-        want_mask = kwargs.get("return_attention_mask")
-        if want_mask or (want_mask is None and "attention_mask" in self.model_input_names):
-            out["attention_mask"] = [[1] * len(x) for x in ids] if batched else [1] * len(ids[0])
-        tensors = kwargs.get("return_tensors")
-        if tensors is not None:
-            if batched and len({len(x) for x in ids}) > 1:
-                return self._fallback()(text, add_special_tokens=add_special_tokens, **kwargs)  # its error
-            for key, value in list(out.items()):
-                value = value if batched else [value]
-                if tensors == "pt":
-                    import torch
-
-                    out[key] = torch.tensor(value, dtype=torch.long)
-                else:
-                    import numpy as np
-
-                    out[key] = np.asarray(value, dtype=np.int64)
+        """Token ids for a string: ``{"input_ids": [...], "attention_mask": [...]}``."""
+        if text_pair is not None or kwargs or not isinstance(text, str):
+            return self.transformers()(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
+        ids = self._encode(text, add_special_tokens)
+        out = Encoding(input_ids=ids)
+        if self._attention_mask:
+            out["attention_mask"] = [1] * len(ids)
         return out
 
     def encode(self, text, text_pair=None, add_special_tokens: bool = True, **kwargs):
         """Token ids (a list of ints) for ``text``."""
-        if text_pair is not None or not isinstance(text, str) or not self._light_call_ok(kwargs) \
-                or kwargs.get("return_tensors") is not None:
-            return self._fallback().encode(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
-        return self._encode_batch([text], add_special_tokens, kwargs.get("split_special_tokens"))[0]
+        if text_pair is not None or kwargs or not isinstance(text, str):
+            return self.transformers().encode(text, text_pair, add_special_tokens=add_special_tokens, **kwargs)
+        return self._encode(text, add_special_tokens)
 
-    def tokenize(self, text: str, pair: str | None = None, add_special_tokens: bool = False, **kwargs) -> list[str]:
-        if pair is not None or kwargs:
-            return self._fallback().tokenize(text, pair, add_special_tokens=add_special_tokens, **kwargs)
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).tokens
-
-    def _decode_one(self, ids: list[int], skip_special_tokens: bool, clean_up_tokenization_spaces) -> str:
+    def _decode_one(self, ids: list[int], skip_special_tokens: bool) -> str:
         text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None \
-            else clean_up_tokenization_spaces
         # transformers skips the WordPiece-era clean-up for BPE models unless forced.
-        if clean and (type(self._backend.model).__name__ != "BPE" or self._cleanup_bpe_anyway):
+        if self._clean_up and (type(self._backend.model).__name__ != "BPE" or self._clean_up_bpe_anyway):
             text = _clean_up_tokenization(text)
         return text
 
-    def decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None,
-               **kwargs):
+    def decode(self, token_ids, skip_special_tokens: bool = False, **kwargs):
         """Text for a sequence of ids (list, tuple, tensor, array or a single id); a list of texts for a batch."""
-        kwargs.pop("use_source_tokenizer", None)
         if kwargs:
-            return self._fallback().decode(token_ids, skip_special_tokens=skip_special_tokens,
-                                           clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+            return self.transformers().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
         ids = _to_ids(token_ids)
         if isinstance(ids, int):
             ids = [ids]
         if ids and isinstance(ids[0], list):
-            return [self._decode_one(seq, skip_special_tokens, clean_up_tokenization_spaces) for seq in ids]
-        return self._decode_one(ids, skip_special_tokens, clean_up_tokenization_spaces)
+            return [self._decode_one(seq, skip_special_tokens) for seq in ids]
+        return self._decode_one(ids, skip_special_tokens)
 
-    def batch_decode(self, sequences, skip_special_tokens: bool = False,
-                     clean_up_tokenization_spaces: bool | None = None, **kwargs) -> list[str]:
-        out = self.decode(sequences, skip_special_tokens=skip_special_tokens,
-                          clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
+    def batch_decode(self, sequences, skip_special_tokens: bool = False, **kwargs) -> list[str]:
+        out = self.decode(sequences, skip_special_tokens=skip_special_tokens, **kwargs)
         return [out] if isinstance(out, str) else out
 
     # ------------------------------------------------------------------------------------------------------------
     # Chat templates
     # ------------------------------------------------------------------------------------------------------------
 
-    def get_chat_template(self, chat_template: str | None = None, tools=None) -> str:
-        """The template to render: the named one from a dict of templates, the given string, or the default."""
+    def _template(self) -> str | None:
+        """The template to render (a folder's default one when it has several), or None (transformers' error)."""
         if isinstance(self.chat_template, dict):
-            templates = self.chat_template
-            if chat_template is not None and chat_template in templates:
-                return templates[chat_template]
-            if chat_template is None:
-                if tools is not None and "tool_use" in templates:
-                    return templates["tool_use"]
-                if "default" in templates:
-                    return templates["default"]
-                raise ValueError("This model has multiple chat templates with no default specified! Pass a chat "
-                                 f"template or the name of one: {sorted(templates)}.")
-            return chat_template
-        if chat_template is None:
-            if self.chat_template is None:
-                raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set "
-                                 "and no template argument was passed!")
-            return self.chat_template
-        return chat_template
+            return self.chat_template.get("default")
+        return self.chat_template
 
-    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template: str | None = None,
-                            add_generation_prompt: bool = False, tokenize: bool = False, return_dict: bool = False,
-                            **kwargs):
-        """Render ``conversation`` (a list of ``{"role", "content"}`` dicts, or a batch of them) with the chat
-        template as transformers does; with ``tokenize`` return its token ids (a dict when ``return_dict``)."""
-        heavy = {"continue_final_message", "sanitize_control_tokens", "return_assistant_tokens_mask", "padding",
-                 "truncation", "max_length", "return_tensors", "tokenizer_kwargs"}
-        if any(kwargs.get(k) for k in heavy) or any(callable(t) for t in (tools or [])):
-            return self._fallback().apply_chat_template(
-                conversation, tools=tools, documents=documents, chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, tokenize=tokenize, return_dict=return_dict, **kwargs)
-        for k in heavy:
-            kwargs.pop(k, None)
-        template = self.get_chat_template(chat_template, tools)
-        if isinstance(conversation, (list, tuple)) and len(conversation) == 0:
-            raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
-        batched = isinstance(conversation, (list, tuple)) and (
-            isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages"))
-        conversations = conversation if batched else [conversation]
-        if documents is not None and not all(isinstance(d, dict) for d in documents):
-            raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
-
-        compiled = _compile_template(template)
-        variables = _plain(dict(self.special_tokens_map, **kwargs))
-        rendered = []
-        for chat in conversations:
-            chat = getattr(chat, "messages", chat)
-            messages = []
-            for message in _plain(list(chat)):
-                if not isinstance(message, dict):
-                    raise TypeError(f"Chat messages should be dicts, but got {message!r}.")
-                message = {k: v for k, v in message.items() if v is not None}
-                reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-                if reasoning is not None:
-                    message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-                messages.append(message)
-            rendered.append(compiled.render(messages=messages, tools=_plain(tools), documents=_plain(documents),
-                                            add_generation_prompt=add_generation_prompt, **variables))
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = False, tokenize: bool = False,
+                            return_dict: bool = False, **kwargs):
+        """``conversation`` (a list of ``{"role", "content"}`` dicts) rendered with the chat template as transformers
+        does: its text, or with ``tokenize`` its token ids (a dict when ``return_dict``). Anything else (a batch,
+        tools, documents, another template, template variables) is :meth:`transformers`'."""
+        template = self._template()
+        light = not kwargs and template is not None and isinstance(conversation, (list, tuple)) \
+            and len(conversation) > 0 and all(isinstance(m, dict) for m in conversation)
+        if not light:
+            return self.transformers().apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize, return_dict=return_dict,
+                **kwargs)
+        messages = []
+        for message in _plain(list(conversation)):
+            message = {k: v for k, v in message.items() if v is not None}
+            reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+            messages.append(message)
+        text = _compile_template(template).render(messages=messages, tools=None, documents=None,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **_plain(self.special_tokens_map))
         if not tokenize:
-            return rendered if batched else rendered[0]
-        ids = self._encode_batch(rendered, False, None)
-        if return_dict:
-            return Encoding(input_ids=ids if batched else ids[0],
-                            attention_mask=[[1] * len(x) for x in ids] if batched else [1] * len(ids[0]))
-        return ids if batched else ids[0]
+            return text
+        ids = self._encode(text, False)
+        return Encoding(input_ids=ids, attention_mask=[1] * len(ids)) if return_dict else ids
 
     # ------------------------------------------------------------------------------------------------------------
     # Everything else: the full transformers tokenizer
     # ------------------------------------------------------------------------------------------------------------
 
-    def _fallback(self):
-        """The transformers tokenizer for the same folder, loaded on first use."""
+    def transformers(self):
+        """The transformers tokenizer for the same folder (with the special tokens set here), loaded on first use:
+        what to ask for anything this class does not implement."""
         if self._hf is None:
             if self.folder is None:
                 raise AttributeError("this LightTokenizer has no folder to load a transformers tokenizer from")
@@ -518,11 +377,10 @@ class LightTokenizer:
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._fallback(), name)
+        return getattr(self.transformers(), name)
 
     def __repr__(self) -> str:
-        return (f"LightTokenizer(name_or_path={self.name_or_path!r}, vocab_size={self.vocab_size}, "
-                f"special_tokens={self.special_tokens_map})")
+        return f"LightTokenizer(folder={str(self.folder or '')!r}, special_tokens={self.special_tokens_map})"
 
 
 def _special_token_property(name: str, as_id: bool):
