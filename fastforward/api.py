@@ -149,47 +149,12 @@ def generate_batch(
     ``observers``: one tuple of step observers ``(state, step)`` for every prompt, or a list with one tuple per
     prompt.
     """
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
-        raise InputTypeError("prompts must be a list of prompts (or GenerationRequests)")
-    if not prompts:
-        raise UsageError("prompts is empty")
-    n = len(prompts)
-
-    def per_prompt(name, value):
-        if isinstance(value, (list, tuple)) and not (name == "stop" and all(isinstance(s, str) for s in value)):
-            if len(value) != n:
-                raise UsageError(f"{name} has {len(value)} entries for {n} prompts")
-            return list(value)
-        return [value] * n
-
-    methods = per_prompt("method", method)
-    seeds = per_prompt("seed", seed)
-    requests = [_request(p, methods[i], dict(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seeds[i], stop=stop,
-        chat=chat, system=system, method_options=method_options), f"prompts[{i}]") for i, p in enumerate(prompts)]
-    if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool)
-                                         or max_batch_tokens <= 0):
-        raise UsageError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
-    if max_active is not None and (not isinstance(max_active, int) or isinstance(max_active, bool)
-                                   or max_active <= 0):
-        raise UsageError(f"max_active must be a positive integer, got {max_active!r}")
-    if not isinstance(cut_drafts, bool):
-        raise InputTypeError(f"cut_drafts must be True or False, got {cut_drafts!r}")
-    if on_tokens is not None and not callable(on_tokens):
-        raise InputTypeError("on_tokens must be a callable (index, token_ids) or None")
-    if on_result is not None and not callable(on_result):
-        raise InputTypeError("on_result must be a callable (index, result) or None")
-    if observers is None:
-        observers = [()] * n
-    elif isinstance(observers, tuple):
-        observers = [check_observers(observers)] * n
-    elif not isinstance(observers, list):
-        raise InputTypeError("observers must be a tuple of callables, or a list with one tuple per prompt, "
-                             f"got {type(observers).__name__}")
-    elif len(observers) != n:
-        raise UsageError(f"observers has {len(observers)} entries for {n} prompts (one tuple per prompt)")
-    else:
-        observers = [check_observers(obs, f"observers[{i}]") for i, obs in enumerate(observers)]
+    requests = _batch_requests(prompts, method, seed, dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+        chat=chat, system=system, method_options=method_options))
+    n = len(requests)
+    _check_batch_settings(max_batch_tokens, max_active, cut_drafts, on_tokens, on_result)
+    observers = _batch_observers(observers, n)
     target = _target(model)
     prompt_ids = [r.prompt_ids(target) for r in requests]  # every prompt checked before any method is built
     # prompts that start alike (a chat template's system prompt) read their shared prefix once
@@ -207,3 +172,54 @@ def generate_batch(
             if on_result is not None:
                 on_result(i, generation.result)
     return [g.result if g.result is not None else g.finish() for g in generations]
+
+
+def _batch_requests(prompts, method, seed, options: dict) -> list[GenerationRequest]:
+    """One request per prompt of :func:`generate_batch`: ``method`` and ``seed`` one for all or one per prompt,
+    ``options`` (the settings, in :data:`REQUEST_DEFAULTS`'s order) the same for all but the seed."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise InputTypeError("prompts must be a list of prompts (or GenerationRequests)")
+    if not prompts:
+        raise UsageError("prompts is empty")
+    n = len(prompts)
+
+    def per_prompt(name, value):
+        if isinstance(value, (list, tuple)) and not (name == "stop" and all(isinstance(s, str) for s in value)):
+            if len(value) != n:
+                raise UsageError(f"{name} has {len(value)} entries for {n} prompts")
+            return list(value)
+        return [value] * n
+
+    methods = per_prompt("method", method)
+    seeds = per_prompt("seed", seed)
+    return [_request(p, methods[i], dict(options, seed=seeds[i]), f"prompts[{i}]") for i, p in enumerate(prompts)]
+
+
+def _check_batch_settings(max_batch_tokens, max_active, cut_drafts, on_tokens, on_result) -> None:
+    """:func:`generate_batch`'s own settings, each refused in one line when wrong."""
+    if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool)
+                                         or max_batch_tokens <= 0):
+        raise UsageError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
+    if max_active is not None and (not isinstance(max_active, int) or isinstance(max_active, bool)
+                                   or max_active <= 0):
+        raise UsageError(f"max_active must be a positive integer, got {max_active!r}")
+    if not isinstance(cut_drafts, bool):
+        raise InputTypeError(f"cut_drafts must be True or False, got {cut_drafts!r}")
+    if on_tokens is not None and not callable(on_tokens):
+        raise InputTypeError("on_tokens must be a callable (index, token_ids) or None")
+    if on_result is not None and not callable(on_result):
+        raise InputTypeError("on_result must be a callable (index, result) or None")
+
+
+def _batch_observers(observers, n: int) -> list[tuple]:
+    """The step observers of each of ``n`` prompts: None (none), one tuple for all, or a list of one per prompt."""
+    if observers is None:
+        return [()] * n
+    if isinstance(observers, tuple):
+        return [check_observers(observers)] * n
+    if not isinstance(observers, list):
+        raise InputTypeError("observers must be a tuple of callables, or a list with one tuple per prompt, "
+                             f"got {type(observers).__name__}")
+    if len(observers) != n:
+        raise UsageError(f"observers has {len(observers)} entries for {n} prompts (one tuple per prompt)")
+    return [check_observers(obs, f"observers[{i}]") for i, obs in enumerate(observers)]
