@@ -428,9 +428,9 @@ def test_ownership_checks_read_a_bounded_prefix(tmp_path):
     import tracemalloc
 
     from fastforward.evaluate import is_eval_file
-    from fastforward.pasta.annotate import check_records_output
-    from fastforward.pasta.evaluation import is_evaluate_result
     from fastforward.train.make_data import is_heldout_file
+    from fastforward.train.pasta.annotate import check_records_output
+    from fastforward.train.pasta.evaluation import is_evaluate_result
     from fastforward.tree import TREE_FORMAT
     from fastforward.tree_builder import is_tree_file
 

@@ -16,11 +16,11 @@ import fastforward.model
 from fastforward.errors import UsageError
 from fastforward.jsonl import jsonl_records
 from fastforward.model import DEFAULT_PASTA_MODEL, TargetModel
-from fastforward.pasta.bon import baseline_text, sample_record
-from fastforward.pasta.judge import OpenAIJudge
 from fastforward.pasta.language import PASTA_TOKENS, add_pasta_tokens
 from fastforward.paths import RUN_MARKER
 from fastforward.testing import tiny_hf_folder, tiny_llama_hf, tiny_tokenizer_hf
+from fastforward.train.pasta.bon import baseline_text, sample_record
+from fastforward.train.pasta.judge import OpenAIJudge
 
 NOT_UTF8 = b'{"prompt_ids": [1], "response_ids": [2]}\n\xff\xfe{"x": 1}\n'
 
@@ -189,7 +189,7 @@ def test_evaluate_bad_reference_answers_beside_the_prompts(tmp_path, capsys, no_
 
 
 def test_evaluate_reads_mt_bench_references(tmp_path):
-    from fastforward.pasta.evaluation import read_prompts
+    from fastforward.train.pasta.evaluation import read_prompts
 
     write_jsonl(tmp_path / "question.jsonl", [{"question_id": 7, "turns": ["Add 2 and 2.", "And 3?"]}])
     write_jsonl(tmp_path / "reference_answer_gpt-4.jsonl", [{"question_id": 7, "choices": [{"turns": ["4"]}]}])

@@ -11,16 +11,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastforward.model import TargetModel
-from fastforward.pasta.annotate import (
+from fastforward.pasta.language import PastaVocab, add_pasta_tokens, parse, parse_ids
+from fastforward.pasta.layout import pasta_layout
+from fastforward.testing import tiny_llama_hf, tiny_tokenizer_hf
+from fastforward.train.pasta.annotate import (
     annotate_answer,
     annotate_file,
     candidate_groups,
     tagless_mask,
     units_of,
 )
-from fastforward.pasta.language import PastaVocab, add_pasta_tokens, parse, parse_ids
-from fastforward.pasta.layout import pasta_layout
-from fastforward.testing import tiny_llama_hf, tiny_tokenizer_hf
 from tests.cli_helpers import assert_one_line_error
 
 EOS = 258
@@ -241,7 +241,7 @@ def test_cli_refusals_before_the_model_loads(capsys, tmp_path):
 
 
 def test_a_block_alongside_nothing_is_left_out():
-    from fastforward.pasta.annotate import Chunk, _drop_useless
+    from fastforward.train.pasta.annotate import Chunk, _drop_useless
 
     a, b, c = Chunk(0, 0, 0, 5, 10), Chunk(0, 0, 0, 10, 15), Chunk(1, 0, 0, 20, 25)
     # two blocks joined together: kept; a lone block with its sync right after it: dropped with its sync

@@ -9,9 +9,9 @@ import pytest
 import torch
 from cli_helpers import assert_one_line_error, run_cli
 
-from fastforward.pasta.bon import Sample, best_worst, bonbon_loss, bonbon_margin
 from fastforward.pasta.language import PastaVocab, promise_tag
 from fastforward.testing import tiny_hf_folder, tiny_tokenizer_hf
+from fastforward.train.pasta.bon import Sample, best_worst, bonbon_loss, bonbon_margin
 
 
 def test_margin_is_bonbons_best_worst_gap():
@@ -145,7 +145,7 @@ def test_unparsable_samples_are_left_out_of_the_pair(chain, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from fastforward.train.pasta import PastaBoN
+    from fastforward.train.pasta.methods import PastaBoN
 
     root, base, data = chain
     tok = tiny_tokenizer_hf()

@@ -322,7 +322,7 @@ def test_refusals(tiny, tiny_hf):
 def test_sft_batch_is_what_the_interpreter_computes(pasta_target):
     """The HF model (what training runs) on a pasta_batch of two teacher-forced answers gives, at every row the
     interpreter feeds, the interpreter's logits, and its targets are the tokens the interpreter chose there."""
-    from fastforward.pasta.sft import pasta_batch, pasta_token_losses
+    from fastforward.train.pasta.sft import pasta_batch, pasta_token_losses
 
     vocab = _vocab(pasta_target)
     hf = pasta_target.hf_model

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastforward.errors import UsageError
-from fastforward.pasta.judge import (
+from fastforward.testing import tiny_llama_hf, tiny_tokenizer_hf
+from fastforward.train.pasta.judge import (
     JUDGE_INSTRUCTION,
     OpenAIJudge,
     ProxyJudge,
@@ -32,7 +33,6 @@ from fastforward.pasta.judge import (
     win_rate,
     words,
 )
-from fastforward.testing import tiny_llama_hf, tiny_tokenizer_hf
 
 # --- ROUGE-L -----------------------------------------------------------------------------------------------------
 

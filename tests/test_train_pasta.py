@@ -12,9 +12,9 @@ from cli_helpers import run_cli
 
 import fastforward as ff
 from fastforward.pasta.language import PastaVocab, add_pasta_tokens, promise_tag
-from fastforward.pasta.sft import pasta_batch
 from fastforward.testing import tiny_hf_folder, tiny_tokenizer_hf
-from fastforward.train.pasta import PastaSFT
+from fastforward.train.pasta.methods import PastaSFT
+from fastforward.train.pasta.sft import pasta_batch
 
 ANSWER = (
     "Two tips:\n" + promise_tag("Sleep", 1) + "<async>1. Sleep well every night.\n</async>"

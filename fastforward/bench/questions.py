@@ -46,8 +46,9 @@ class Question:
                 "source": self.source, "turns": list(self.turns)}
 
 
-def _read_records(path: Path) -> list[tuple[int, object]]:
-    """(line number or index, parsed record) pairs from a .jsonl, .jsonl.gz or .json file."""
+def read_question_records(path: Path) -> list[tuple[int, object]]:
+    """(line number or index, parsed record) pairs from a .jsonl, .jsonl.gz or .json file (a missing or unreadable
+    file, or a line that is not JSON, is a one-line :class:`UsageError`)."""
     if not path.exists():
         raise UsageError(f"questions file {path} does not exist")
     if not path.is_file():
@@ -97,8 +98,11 @@ def _text(value, where: str, name: str) -> str:
     return value
 
 
-def _parse_record(rec, where: str, default_category: str, fold_mt_bench: bool) -> tuple[object, str, str, list[str]]:
-    """(id or None, category, subcategory, turns) of one record."""
+def parse_question_record(rec, where: str, default_category: str,
+                          fold_mt_bench: bool) -> tuple[object, str, str, list[str]]:
+    """(id or None, category, subcategory, turns) of one question record (MT-Bench / Spec-Bench ``turns``, ShareGPT
+    ``conversations``, HumanEval or plain ``prompt``, GSM8K ``question``, alpaca ``instruction``); ``where`` names it
+    in the one-line :class:`UsageError` a malformed record raises."""
     if not isinstance(rec, dict):
         raise UsageError(f"{where}: a question record must be a JSON object")
     qid = next((rec[k] for k in ("question_id", "task_id", "id") if rec.get(k) not in (None, "")), None)
@@ -148,9 +152,9 @@ def load_question_file(path, fold_mt_bench: bool = True) -> list[Question]:
     default_category = path.parent.name or path.stem.split(".")[0]
     questions = []
     seen = set()
-    for n, rec in _read_records(path):
+    for n, rec in read_question_records(path):
         where = f"{path} record {n}" if path.suffix == ".json" else f"{path} line {n}"
-        qid, category, subcategory, turns = _parse_record(rec, where, default_category, fold_mt_bench)
+        qid, category, subcategory, turns = parse_question_record(rec, where, default_category, fold_mt_bench)
         qid = str(qid) if qid is not None else str(len(questions))
         if qid in seen:
             raise UsageError(f"{where}: duplicate question id '{qid}'")

@@ -1,5 +1,5 @@
 """``fastforward pasta ...``: PASTA's tools -- ``annotate`` (PASTA-LANG annotations of make-data answers, without
-an external LLM: :mod:`fastforward.pasta.annotate`)."""
+an external LLM: :mod:`fastforward.train.pasta.annotate`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import UsageError
-from ..pasta.annotate import (
+from ..train.pasta.annotate import (
     DEFAULT_MIN_SAVING,
     DEFAULT_MIN_WORDS,
     DEFAULT_SYNC_THRESHOLD,
@@ -80,7 +80,7 @@ def _run_annotate(args) -> int:
 
 
 def _judge_url(text: str) -> str:
-    from ..pasta.judge import check_judge_url
+    from ..train.pasta.judge import check_judge_url
 
     try:
         return check_judge_url(text)
@@ -98,7 +98,7 @@ def _add_judge(p) -> None:
 
 
 def _judge(args, tokenizer_source=None):
-    from ..pasta.judge import OpenAIJudge, ProxyJudge
+    from ..train.pasta.judge import OpenAIJudge, ProxyJudge
 
     if args.judge_url:
         return OpenAIJudge(args.judge_url, args.judge_name)
@@ -132,8 +132,8 @@ def _run_sample(args) -> int:
     import fastforward as ff
 
     from ..jsonl import jsonl_records
-    from ..pasta.annotate import check_records_output, make_data_file, read_make_data
-    from ..pasta.bon import baseline_text, sample_record, sample_to_dict
+    from ..train.pasta.annotate import check_records_output, make_data_file, read_make_data
+    from ..train.pasta.bon import baseline_text, sample_record, sample_to_dict
 
     if args.n < 2:
         raise UsageError(f"--n must be at least 2 (a best and a worst sample), got {args.n}")
@@ -208,8 +208,8 @@ def _run_evaluate(args) -> int:
 
     import fastforward as ff
 
-    from ..pasta.evaluation import evaluate_models, is_evaluate_result, leave_out, read_prompts, table
     from ..paths import check_output_file
+    from ..train.pasta.evaluation import evaluate_models, is_evaluate_result, leave_out, read_prompts, table
 
     pairs = _model_pairs(args.models)
     out = check_output_file(args.out, "--out", owned=is_evaluate_result) if args.out else None

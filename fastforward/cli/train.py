@@ -419,14 +419,14 @@ def _token_lr(args) -> float:
 
 
 def add_pasta_sft_arguments(p) -> None:
-    from ..train.pasta import DEFAULT_TOKEN_LR
+    from ..train.pasta.methods import DEFAULT_TOKEN_LR
 
     add_training_arguments(p)
     add_pasta_token_lr(p, DEFAULT_TOKEN_LR)
 
 
 def run_pasta_sft(args) -> int:
-    from ..train.pasta import PastaSFT
+    from ..train.pasta.methods import PastaSFT
 
     cfg = config_from_args(args, {"token_lr": _token_lr(args)})
     return _train(cfg, PastaSFT(args.token_lr))
@@ -442,8 +442,8 @@ def add_pasta_bon_arguments(p) -> None:
 
 
 def run_pasta_bon(args) -> int:
-    from ..pasta.bon import check_lambda
-    from ..train.pasta import PastaBoN
+    from ..train.pasta.bon import check_lambda
+    from ..train.pasta.methods import PastaBoN
 
     lam = check_lambda(args.lam)
     if not 0.0 <= args.alpha <= 1.0:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .language import PastaVocab
-from .layout import pasta_layout
+from ...pasta.language import PastaVocab
+from ...pasta.layout import pasta_layout
 
 
 def pasta_batch(examples, vocab: PastaVocab, eos_ids=(), pad_id: int = 0, dtype=torch.float32) -> dict:

@@ -7,14 +7,14 @@
    (the untouched model's greedy answer from ``make-data``, EOS included) over the sample's critical path
    (:func:`~fastforward.pasta.metrics.theoretical`). The quality is the paper's confidence-weighted win/loss ratio
    of the sample against the baseline answer (and the reference answer when the record has one), with the
-   confidences given by a judge (:mod:`fastforward.pasta.judge`: the proxy by default). Sampling stores both terms
+   confidences given by a judge (:mod:`fastforward.train.pasta.judge`: the proxy by default). Sampling stores both terms
    apart, so one sampling pass serves every λ.
 3. **Pair**: the best-scoring sample is ``y+``, the worst ``y-`` (:func:`best_worst`); a prompt whose samples all
    score the same gives no pair.
 4. **Loss** (:func:`bonbon_loss`): ``-α log p(y+) + (1 - α)(log p(y+)/p(y-) - log p0(y+)/p0(y-) - 1/β)²`` with
    α = 0.005, log-probabilities summed over the answer's rows under the PASTA masks, positions and targets
-   (:func:`~fastforward.pasta.sft.pasta_batch`), and ``p0`` the Pasta-SFT model. **β is not given in the paper**; it
-   is derived from BoNBoN's theory (:func:`bonbon_margin`): under the best-of-n distribution
+   (:func:`~fastforward.train.pasta.sft.pasta_batch`), and ``p0`` the Pasta-SFT model. **β is not given in the
+   paper**; it is derived from BoNBoN's theory (:func:`bonbon_margin`): under the best-of-n distribution
    ``log πn(y)/π0(y) = log n + (n-1) log F(y)`` (F the score's CDF under π0), and for the best and worst of n
    samples ``E[log F]`` of the uniform order statistics are ``-1/n`` and ``-H_n``, so the expected log-ratio gap the
    pair should show is ``(n-1)(H_n - 1/n) = (n-1) H_{n-1}`` -- the target margin ``1/β`` (BoNBoN's code writes it
@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..errors import UsageError
+from ...errors import UsageError
+from ...pasta.language import PastaVocab
+from ...pasta.metrics import result_theoretical
 from .judge import quality as judge_quality
-from .language import PastaVocab
-from .metrics import result_theoretical
 from .sft import pasta_token_losses
 
 ALPHA = 0.005  # the paper's weight of the SFT term
@@ -65,7 +65,7 @@ def sample_record(target, judge, record: dict, n: int, *, temperature: float = 1
                   seed: int = 0) -> list[Sample]:
     """``n`` interpreter samples of ``target`` (a PASTA model) for one annotate/make-data ``record``
     (``prompt_ids``, the baseline answer ``response_ids``/``response``, optionally ``reference``), scored."""
-    from ..api import generate_batch
+    from ...api import generate_batch
 
     vocab = PastaVocab.from_tokenizer(target.tokenizer)
     if vocab is None:
@@ -115,7 +115,8 @@ def sample_from_dict(d: dict) -> Sample:
 
 
 def sequence_logprobs(model, batch: dict) -> torch.Tensor:
-    """log p(answer | prompt) per row of a :func:`~fastforward.pasta.sft.pasta_batch`: the sum over its target rows."""
+    """log p(answer | prompt) per row of a :func:`~fastforward.train.pasta.sft.pasta_batch`: the sum over its target
+    rows."""
     return -pasta_token_losses(model, batch).sum(1)
 
 

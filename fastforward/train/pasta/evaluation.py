@@ -5,7 +5,7 @@ For each prompt, the Baseline and every PASTA model decode it greedily through t
 thread only -- exactly ``ar``), the models interleaved prompt by prompt so that slow drift of the machine hits all
 alike. Per model: the paper's §5.1 metrics (:mod:`fastforward.pasta.metrics`: theoretical speedup, realized speedup,
 parallelism, as geometric means) and the judge's win rate against the Baseline's answer
-(:func:`fastforward.pasta.judge.win_rate`: P(model ≻ Baseline) per prompt; wins + ties/2 over prompts).
+(:func:`fastforward.train.pasta.judge.win_rate`: P(model ≻ Baseline) per prompt; wins + ties/2 over prompts).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from ..bench.questions import _parse_record, _read_records
-from ..errors import UsageError
-from ..paths import file_head, owned_json
-from .interpreter import PastaProposer
+from ...bench.questions import parse_question_record, read_question_records
+from ...errors import UsageError
+from ...pasta.interpreter import PastaProposer
+from ...pasta.metrics import PromptMetrics, result_theoretical, summarize, timed_decode
+from ...paths import file_head, owned_json
 from .judge import win_rate
-from .metrics import PromptMetrics, result_theoretical, summarize, timed_decode
 
 REFERENCE_FILE = "reference_answer_gpt-4.jsonl"  # MT-Bench's GPT-4 reference answers, beside its questions
 
@@ -42,9 +42,9 @@ def _file_prompts(path: Path) -> list[dict]:
         raise UsageError(f"no prompt file {path}")
     refs = _gpt4_references(path.with_name(REFERENCE_FILE))
     prompts = []
-    for n, record in _read_records(path):
+    for n, record in read_question_records(path):
         where = f"{path} record {n}" if path.suffix == ".json" else f"{path} line {n}"
-        qid, _, _, turns = _parse_record(record, where, "", fold_mt_bench=False)
+        qid, _, _, turns = parse_question_record(record, where, "", fold_mt_bench=False)
         qid = n - 1 if qid is None else qid
         ref = refs.get(qid) or record.get("reference")
         if isinstance(ref, list):  # MT-Bench's short gold answers, one per turn
@@ -61,7 +61,7 @@ def _gpt4_references(path: Path) -> dict:
     if not path.is_file():
         return {}
     refs = {}
-    for n, record in _read_records(path):
+    for n, record in read_question_records(path):
         try:
             qid, answer = record["question_id"], record["choices"][0]["turns"][0]
             if not isinstance(answer, str):
@@ -76,7 +76,7 @@ def _gpt4_references(path: Path) -> dict:
 def leave_out(prompts: list[dict], exclude: str) -> tuple[list[dict], list[dict]]:
     """(kept, dropped): ``prompts`` split by whether their text is the ``prompt`` of a training record in
     ``exclude`` (make-data or annotated JSONL files, comma-separated)."""
-    from ..train.pasta import read_records
+    from .methods import read_records
 
     seen = {str(r["prompt"]).strip()
             for r in read_records(exclude, ("prompt",), "a training record (make-data or 'pasta annotate' output)")}
@@ -96,7 +96,7 @@ def is_evaluate_result(path) -> bool:
 def evaluate_models(baseline, models: dict, prompts: list[dict], judge, *, max_new_tokens: int = 256,
                     runs: int = 2, on_prompt=None) -> dict:
     """``baseline`` and ``models`` (name -> TargetModel) on ``prompts`` (:func:`read_prompts`); ``judge`` a
-    :class:`~fastforward.pasta.judge.Judge` (its ``compare(prompt, a, b, baseline_text, reference_text)``).
+    :class:`~fastforward.train.pasta.judge.Judge` (its ``compare(prompt, a, b, baseline_text, reference_text)``).
     Every model first decodes a few tokens untimed (a warm-up); then each answer is decoded ``runs`` times and the
     last run timed. Returns ``{"models": {name: {"summary", "win_rate", "prompts"}}, "baseline": [...]}``."""
     make = PastaProposer

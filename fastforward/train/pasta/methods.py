@@ -2,7 +2,7 @@
 
 **Pasta-SFT** (paper §4): next-token SFT on PASTA-LANG-annotated answers with the paper's three changes, all read
 off :func:`~fastforward.pasta.layout.pasta_layout` -- the rule the interpreter decodes with -- through
-:func:`~fastforward.pasta.sft.pasta_batch`: the PASTA attention mask, the Pred-10X positions, and the promise's
+:func:`~fastforward.train.pasta.sft.pasta_batch`: the PASTA attention mask, the Pred-10X positions, and the promise's
 target set to the first main-thread token after its block.
 
 The base model grows by PASTA-LANG's special tokens (:func:`~fastforward.pasta.language.add_pasta_tokens`; the new
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 
-from ..errors import PastaSyntaxError, UsageError
-from ..jsonl import jsonl_records
-from ..pasta.language import PastaVocab, add_pasta_tokens, parse_ids
-from ..pasta.sft import pasta_batch, pasta_token_losses
-from ..validation import token_ids_problem
-from .data import Encoded, parse_paths, subsample
+from ...errors import PastaSyntaxError, UsageError
+from ...jsonl import jsonl_records
+from ...pasta.language import PastaVocab, add_pasta_tokens, parse_ids
+from ...validation import token_ids_problem
+from ..data import Encoded, parse_paths, subsample
+from .sft import pasta_batch, pasta_token_losses
 
 
 def read_jsonl(paths: str) -> list[dict]:
@@ -161,7 +161,7 @@ class PairExample(Encoded):
 
 class PastaBoN(PastaSFT):
     """``fastforward train pasta-bon``: one BoNBoN round on ``fastforward pasta sample`` output (see
-    :mod:`fastforward.pasta.bon`). The reference model ``p0`` is the starting model itself -- the base of the LoRA
+    :mod:`fastforward.train.pasta.bon`). The reference model ``p0`` is the starting model itself -- the base of the LoRA
     adapters, which are switched off for the reference pass -- so LoRA is required."""
 
     name = "pasta-bon"
@@ -174,7 +174,7 @@ class PastaBoN(PastaSFT):
         self._margins: list[float] = []
 
     def load_records(self, cfg, tokenizer):
-        from ..pasta.bon import best_worst, bonbon_margin, sample_from_dict
+        from .bon import best_worst, bonbon_margin, sample_from_dict
 
         if not cfg.lora:
             raise UsageError("pasta-bon trains LoRA adapters (the reference model is the adapters switched off): "
@@ -218,7 +218,7 @@ class PastaBoN(PastaSFT):
     def loss(self, model, batch):
         import torch
 
-        from ..pasta.bon import bonbon_loss, sequence_logprobs
+        from .bon import bonbon_loss, sequence_logprobs
 
         b = batch["input_ids"].shape[0] // 2
         logp = sequence_logprobs(model, batch)

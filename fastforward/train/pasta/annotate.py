@@ -43,16 +43,16 @@ from pathlib import Path
 
 import torch
 
-from ..errors import PastaSyntaxError, UsageError
-from ..jsonl import jsonl_records
-from ..paths import check_output_file, owned_jsonl
-from ..train.make_data import RESPONSES
-from ..train.pasta import read_records
-from .language import ASYNC as ASYNC_TAG
-from .language import END_ASYNC as END_TAG
-from .language import MAX_TENS, PastaVocab, add_pasta_tokens, parse, parse_ids, promise_tag, thread_cap
-from .language import SYNC as SYNC_TAG
-from .layout import pasta_layout
+from ...errors import PastaSyntaxError, UsageError
+from ...jsonl import jsonl_records
+from ...pasta.language import ASYNC as ASYNC_TAG
+from ...pasta.language import END_ASYNC as END_TAG
+from ...pasta.language import MAX_TENS, PastaVocab, add_pasta_tokens, parse, parse_ids, promise_tag, thread_cap
+from ...pasta.language import SYNC as SYNC_TAG
+from ...pasta.layout import pasta_layout
+from ...paths import check_output_file, owned_jsonl
+from ..make_data import RESPONSES
+from .methods import read_records
 
 # Calibrated on SmolLM2-135M's own make-data answers (docs/pasta.md): hiding a chunk's siblings raises its mean
 # per-token loss by a median 0.63 nats (quartiles 0.02 / 1.37) over 123 candidate chunks of 40 answers, so 0.1

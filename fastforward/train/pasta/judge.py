@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 DEFAULT_TAU = 0.25
 DEFAULT_EPS = 0.1
