@@ -378,7 +378,7 @@ def add_draft_model_arguments(p) -> None:
 def run_draft_model(args) -> int:
     import fastforward as ff
 
-    from ..drafters.draft_model import DraftTrainConfig, train_draft_model
+    from ..train.draft_model import DraftTrainConfig, train_draft_model
 
     cfg = DraftTrainConfig(
         data=args.data, out=args.out, layers=args.layers, init_layers=args.init_layers, epochs=args.epochs,
