@@ -1,22 +1,33 @@
 """The package's layering is one-way, and this test keeps it so.
 
-Layers, top to bottom (an arrow is "may import"):
+Every module of ``fastforward/`` belongs to exactly one layer (:data:`LAYERS`, top to bottom; a module may import
+its own layer and the layers below it, never one above):
 
-    fastforward.cli (the commands), fastforward.bench, fastforward.train, fastforward.evaluate
-        -> fastforward (the package face: fastforward/__init__.py)
-        -> api, tree_builder, ... -> engine, proposers, costs -> model, tree, verify, linear, gguf_file, kernels, ...
+    commands     fastforward.cli
+    research     fastforward.train (drafter, draft-model and PASTA training, PASTA's research pipeline),
+                 fastforward.evaluate
+    benchmarks   fastforward.bench
+    face         fastforward (the package face: fastforward/__init__.py)
+    service      api, request, server, testing, tree_builder
+    methods      proposers, pasta (PASTA's language, layout, interpreter and metrics)
+    engine       engine, costs, draft_budget, tree, verify, validation
+    drafters     drafters (the drafter modules and their folder formats; their training is fastforward.train)
+    model        model, kernels, linear, gguf_file, arithmetic, tokenizer
+    base         errors, paths, version, interrupts, jsonl, stats, stopping, machine, adapters
 
 Every ``.py`` under ``fastforward/`` is parsed with ``ast``; every import (at the top of a module and inside
 functions alike: an import hidden in a function is still an arrow) becomes an edge of the module graph, relative
 imports resolved. The checks:
 
+* every module is in a layer (a new package or top-level module is classified here when it is added);
+* no module imports a layer above its own, and the layers' graph has no cycle;
 * nothing outside ``fastforward/cli/`` imports the command line;
 * only the face itself and the command layer import the face (``from .. import x`` resolving to
   ``fastforward/__init__`` below the face is a violation; the version lives in ``fastforward/version.py``);
 * there is no import cycle among fastforward modules (a package ``__init__`` importing its submodules is an ordinary
   edge: it is a cycle only when a submodule imports the ``__init__`` back);
-* the core (engine, model, tree, verify, linear, gguf_file, kernels, tokenizer, paths, errors, costs, proposers)
-  never imports the layers above it.
+* the core (engine, model, tree, verify, linear, gguf_file, kernels, tokenizer, paths, errors, costs, proposers,
+  and every other module of the layers from ``methods`` down) never imports the layers above it.
 
 The checker works on a plain ``{module: {imported module: line}}`` dict, so the last tests run it on synthetic
 graphs that break each rule and expect it to say so.
@@ -25,6 +36,7 @@ graphs that break each rule and expect it to say so.
 from __future__ import annotations
 
 import ast
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -36,17 +48,39 @@ Graph = dict[str, dict[str, int]]  # module -> {imported fastforward module: lin
 
 CLI = "fastforward.cli"
 FACE = "fastforward"
-# Modules (and packages) that may import the package face: the face itself and the command layer.
-COMMAND_LAYER = ("fastforward.cli", "fastforward.bench", "fastforward.train", "fastforward.evaluate")
-CORE = (
-    "fastforward.engine", "fastforward.model", "fastforward.tree", "fastforward.verify", "fastforward.linear",
-    "fastforward.gguf_file", "fastforward.kernels", "fastforward.tokenizer", "fastforward.paths",
-    "fastforward.errors", "fastforward.costs", "fastforward.proposers",
+
+# The layers, top to bottom: (name, the modules and packages in it). ``fastforward`` itself names the face only (the
+# package ``__init__``), not everything below it.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("commands", ("fastforward.cli",)),
+    ("research", ("fastforward.train", "fastforward.evaluate")),
+    ("benchmarks", ("fastforward.bench",)),
+    ("face", (FACE,)),
+    ("service", ("fastforward.api", "fastforward.request", "fastforward.server", "fastforward.testing",
+                 "fastforward.tree_builder")),
+    ("methods", ("fastforward.proposers", "fastforward.pasta")),
+    ("engine", ("fastforward.engine", "fastforward.costs", "fastforward.draft_budget", "fastforward.tree",
+                "fastforward.verify", "fastforward.validation")),
+    ("drafters", ("fastforward.drafters",)),
+    ("model", ("fastforward.model", "fastforward.kernels", "fastforward.linear", "fastforward.gguf_file",
+               "fastforward.arithmetic", "fastforward.tokenizer")),
+    ("base", ("fastforward.errors", "fastforward.paths", "fastforward.version", "fastforward.interrupts",
+              "fastforward.jsonl", "fastforward.stats", "fastforward.stopping", "fastforward.machine",
+              "fastforward.adapters")),
 )
-ABOVE_CORE = (
-    "fastforward.bench", "fastforward.train", "fastforward.evaluate", "fastforward.cli", "fastforward.tree_builder",
-    "fastforward.testing", "fastforward.server",
-)
+RANK = {name: i for i, (name, _) in enumerate(LAYERS)}  # 0 is the top
+
+
+def _layers(first: str, last: str) -> tuple[str, ...]:
+    """The modules and packages of the layers from ``first`` down to ``last``."""
+    return tuple(m for name, members in LAYERS[RANK[first] : RANK[last] + 1] for m in members)
+
+
+# Modules (and packages) that may import the package face: the face itself and the layers above it.
+COMMAND_LAYER = _layers("commands", "benchmarks")
+# The core: the decoding methods and everything below them.
+CORE = _layers("methods", "base")
+ABOVE_CORE = tuple(m for m in _layers("commands", "service") if m != FACE)
 
 
 def within(module: str, prefixes) -> bool:
@@ -228,6 +262,61 @@ def cycle_violations(graph: Graph) -> list[str]:
             for c in cycles(graph)]
 
 
+def layer_of(module: str) -> str | None:
+    """The layer of ``module``: the one naming it or its closest enclosing package (None: in no layer)."""
+    best, best_len = None, -1
+    for name, members in LAYERS:
+        for member in members:
+            hit = module == member if member == FACE else within(module, member)
+            if hit and len(member) > best_len:
+                best, best_len = name, len(member)
+    return best
+
+
+def unclassified(graph: Graph) -> list[str]:
+    """Modules in no layer."""
+    return [f"{m}: in no layer; add it (or its package) to LAYERS in tests/test_layering.py"
+            for m in sorted(graph) if layer_of(m) is None]
+
+
+def upward_imports(graph: Graph) -> list[str]:
+    """Imports of a layer above the importer's own."""
+    found = []
+    for a, targets in sorted(graph.items()):
+        mine = layer_of(a)
+        for b in sorted(targets):
+            theirs = layer_of(b)
+            if mine is not None and theirs is not None and RANK[theirs] < RANK[mine]:
+                found.append(f"{_edge(graph, a, b)}: the {mine} layer imports the {theirs} layer, which is above it")
+    return found
+
+
+def layer_graph(graph: Graph) -> tuple[Graph, dict[tuple[str, str], str]]:
+    """(the layers' graph -- layer -> {imported layer: 0}, imports within a layer left out --, one module edge
+    behind each layer edge, for the messages)."""
+    layers: Graph = {name: {} for name, _ in LAYERS}
+    witness: dict[tuple[str, str], str] = {}
+    for a, targets in sorted(graph.items()):
+        for b in sorted(targets):
+            la, lb = layer_of(a), layer_of(b)
+            if la is not None and lb is not None and la != lb:
+                layers[la].setdefault(lb, 0)
+                witness.setdefault((la, lb), _edge(graph, a, b))
+    return layers, witness
+
+
+def layer_cycle_violations(graph: Graph) -> list[str]:
+    """Cycles among the layers, each hop with one import that makes it."""
+    layers, witness = layer_graph(graph)
+    return ["layer cycle: " + " -> ".join([c[0], *(f"{b} ({witness[a, b]})" for a, b in pairwise(c))])
+            for c in cycles(layers)]
+
+
+def layering_violations(graph: Graph) -> list[str]:
+    """Every layer rule: each module in a layer, no upward import, no cycle among the layers."""
+    return unclassified(graph) + upward_imports(graph) + layer_cycle_violations(graph)
+
+
 def all_violations(graph: Graph) -> list[str]:
     return cli_violations(graph) + face_violations(graph) + layer_violations(graph) + cycle_violations(graph)
 
@@ -270,6 +359,38 @@ def test_core_never_imports_the_layers_above(graph):
 
 def test_no_import_cycles(graph):
     assert not cycle_violations(graph), _report(cycle_violations(graph))
+
+
+def test_every_module_is_in_a_layer(graph):
+    assert not unclassified(graph), _report(unclassified(graph))
+
+
+def test_no_module_imports_a_layer_above_its_own(graph):
+    assert not upward_imports(graph), _report(upward_imports(graph))
+
+
+def test_the_layers_have_no_cycle(graph):
+    assert not layer_cycle_violations(graph), _report(layer_cycle_violations(graph))
+
+
+def test_every_layer_member_is_a_module_of_the_package(graph):
+    """No stale entry in :data:`LAYERS` (a moved package leaves none behind), and none listed twice."""
+    members = [m for _, ms in LAYERS for m in ms]
+    assert len(members) == len(set(members))
+    assert [m for m in members if m not in graph] == []
+
+
+def test_decoding_sits_below_training_benchmarks_and_commands(graph):
+    """The decoder -- engine, proposers, drafters (the modules and their folder formats) and PASTA's language,
+    layout, interpreter and metrics -- is classified below the face, so the rules above keep it from importing
+    fastforward.train, fastforward.bench or fastforward.cli."""
+    decoding = [m for m in graph if within(m, ("fastforward.engine", "fastforward.proposers", "fastforward.drafters",
+                                               "fastforward.pasta"))]
+    assert {"fastforward.drafters.draft_model", "fastforward.pasta.interpreter", "fastforward.pasta.language",
+            "fastforward.pasta.layout"} <= set(decoding)
+    assert all(RANK[layer_of(m)] > RANK["face"] for m in decoding), {m: layer_of(m) for m in decoding}
+    assert {layer_of(m) for m in ("fastforward.train.draft_model", "fastforward.train.pasta.annotate",
+                                  "fastforward.train.pasta.evaluation")} == {"research"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -346,3 +467,46 @@ def test_builder_resolves_relative_and_function_level_imports(tmp_path):
     assert [v.split(":")[0] for v in face_violations(graph)] == ["fastforward.sub.leaf -> fastforward (line 2)"]
     assert cycle_violations(graph) == ["import cycle: fastforward.sub -> fastforward.sub.leaf (line 1) -> "
                                        "fastforward.sub.other (line 4) -> fastforward.sub (line 1)"]
+
+
+def test_checker_reports_unclassified_modules_upward_imports_and_layer_cycles():
+    bad: Graph = {
+        "fastforward": {"fastforward.engine": 1},
+        "fastforward.engine": {"fastforward.model": 3, "fastforward.train.trainer": 4},  # decoding -> training
+        "fastforward.model": {"fastforward.errors": 5},
+        "fastforward.errors": {},
+        "fastforward.drafters.draft_model": {"fastforward.model": 6, "fastforward.train.launcher": 7},
+        "fastforward.pasta.interpreter": {"fastforward.engine": 8, "fastforward.bench.questions": 9},
+        "fastforward.train.trainer": {"fastforward": 10, "fastforward.bench.questions": 11},  # downwards: fine
+        "fastforward.train.launcher": {"fastforward.errors": 12},
+        "fastforward.bench.questions": {"fastforward.errors": 13},
+        "fastforward.newthing": {"fastforward.engine": 14},  # in no layer
+    }
+    assert unclassified(bad) == [
+        "fastforward.newthing: in no layer; add it (or its package) to LAYERS in tests/test_layering.py"]
+    assert [v.split(":")[0] for v in upward_imports(bad)] == [
+        "fastforward.drafters.draft_model -> fastforward.train.launcher (line 7)",
+        "fastforward.engine -> fastforward.train.trainer (line 4)",
+        "fastforward.pasta.interpreter -> fastforward.bench.questions (line 9)",
+    ]
+    assert upward_imports(bad)[1].endswith("the engine layer imports the research layer, which is above it")
+    cyc = layer_cycle_violations(bad)
+    assert len(cyc) == 1 and cyc[0].startswith("layer cycle: ")
+    assert "fastforward.engine -> fastforward.train.trainer (line 4)" in cyc[0]
+    assert len(layering_violations(bad)) == 5
+    # without the upward edges and the stray module, clean
+    upward = {("fastforward.engine", "fastforward.train.trainer"),
+              ("fastforward.drafters.draft_model", "fastforward.train.launcher"),
+              ("fastforward.pasta.interpreter", "fastforward.bench.questions")}
+    good = {a: {b: n for b, n in t.items() if (a, b) not in upward}
+            for a, t in bad.items() if a != "fastforward.newthing"}
+    assert layering_violations(good) == []
+
+
+def test_layer_of_reads_the_closest_package_and_the_face_exactly():
+    assert layer_of("fastforward") == "face"
+    assert layer_of("fastforward.train.pasta.annotate") == "research"
+    assert layer_of("fastforward.pasta.annotate") == "methods"  # were it put back, it would be decoding code
+    assert layer_of("fastforward.cli.__main__") == "commands"
+    assert layer_of("fastforward.treeish") is None  # not fastforward.tree
+    assert layer_of("fastforward.somewhere_new") is None
