@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..train.cllm import CLLM, LOSSES, check_loss_settings, check_trajectories, trajectories_file
-from ..train.drafter_train import MIXED_PRECISION
 from ..train.msn import MSN
+from ..train.run import MIXED_PRECISION
 from ..train.trainer import DEFAULT_LORA_RANK, TrainConfig, report, train
 from ..train.trajectories import META
 from .options import add_model_argument, add_threads_argument, finite_float, seed

@@ -16,13 +16,9 @@ is refused (:func:`fastforward.train.launcher.check_launcher`).
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
-import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,11 +35,14 @@ from ..drafters.draft_model import (
     write_json,
 )
 from ..errors import UsageError
-from ..interrupts import deferred_stops, raise_if_stopped
+from ..paths import check_output_dir
+from .data import Encoded, subsample
+from .make_data import RESPONSES, read_training_records
+from .run import TrainingRun, check_settings, mixed_precision_autocast, transformers_schedule
+from .trainer import BatchSchedule, TrainResult, pad_batch
 
 COMMAND = "train draft-model"
 TRAINABLE_FILE = "draft_fp32.safetensors"  # a checkpoint's trainable weights, full precision
-SUMMARY_FILE = "fastforward_train.json"
 
 
 @dataclass
@@ -73,8 +72,6 @@ class DraftTrainConfig:
     mixed_precision: str = "no"  # "bf16": forward and loss under bf16 autocast (fp32 weights and optimizer)
 
     def responses_file(self) -> Path:
-        from .make_data import RESPONSES
-
         path = Path(self.data).expanduser()
         file = path / RESPONSES if path.is_dir() else path
         if not file.is_file() or file.name != RESPONSES:
@@ -82,14 +79,8 @@ class DraftTrainConfig:
         return file
 
     def validate(self) -> None:
-        for name in ("epochs", "max_steps", "batch_size", "grad_accum", "save_every", "keep_checkpoints", "limit",
-                     "threads", "layers"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-        from .drafter_train import check_mixed_precision
-
-        check_mixed_precision(self.mixed_precision)
+        check_settings(self, ("epochs", "max_steps", "batch_size", "grad_accum", "save_every", "keep_checkpoints",
+                              "limit", "threads", "layers"))
         if not isinstance(self.eval_records, int) or self.eval_records < 0:
             raise UsageError(f"--eval-records must be an integer >= 0, got {self.eval_records}")
         if self.max_length < 2:
@@ -98,15 +89,7 @@ class DraftTrainConfig:
             raise UsageError(f"--lr must be positive, got {self.lr}")
         if self.max_minutes is not None and not 0 < self.max_minutes < math.inf:
             raise UsageError(f"--max-minutes must be positive, got {self.max_minutes}")
-        if not 0.0 <= self.warmup < 1.0:
-            raise UsageError(f"--warmup is a fraction of the steps in [0, 1), got {self.warmup}")
-        if self.schedule not in ("linear", "cosine", "constant"):
-            raise UsageError(f"--schedule must be linear, cosine or constant, got '{self.schedule}'")
-        if self.weight_decay < 0 or self.max_grad_norm < 0:
-            raise UsageError("--weight-decay and --max-grad-norm must be >= 0")
         self.responses_file()
-        from ..paths import check_output_dir
-
         check_output_dir(self.out, COMMAND)
 
     def identity(self, target, layer_ids) -> dict:
@@ -122,24 +105,16 @@ class DraftTrainConfig:
 
 
 @dataclass
-class DraftTrainResult:
-    out: str
-    start_step: int
-    steps: int
-    total_steps: int
-    loss: float | None
-    seconds: float
-    records: int
-    layers: list
-    megabytes: float
-    heldout: dict
+class DraftTrainResult(TrainResult):
+    """A draft-model run: a :class:`~fastforward.train.trainer.TrainResult` with the draft's layers and size, its
+    held-out scores (``before`` and ``after`` training) and whether the time budget stopped it."""
+
+    layers: list = field(default_factory=list)
+    megabytes: float = 0.0
+    heldout: dict = field(default_factory=dict)
     stopped_by_budget: bool = False
-    main_process: bool = True
 
     def report(self) -> str:
-        ran = self.steps - self.start_step
-        per = self.seconds / ran if ran else 0.0
-        loss = "n/a" if self.loss is None else f"{self.loss:.4f}"
         held = ""
         if self.heldout.get("after"):
             before = self.heldout.get("before")
@@ -148,8 +123,7 @@ class DraftTrainResult:
                     f"; held-out loss {after['loss']:.3f}, top-1 {after['top1']:.3f}")
         stop = "; stopped at the --max-minutes budget (re-run to continue)" if self.stopped_by_budget else ""
         return (f"saved draft model {self.out} ({len(self.layers)} layers from target layers {self.layers}, "
-                f"{self.megabytes:.1f} MB fp16; step {self.steps}/{self.total_steps}, loss {loss}; {ran} steps in "
-                f"{self.seconds:.1f}s, {per:.2f}s/step{held}{stop})")
+                f"{self.megabytes:.1f} MB fp16; {self.steps_line()}{held}{stop})")
 
 
 class DraftLoss(torch.nn.Module):
@@ -175,8 +149,6 @@ class DraftLoss(torch.nn.Module):
 
 
 def _encode(records: list[dict], max_length: int):
-    from .data import Encoded
-
     encoded, dropped = [], 0
     for r in records:  # checked by read_training_records
         prompt, response = r["prompt_ids"], r["response_ids"]
@@ -191,8 +163,6 @@ def _encode(records: list[dict], max_length: int):
 @torch.no_grad()
 def _evaluate(lm, encoded, batch_size: int) -> dict | None:
     """Mean loss and top-1 agreement over the response tokens of ``encoded`` (no gradients)."""
-    from .trainer import pad_batch
-
     if not encoded:
         return None
     was_training = lm.training
@@ -210,82 +180,14 @@ def _evaluate(lm, encoded, batch_size: int) -> dict | None:
             "tokens": int(tokens), "records": len(encoded)}
 
 
-def _plot(log_path: Path, png: Path) -> bool:
-    """The loss (and top-1 agreement) curve of ``train_log.jsonl`` as a PNG, with the drafters' plotting helper;
-    False when it or matplotlib is unavailable."""
-    try:
-        from .drafter_train import plot_losses
-    except ImportError:
-        return False
-    try:
-        return bool(plot_losses(log_path, png, "train draft-model"))
-    except (OSError, ValueError, ImportError):
-        return False
-
-
-def _log(msg: str, quiet: bool) -> None:
-    if not quiet:
-        print(msg, file=sys.stderr, flush=True)
-
-
-def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
-    """Train (or resume training) a draft model for ``target`` per ``cfg``; the folder is written to ``cfg.out``."""
-    cfg.validate()
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from safetensors.torch import load_file, save_file
-    from tqdm.auto import tqdm
-    from transformers import get_scheduler
-
-    from ..paths import mark_output_dir
-    from .data import subsample
-    from .drafter_train import mixed_precision_autocast
-    from .launcher import check_launcher
-    from .make_data import read_training_records
-    from .trainer import (
-        CHECKPOINTS,
-        LOG_FILE,
-        STATE_FILE,
-        BatchSchedule,
-        _trim_log,
-        checkpoint_dirs,
-        latest_checkpoint,
-        pad_batch,
-        prepare_training,
-        to_device,
-    )
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out).expanduser()
-    accelerator = Accelerator()
-    check_launcher(accelerator)  # a launcher whose processes did not join one group: refused, one line
-    main = accelerator.is_main_process
-    quiet = cfg.quiet or not main
-    world = accelerator.num_processes
-
-    layer_ids = choose_layers(getattr(target.config, "num_hidden_layers", 0), cfg.layers, cfg.init_layers)
-    identity = cfg.identity(target, layer_ids)
-    resume = latest_checkpoint(out)
-    resume_state = None
-    if resume is not None:
-        resume_state = json.loads((resume / STATE_FILE).read_text())
-        saved = resume_state.get("identity", {})
-        diff = sorted(k for k in set(saved) | set(identity) if saved.get(k) != identity.get(k))
-        if diff:
-            raise UsageError(f"{out} holds a run with different settings ({', '.join(diff)}); use another --out "
-                             "to start anew")
-        if resume_state.get("world_size") != world:
-            raise UsageError(f"{resume} was written by {resume_state.get('world_size')} processes, this run has "
-                             f"{world}; resume with the same number")
-
-    # Data: the records of make-data (a resumed run takes exactly the lines its first run took).
-    t_load = time.perf_counter()
+def _read_records(cfg: DraftTrainConfig, target, run: TrainingRun):
+    """(encoded training records, encoded held-out records to score, the records' lines, records held out, records
+    dropped): the make-data records (a resumed run takes exactly the lines its first run took), checked."""
     records = read_training_records(cfg.responses_file().parent, target.vocab_size)  # each checked
-    n_lines = int(resume_state["data_lines"]) if resume_state else len(records)
+    n_lines = int(run.state["data_lines"]) if run.state else len(records)
     if len(records) < n_lines:
         raise UsageError(f"{cfg.responses_file()} has {len(records)} records, fewer than the {n_lines} the run in "
-                         f"{out} trained on; use another --out")
+                         f"{run.out} trained on; use another --out")
     records = records[:n_lines]
     train_recs = [r for r in records if r.get("split", "train") == "train"]
     held_recs = [r for r in records if r.get("split") == "heldout"]
@@ -295,157 +197,107 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
     if not encoded:
         raise UsageError(f"no training record in {cfg.responses_file()} (split 'train', with response tokens "
                          f"within --max-length {cfg.max_length})")
-    lengths = [len(e.input_ids) for e in encoded]
-    schedule = BatchSchedule(len(encoded), cfg.batch_size * world, cfg.seed, lengths if cfg.batch_size > 1 else None)
-    total_steps = cfg.max_steps or math.ceil(cfg.epochs * schedule.per_epoch / cfg.grad_accum)
-    start_step = int(resume_state["step"]) if resume_state else 0
-    if start_step > total_steps:
-        raise UsageError(f"{resume} is at step {start_step}, past the {total_steps} steps asked for")
+    return encoded, held_encoded, n_lines, len(held_recs), dropped
 
-    # Model: the target's layers, its embedding and head shared and frozen.
-    set_seed(cfg.seed)
+
+def _draft_to_train(cfg: DraftTrainConfig, target, layer_ids: list[int], run: TrainingRun):
+    """(the draft LM in training mode, its metadata): the target's layers ``layer_ids``, its embedding and head
+    shared and frozen; a resumed run's trainable weights from its checkpoint."""
+    from safetensors.torch import load_file
+
     lm, meta = init_draft_model(target, len(layer_ids), ",".join(map(str, layer_ids)))
     meta["init"] = cfg.init_layers
-    probe = target_probe(target)
-    if resume is not None:
-        lm.load_state_dict(load_file(str(resume / TRAINABLE_FILE)), strict=False)
+    if run.resume is not None:
+        lm.load_state_dict(load_file(str(run.resume / TRAINABLE_FILE)), strict=False)
     lm.train()
-    heldout = dict(resume_state.get("heldout", {})) if resume_state else {}
-    if main and not resume_state and held_encoded:
+    return lm, meta
+
+
+def _save_draft(run: TrainingRun, lm, meta: dict, probe, summary: dict) -> float:
+    """The draft folder in ``--out`` (and ``loss.png``, the run summary); its size in MB."""
+    save_draft_model(lm, meta, run.out, probe)
+    megabytes = folder_megabytes(run.out)
+    run.plot_losses("train draft-model")
+    summary["megabytes_fp16"] = round(megabytes, 2)
+    write_json(run.summary_file, summary)
+    if megabytes > MAX_SHIPPED_MB:
+        run.say(f"note: {run.out / WEIGHTS_FILE} is {megabytes:.1f} MB, more than the {MAX_SHIPPED_MB:.0f} MB a "
+                "shipped drafter may weigh; fewer --layers make it smaller")
+    return megabytes
+
+
+def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
+    """Train (or resume training) a draft model for ``target`` per ``cfg``; the folder is written to ``cfg.out``."""
+    cfg.validate()
+    from accelerate.utils import set_seed
+    from safetensors.torch import save_file
+
+    layer_ids = choose_layers(getattr(target.config, "num_hidden_layers", 0), cfg.layers, cfg.init_layers)
+    identity = cfg.identity(target, layer_ids)
+    run = TrainingRun(cfg.out, COMMAND, identity, quiet=cfg.quiet, threads=cfg.threads)
+    t_load = time.perf_counter()
+    encoded, held_encoded, n_lines, n_held, dropped = _read_records(cfg, target, run)
+    lengths = [len(e.input_ids) for e in encoded] if cfg.batch_size > 1 else None
+    schedule = BatchSchedule(len(encoded), cfg.batch_size * run.world, cfg.seed, lengths)
+    total_steps = cfg.max_steps or math.ceil(cfg.epochs * schedule.per_epoch / cfg.grad_accum)
+    run.check_total(total_steps)
+
+    set_seed(cfg.seed)
+    lm, meta = _draft_to_train(cfg, target, layer_ids, run)
+    heldout = dict(run.state.get("heldout", {})) if run.state else {}
+    if run.main and not run.state and held_encoded:
         heldout["before"] = _evaluate(lm, held_encoded, cfg.batch_size)
-    model = DraftLoss(lm)
-    params = [p for p in model.parameters() if p.requires_grad]
-    n_trainable = sum(p.numel() for p in params)
+    params = [p for p in lm.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = get_scheduler("constant_with_warmup" if cfg.schedule == "constant" else cfg.schedule, optimizer,
-                              num_warmup_steps=round(cfg.warmup * total_steps), num_training_steps=total_steps)
-    # The draft's weights are saved by save_checkpoint (without the shared embedding), not by accelerate.
-    model, optimizer = prepare_training(accelerator, model, optimizer, scheduler, resume)
-
-    _log(f"draft-model: {len(encoded)} training records ({len(held_recs)} held out, {dropped} without response "
-         f"tokens within --max-length dropped), {total_steps} steps of {cfg.batch_size * cfg.grad_accum * world} "
-         f"sequences ({total_steps * cfg.grad_accum / schedule.per_epoch:.2f} epochs); {len(layer_ids)} layers from "
-         f"target layers {layer_ids} ({n_trainable / 1e6:.2f}M parameters trained, embedding and head shared), "
-         f"lr {cfg.lr:g}; loaded in {time.perf_counter() - t_load:.1f}s"
-         + (f"; resuming from step {start_step}" if resume is not None else ""), quiet)
-
-    log_path = out / LOG_FILE
-    if main:
-        mark_output_dir(out, COMMAND)
-        _trim_log(log_path, start_step)
+    scheduler = transformers_schedule(optimizer, cfg.schedule, cfg.warmup, total_steps)
+    # The draft's weights are saved by save() (without the shared embedding), not by accelerate.
+    model = run.prepare(DraftLoss(lm), optimizer, scheduler, params, cfg.max_grad_norm)
+    n_trainable = sum(p.numel() for p in params)
+    run.say(f"draft-model: {len(encoded)} training records ({n_held} held out, {dropped} without response tokens "
+            f"within --max-length dropped), {total_steps} steps of {cfg.batch_size * cfg.grad_accum * run.world} "
+            f"sequences ({total_steps * cfg.grad_accum / schedule.per_epoch:.2f} epochs); {len(layer_ids)} layers "
+            f"from target layers {layer_ids} ({n_trainable / 1e6:.2f}M parameters trained, embedding and head "
+            f"shared), lr {cfg.lr:g}; loaded in {time.perf_counter() - t_load:.1f}s"
+            + (f"; resuming from step {run.start_step}" if run.resume is not None else ""))
+    config = asdict(cfg)
 
     def state_at(step, loss):
-        return {"step": step, "total_steps": total_steps, "loss": loss, "world_size": world, "method": "draft-model",
-                "identity": identity, "config": asdict(cfg), "data_lines": n_lines, "records": len(encoded),
-                "meta": meta, "heldout": heldout, "time": time.time()}
+        return run.state_at(step, total_steps, loss, method="draft-model", identity=identity, config=config,
+                            data_lines=n_lines, records=len(encoded), meta=meta, heldout=heldout)
 
-    def save_checkpoint(step, loss) -> None:
-        root = out / CHECKPOINTS
-        final, tmp = root / f"step-{step:06d}", root / f".step-{step:06d}.tmp"
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        if main:
-            save_file({k: v.detach().contiguous() for k, v in own_state(lm).items()}, str(tmp / TRAINABLE_FILE))
-        accelerator.save_state(str(tmp / "accelerate"))
-        accelerator.wait_for_everyone()
-        if main:
-            (tmp / STATE_FILE).write_text(json.dumps(state_at(step, loss), indent=1))
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
-            for _, old in checkpoint_dirs(out)[: -cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-            for stale in root.glob(".step-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-        accelerator.wait_for_everyone()
+    def save(step, loss):
+        own = {k: v.detach().contiguous() for k, v in own_state(lm).items()}
+        run.checkpoint(step, state_at(step, loss), lambda folder: save_file(own, str(folder / TRAINABLE_FILE)),
+                       keep=cfg.keep_checkpoints)
 
-    step = last_saved = start_step
-    last_loss = resume_state.get("loss") if resume_state else None
-    stopped = False
-    deadline = None if cfg.max_minutes is None else time.perf_counter() + cfg.max_minutes * 60
-    bar = tqdm(total=total_steps, initial=start_step, desc="train draft-model", unit="step", disable=quiet,
-               file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
-    t0 = time.perf_counter()
-    autocast = mixed_precision_autocast(accelerator.device.type, cfg.mixed_precision)
-    try:
-        with deferred_stops():
-            while step < total_steps:
-                t_step = time.perf_counter()
-                batches = []
-                for m in range(step * cfg.grad_accum, (step + 1) * cfg.grad_accum):
-                    mine = schedule.batch(m)[accelerator.process_index :: world]
-                    batches.append(to_device(pad_batch([encoded[i] for i in mine], 0), accelerator.device))
-                local_tokens = torch.tensor(float(sum(b["num_tokens"] for b in batches)))
-                total_tokens = float(accelerator.reduce(local_tokens, reduction="sum"))
-                loss_sum = torch.zeros(())
-                correct = torch.zeros(())
-                for i, batch in enumerate(batches):
-                    ctx = accelerator.no_sync(model) if i < len(batches) - 1 else nullcontext()
-                    with ctx:
-                        with autocast:
-                            s, c = model(batch["input_ids"], batch["attention_mask"], batch["labels"])
-                        # DDP averages gradients over processes: scale by world for the global token mean
-                        accelerator.backward(s * (world / max(total_tokens, 1.0)))
-                    loss_sum += s.detach().float()
-                    correct += c.detach().float()
-                if cfg.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                last_loss = float(accelerator.reduce(loss_sum, reduction="sum")) / max(total_tokens, 1.0)
-                top1 = float(accelerator.reduce(correct, reduction="sum")) / max(total_tokens, 1.0)
-                dt = time.perf_counter() - t_step
-                if main:
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps({"step": step, "loss": round(last_loss, 5), "acc": round(top1, 4), "lr": lr,
-                                            "tokens": int(total_tokens), "seconds": round(dt, 3)}) + "\n")
-                bar.set_postfix(loss=f"{last_loss:.4f}", top1=f"{top1:.3f}", lr=f"{lr:.2e}", s_step=f"{dt:.1f}",
-                                refresh=False)
-                bar.update(1)
-                over = deadline is not None and time.perf_counter() > deadline
-                over = bool(accelerator.reduce(torch.tensor(float(over)), reduction="sum") > 0)  # every process agrees
-                if step % cfg.save_every == 0 or step == total_steps or over:
-                    save_checkpoint(step, last_loss)
-                    last_saved = step
-                raise_if_stopped()  # a Ctrl-C or SIGTERM during the step stops here, the step kept
-                if over and step < total_steps:
-                    stopped = True
-                    break
-    except KeyboardInterrupt:
-        bar.close()
-        if step > last_saved:
-            save_checkpoint(step, last_loss)
-            last_saved = step
-        kept = f"checkpoint at step {last_saved} in {out / CHECKPOINTS}" if last_saved else "no step finished"
-        raise KeyboardInterrupt(f"{kept}; re-run the same command to resume") from None
-    bar.close()
-    seconds = time.perf_counter() - t0
+    autocast = mixed_precision_autocast(run.accelerator.device.type, cfg.mixed_precision)
 
+    def loss_fn(batch):
+        with autocast:
+            s, correct = model(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        return s, {"acc": correct}
+
+    def step_fn(step):
+        batches = run.micro_batches(step, cfg.grad_accum, schedule, encoded, lambda examples, _: pad_batch(examples, 0))
+        return run.token_mean_step(model, batches, loss_fn)
+
+    done = run.train(total_steps, step_fn, save, save_every=cfg.save_every, max_minutes=cfg.max_minutes,
+                     desc="train draft-model")
     megabytes = 0.0
-    if main:
-        unwrapped = accelerator.unwrap_model(model).lm
+    if run.main:
+        unwrapped = run.accelerator.unwrap_model(model).lm
         if held_encoded:
             heldout["after"] = _evaluate(unwrapped, held_encoded, cfg.batch_size)
-        meta["trained"] = {"steps": step, "total_steps": total_steps, "loss": last_loss, "records": len(encoded),
+        meta["trained"] = {"steps": done.step, "total_steps": total_steps, "loss": done.loss, "records": len(encoded),
                            "data": identity["data"]}
-        save_draft_model(unwrapped, meta, out, probe)
-        megabytes = folder_megabytes(out)
-        _plot(out / LOG_FILE, out / "loss.png")
-        summary = state_at(step, last_loss)
-        summary.update(trainable_parameters=n_trainable, seconds_this_run=round(seconds, 2),
-                       steps_this_run=step - start_step, megabytes_fp16=round(megabytes, 2),
-                       stopped_by_budget=stopped)
-        write_json(out / SUMMARY_FILE, summary)
-        if megabytes > MAX_SHIPPED_MB:
-            _log(f"note: {out / WEIGHTS_FILE} is {megabytes:.1f} MB, more than the {MAX_SHIPPED_MB:.0f} MB a shipped "
-                 "drafter may weigh; fewer --layers make it smaller", cfg.quiet)
-    accelerator.wait_for_everyone()
-    return DraftTrainResult(str(out), start_step, step, total_steps, last_loss, seconds, len(encoded), layer_ids,
-                            megabytes, heldout, stopped, main)
+        summary = state_at(done.step, done.loss)
+        summary.update(trainable_parameters=n_trainable, seconds_this_run=round(done.seconds, 2),
+                       steps_this_run=done.step - run.start_step, stopped_by_budget=done.stopped_by_budget)
+        megabytes = _save_draft(run, unwrapped, meta, target_probe(target), summary)
+    run.accelerator.wait_for_everyone()
+    return DraftTrainResult(str(run.out), run.start_step, done.step, total_steps, done.loss, done.seconds, len(encoded),
+                            run.main, layers=layer_ids, megabytes=megabytes, heldout=heldout,
+                            stopped_by_budget=done.stopped_by_budget)
 
 
 __all__ = ["DraftTrainConfig", "DraftTrainResult", "train_draft_model"]
