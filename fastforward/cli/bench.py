@@ -25,6 +25,7 @@ from ..errors import UsageError
 from ..paths import check_output_dir, mark_output_dir
 from ..proposers import available_methods
 from .options import (
+    add_batch_arguments,
     add_model_arguments,
     max_new_tokens,
     model_load_kwargs,
@@ -83,11 +84,7 @@ def add_arguments(p, name: str) -> None:
                    help="throughput mode: decode the questions' first turns B at a time, several sequences per "
                         "forward, for each B (B=1 always runs, as the reference) and each method (default ar,pld); "
                         "writes DIR/batch.md and DIR/batch.json")
-    p.add_argument("--batch-tokens", type=positive_int, default=None, metavar="N",
-                   help="with --batch: rows per shared forward (default: sized from the machine's cost curve)")
-    p.add_argument("--no-cut-drafts", action="store_true",
-                   help="with --batch: keep every draft as the method proposes it alone (default: cut each to what it "
-                        "is worth in the shared forward; outputs are the same)")
+    add_batch_arguments(p, "--batch")
 
 
 def _split(values: list[str] | None) -> list[str]:

@@ -13,7 +13,14 @@ import fastforward as ff
 from ..errors import UsageError
 from ..model import DEFAULT_MODEL, DEFAULT_PASTA_MODEL
 from ..proposers import available_methods
-from .options import add_method_option_argument, add_model_arguments, model_load_kwargs, parse_options, positive_int
+from .options import (
+    add_batch_arguments,
+    add_method_option_argument,
+    add_model_arguments,
+    model_load_kwargs,
+    parse_options,
+    positive_int,
+)
 
 
 def _prefill_progress(min_tokens: int = 1024):
@@ -49,11 +56,7 @@ def add_arguments(p, name: str) -> None:
                    "standard input")
     p.add_argument("--prompts", metavar="FILE", help="decode every prompt of FILE together, several per forward "
                    "(one per line, or JSON lines: a string or {\"prompt\": ...}); each output equals its solo output")
-    p.add_argument("--batch-tokens", type=positive_int, default=None, metavar="N",
-                   help="with --prompts: rows per shared forward (default: sized from this machine's cost curve)")
-    p.add_argument("--no-cut-drafts", action="store_true",
-                   help="with --prompts: keep every draft as the method proposes it alone (default: cut each to what "
-                        "it is worth in the shared forward; outputs are the same)")
+    add_batch_arguments(p, "--prompts")
     p.add_argument("--method", default="ar", help="decoding method, see 'fastforward methods' (default: ar)")
     add_method_option_argument(p)
     add_model_arguments(p)

@@ -181,6 +181,33 @@ def model_load_kwargs(args) -> dict:
             "arithmetic": getattr(args, "arithmetic", "auto"), "kv_cache": getattr(args, "kv_cache", "auto")}
 
 
+def add_subcommands(p, commands: dict, dest: str, metavar: str) -> None:
+    """One sub-parser per entry of ``commands`` (name -> (summary, add_arguments, run)); the chosen name is kept in
+    ``args.<dest>`` for :func:`run_subcommand`."""
+    sub = p.add_subparsers(dest=dest, metavar=metavar, parser_class=type(p))
+    for name, (summary, add, _) in commands.items():
+        sp = sub.add_parser(name, help=summary, description=summary)
+        sp.set_defaults(**{"_" + dest: name})
+        add(sp)
+
+
+def run_subcommand(args, commands: dict, dest: str, what: str, command: str) -> int:
+    """Run the sub-command :func:`add_subcommands` parsed; none given is a one-line error naming the choices."""
+    chosen = getattr(args, "_" + dest, None)
+    if chosen is None:
+        raise UsageError(f"give a {what}: {', '.join(commands)} (see 'fastforward {command} --help')")
+    return int(commands[chosen][2](args) or 0)
+
+
+def add_batch_arguments(p, with_flag: str) -> None:
+    """``--batch-tokens`` and ``--no-cut-drafts``: how several sequences share a forward (with ``with_flag``)."""
+    p.add_argument("--batch-tokens", type=positive_int, default=None, metavar="N",
+                   help=f"with {with_flag}: rows per shared forward (default: sized from this machine's cost curve)")
+    p.add_argument("--no-cut-drafts", action="store_true",
+                   help=f"with {with_flag}: keep every draft as the method proposes it alone (default: cut each to "
+                        "what it is worth in the shared forward; outputs are the same)")
+
+
 def add_method_option_argument(p, help: str = "a method option, e.g. -o k=10 (repeatable)") -> None:
     """``-o/--option KEY=VALUE`` (repeatable), read with :func:`parse_options`."""
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help=help)

@@ -17,7 +17,14 @@ from ..train.pasta.annotate import (
     annotate_file,
     check_annotate,
 )
-from .options import add_model_arguments, model_load_kwargs, positive_int, thread_count
+from .options import (
+    add_model_arguments,
+    add_subcommands,
+    model_load_kwargs,
+    positive_int,
+    run_subcommand,
+    thread_count,
+)
 
 
 def _nats(text: str) -> float:
@@ -305,15 +312,8 @@ COMMANDS = {
 
 
 def add_arguments(p, name: str) -> None:
-    sub = p.add_subparsers(dest="pasta_command", metavar="COMMAND", parser_class=type(p))
-    for command, (summary, add, _) in COMMANDS.items():
-        cp = sub.add_parser(command, help=summary, description=summary)
-        cp.set_defaults(_pasta_command=command)
-        add(cp)
+    add_subcommands(p, COMMANDS, "pasta_command", "COMMAND")
 
 
 def run(args, name: str) -> int:
-    command = getattr(args, "_pasta_command", None)
-    if command is None:
-        raise UsageError(f"give a pasta command: {', '.join(COMMANDS)} (see 'fastforward pasta --help')")
-    return int(COMMANDS[command][2](args) or 0)
+    return run_subcommand(args, COMMANDS, "pasta_command", "pasta command", "pasta")

@@ -17,7 +17,7 @@ from ..train.msn import MSN
 from ..train.run import MIXED_PRECISION
 from ..train.trainer import DEFAULT_LORA_RANK, TrainConfig, report, train
 from ..train.trajectories import META
-from .options import add_model_argument, add_threads_argument, finite_float, seed
+from .options import add_model_argument, add_subcommands, add_threads_argument, finite_float, run_subcommand, seed
 
 # ------------------------------------------------------------------------------------------------------------------
 # Options every method shares
@@ -474,15 +474,8 @@ METHODS = {
 
 
 def add_arguments(p, name: str) -> None:
-    sub = p.add_subparsers(dest="train_method", metavar="METHOD", parser_class=type(p))
-    for method, (summary, add, _) in METHODS.items():
-        mp = sub.add_parser(method, help=summary, description=summary)
-        mp.set_defaults(_train_method=method)
-        add(mp)
+    add_subcommands(p, METHODS, "train_method", "METHOD")
 
 
 def run(args, name: str) -> int:
-    method = getattr(args, "_train_method", None)
-    if method is None:
-        raise UsageError(f"give a training method: {', '.join(METHODS)} (see 'fastforward train --help')")
-    return int(METHODS[method][2](args) or 0)
+    return run_subcommand(args, METHODS, "train_method", "training method", "train")
