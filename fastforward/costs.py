@@ -50,7 +50,6 @@ import os
 import statistics
 import sys
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -460,7 +459,7 @@ def _close(value: float, reference: float | None, tolerance: float) -> bool:
 # One model per target; the prior cached on disk
 # ------------------------------------------------------------------------------------------------------------------
 
-_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> CostModel
+SLOT = "cost model"  # the target's resource slot (:mod:`fastforward.model.slots`) that holds its CostModel
 
 
 def curve_path(target) -> Path:
@@ -479,10 +478,7 @@ def curve_path(target) -> Path:
 
 
 def _model_of(target) -> CostModel:
-    model = _MODELS.get(target)
-    if model is None:
-        model = _MODELS[target] = CostModel()
-    return model
+    return target.shared(SLOT, CostModel)
 
 
 def cost_model(target, announce: bool = True) -> CostModel:
@@ -501,10 +497,7 @@ def observe_forward(target, rows: int, seconds: float) -> None:
 
 def set_cost_model(target, model: CostModel | None) -> CostModel | None:
     """Attach ``model`` to ``target`` (None: detach); returns the one attached before (tests pin a curve so)."""
-    previous = _MODELS.pop(target, None)
-    if model is not None:
-        _MODELS[target] = model
-    return previous
+    return target.set_shared(SLOT, model)
 
 
 def machine_cost_curve(target, refresh: bool = False, announce: bool = True) -> CostCurve:

@@ -328,7 +328,7 @@ def test_timings_agreeing_with_the_cache_leave_it_alone(fresh, tmp_path, monkeyp
 
 def test_every_verification_forward_reaches_the_cost_model(fresh):
     out = ff.generate(fresh, [5, 6, 7, 8] * 4, "ar", max_new_tokens=12)
-    model = costs._MODELS[fresh]
+    model = costs._model_of(fresh)
     assert model.forwards == out.stats.target_forwards - 1  # every step; not the prompt's forward
     assert set(model._windows) == {1}
 
@@ -361,7 +361,8 @@ class FakeClock:
         return self.now
 
 
-def test_a_wrong_cached_curve_gives_way_to_live_timings_within_32_steps(default_model, tmp_path, monkeypatch):
+def test_a_wrong_cached_curve_gives_way_to_live_timings_within_32_steps(default_model, tmp_path, monkeypatch,
+                                                                        request):
     """Acceptance: a deliberately wrong cached curve (flat at 300 ms) whose draft lengths follow live timings
     within 32 steps. The default model counts (a repetitive answer: pld finds a match nearly every step); the
     forwards' times come from a deterministic clock (t(q) = 10 ms + 2.5 ms per extra row, a CPU's), so the test
@@ -372,7 +373,8 @@ def test_a_wrong_cached_curve_gives_way_to_live_timings_within_32_steps(default_
 
     target = default_model
     monkeypatch.setenv("FASTFORWARD_CACHE", str(tmp_path))
-    monkeypatch.setitem(costs._MODELS, target, CostModel())  # no timings of other tests: the prior comes from disk
+    previous = set_cost_model(target, CostModel())  # no timings of other tests: the prior comes from disk
+    request.addfinalizer(lambda: set_cost_model(target, previous))
     write_curve(target, {q: 300.0 for q in CURVE_QS})
     clock = FakeClock()
     monkeypatch.setattr(engine, "forward_clock", clock)
@@ -388,7 +390,7 @@ def test_a_wrong_cached_curve_gives_way_to_live_timings_within_32_steps(default_
 
     def recording(alpha, max_k, curve):
         k = choose(alpha, max_k, curve)
-        model = costs._MODELS[target]
+        model = costs._model_of(target)
         choices.append((model.forwards, k, choose(alpha, max_k, AFFINE), choose(alpha, max_k, model.prior)))
         return k
 

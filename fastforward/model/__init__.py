@@ -19,7 +19,7 @@ Two backends implement ``forward``:
 
 The package, one module per concept: ``kv`` (KV caches), ``forward`` (a forward's request/output and masks),
 ``lean`` (the lean forward), ``hf`` (the HF backend, sliding windows), ``target`` (TargetModel), ``loading``
-(aliases, HF folders, GGUF files).
+(aliases, HF folders, GGUF files), ``slots`` (what is built once per target and lives as long as it does).
 """
 
 from .forward import ForwardOutput, ForwardRequest, _full_mask
@@ -44,6 +44,7 @@ from .loading import (
     packaged_gguf,
     resolve_model,
 )
+from .slots import shared
 from .target import LEAN_ARCHITECTURES, TargetModel
 
 __all__ = [
@@ -51,5 +52,5 @@ __all__ = [
     "LEAN_ARCHITECTURES", "MODEL_ALIASES", "PACKAGED_MODELS", "WEIGHT_CHOICES", "ForwardOutput",
     "ForwardRequest", "HFDynamicKVCache", "HFForward", "LeanLlama", "LlamaLayer", "StaticKVCache", "TargetModel",
     "convert_gguf", "from_hf", "load", "load_hf", "packaged_gguf", "resolve_model", "rope_tables",
-    "sliding_window_of", "_converted_gguf", "_full_mask", "_gguf_cache_dir", "_gguf_tokenizer", "_quiet_transformers",
+    "shared", "sliding_window_of", "_converted_gguf", "_full_mask", "_gguf_cache_dir", "_gguf_tokenizer", "_quiet_transformers",
 ]

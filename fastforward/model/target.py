@@ -8,13 +8,17 @@ from ..errors import UsageError
 from .forward import ForwardOutput, ForwardRequest
 from .hf import HFForward, sliding_window_of
 from .lean import LeanLlama
+from .slots import HasSlots
 
 LEAN_ARCHITECTURES = {"llama", "qwen2", "mistral"}
 
 
-class TargetModel:
+class TargetModel(HasSlots):
     """A loaded causal LM: tokenizer, the forward backend the decoders use, and (for peers, training and the HF
-    backend) the HF model -- made on first use when the target was built straight from a GGUF file."""
+    backend) the HF model -- made on first use when the target was built straight from a GGUF file.
+
+    ``target.shared(key, build)`` holds what is built once per target and lives as long as it does (drafter runners,
+    draft models, datastores, the cost model): :mod:`fastforward.model.slots`."""
 
     def __init__(self, name: str, hf_model, tokenizer, backend: str = "auto", small_q_max: int = 4,
                  weights: str = "fp32"):

@@ -24,7 +24,6 @@ pays for. Drafts never change what is generated: the target verifies every token
 from __future__ import annotations
 
 import threading
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -154,8 +153,7 @@ class TokenStore:
 # Datastores: read once per target and file
 # ----------------------------------------------------------------------------------------------------------------
 
-_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(path, mtime, size): TokenStore}
-_STORES_LOCK = threading.Lock()
+_STORES_LOCK = threading.Lock()  # over every target's {(path, mtime, size) or None: TokenStore} (its resource slot)
 
 
 def datastore_file(path) -> Path:
@@ -203,8 +201,8 @@ def datastore_for(target, path) -> TokenStore:
         file = datastore_file(path).resolve()
         stat = file.stat()
         key = (str(file), stat.st_mtime_ns, stat.st_size)
+    stores = target.shared("rest datastores", dict)
     with _STORES_LOCK:
-        stores = _STORES.setdefault(target, {})
         if key not in stores:
             store = TokenStore(target.vocab_size)
             if key is not None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from pathlib import Path
 
 import torch
@@ -55,8 +54,6 @@ FIXED_K_MAX = 32  # the longest fixed chain: k draft-model forwards per step, 1 
 CHUNK = 256  # tokens per draft forward while reading the prompt
 # A text both tokenizers must split into the same ids (letters, digits, code, accents, CJK, a chat special token).
 PROBE_TEXT = "The quick brown fox jumps: 3.14159, print('hi')\n\tüber ñandú 日本語 <|im_end|> t1 t7 t42"
-
-_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {path key: draft TargetModel}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -111,17 +108,16 @@ def load_draft(target, draft) -> TargetModel:
         raise UsageError(f"sps: option draft must be a path or a model name, got {draft!r}")
     path = Path(draft).expanduser()
     key = str(path.resolve()) if path.exists() else str(draft).strip().lower()
-    per_target = _LOADED.setdefault(target, {})
-    if key in per_target:
-        return per_target[key]
+    return target.shared(("sps draft model", key), lambda: _loaded_draft(target, draft, path))
+
+
+def _loaded_draft(target, draft, path: Path) -> TargetModel:
     from ..drafters.draft_model import is_draft_model, load_draft_model
 
     if is_draft_model(path):
-        model = load_draft_model(path, target)
-    else:
-        model = _load_named_draft(str(draft))
-        check_same_tokenizer(target, model, repr(str(draft)))
-    per_target[key] = model
+        return load_draft_model(path, target)
+    model = _load_named_draft(str(draft))
+    check_same_tokenizer(target, model, repr(str(draft)))
     return model
 
 
