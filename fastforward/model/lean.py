@@ -18,6 +18,7 @@ from ..kernels import load_native
 from ..linear import FORMAT_IDS, DenseLinear, PackedLinear, concat_linears, format_names, packed_kernel_name, quantize
 from .forward import ForwardOutput, ForwardRequest, _full_mask, check_slots
 from .kv import KV_PRECISIONS, StaticKVCache
+from .layer_math import rms_norm, rope_cos_sin, rotary_heads
 
 
 @dataclass
@@ -66,12 +67,10 @@ class LlamaLayer:
 
 
 def rope_tables(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[max_positions, head_dim]`` of the default (unscaled) rotary embedding, computed exactly as
-    transformers' ``LlamaRotaryEmbedding`` does (fp32 inverse frequencies times positions, duplicated halves)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
-    freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().contiguous(), emb.sin().contiguous()
+    """cos, sin ``[max_positions, head_dim]`` of the default (unscaled) rotary embedding at positions
+    0..max_positions-1 (:func:`~fastforward.model.layer_math.rope_cos_sin`)."""
+    cos, sin = rope_cos_sin(head_dim, theta, torch.arange(max_positions))
+    return cos.contiguous(), sin.contiguous()
 
 
 class LeanLlama:
@@ -260,15 +259,6 @@ class LeanLlama:
     def new_cache(self, capacity: int) -> StaticKVCache:
         return StaticKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.kv_dtype)
 
-    def _rms(self, x, w):
-        var = x.pow(2).mean(-1, keepdim=True)
-        return w * (x * torch.rsqrt(var + self.eps))
-
-    @staticmethod
-    def _rotate_half(x):
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
     @torch.inference_mode()
     def forward(self, ids, positions, cache: StaticKVCache, tree_mask=None, hidden_layers=(), last_only=False,
                 write_slots=None):
@@ -290,15 +280,11 @@ class LeanLlama:
         wanted = set(hidden_layers)
         hidden = {}
         for i, layer in enumerate(self.layers):
-            h = self._rms(x, layer.in_norm)
+            h = rms_norm(x, layer.in_norm, self.eps)
             qkv = layer.qkv(h)
             if layer.bqkv is not None:
                 qkv = qkv + layer.bqkv
-            qh = qkv[:, : nh * d].view(q, nh, d).transpose(0, 1)
-            kh = qkv[:, nh * d : (nh + nkv) * d].view(q, nkv, d).transpose(0, 1)
-            vh = qkv[:, (nh + nkv) * d :].view(q, nkv, d).transpose(0, 1)
-            qh = qh * cos + self._rotate_half(qh) * sin
-            kh = kh * cos + self._rotate_half(kh) * sin
+            qh, kh, vh = rotary_heads(qkv, nh, nkv, d, cos, sin)
             # [nkv, q, d] into the write slots; an fp16 cache stores them rounded to nearest even
             cache.k[i][:, slots] = kh.to(cache.k.dtype)
             cache.v[i][:, slots] = vh.to(cache.v.dtype)
@@ -316,20 +302,20 @@ class LeanLlama:
             if layer.bo is not None:
                 o = o + layer.bo
             x = x + o
-            h = self._rms(x, layer.post_norm)
+            h = rms_norm(x, layer.post_norm, self.eps)
             gate, up = layer.gate_up(h).split(self.intermediate_size, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
             if i in wanted:
                 hidden[i] = x.clone()
         if -1 in wanted:  # the final normed states of every new token, like the other layers' (and HF's)
-            x = self._rms(x, self.norm)
+            x = rms_norm(x, self.norm, self.eps)
             hidden[-1] = x.clone()
             if last_only:
                 x = x[-1:]
         else:
             if last_only:
                 x = x[-1:]
-            x = self._rms(x, self.norm)
+            x = rms_norm(x, self.norm, self.eps)
         return ForwardOutput(self.head(x), hidden)
 
     def batch_rows_limit(self) -> int:
