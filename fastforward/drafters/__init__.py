@@ -2,8 +2,11 @@
 
 * :mod:`.features` -- the target features drafters read (taps inside the target, its final state), stored or computed;
 * :mod:`.vocab` -- the reduced draft vocabulary (``d2t`` / ``t2d``);
+* :mod:`.pieces` -- what every drafter is built from (the target's fingerprint and rows, config checks, norms,
+  RoPE, layers, decode-time linears);
 * :mod:`.eagle` -- the EAGLE-3-style drafter (training module and decode-time runner); :mod:`.checkpoint` -- its
-  native EAGLE-3 folder layout (what vLLM and SGLang load);
+  native EAGLE-3 folder layout (what vLLM and SGLang load); :mod:`.fasteagle` and :mod:`.falcon` -- the FastEagle
+  and Falcon drafters;
 * drafters for the default model ship in ``shipped/`` (each with the exact command that trained it), found by
   :func:`shipped_drafter` from the target's fingerprint.
 """
@@ -20,7 +23,7 @@ def shipped_drafter(target, kind: str) -> Path | None:
     """The shipped drafter folder of ``kind`` ('eagle3', 'draft-model', ...) trained for ``target``, if any."""
     if not SHIPPED_DIR.is_dir():
         return None
-    from .eagle import target_fingerprint
+    from .pieces import target_fingerprint
 
     fingerprint = None
     for folder in sorted(p for p in SHIPPED_DIR.iterdir() if (p / "config.json").is_file()):

@@ -170,6 +170,12 @@ def build_checked(folder, module_cls, cfg, vocab: DraftVocab, tensors: dict, ski
     return drafter
 
 
+def save_headless(drafter, folder, dtype: str = "float16", head: str = "lm_head.weight") -> Path:
+    """Write a drafter saved without its frozen head (FastEagle, Falcon) into ``folder`` (created): its config's
+    ``to_json()`` and every tensor but the head; files replaced atomically."""
+    return write_folder(drafter.state_dict(), drafter.cfg.to_json(), folder, dtype, skip=(head,))
+
+
 def load_headless(folder, target, kind: str, parse_config, module_cls, head: str = "lm_head.weight"):
     """A drafter saved without its frozen head (FastEagle, Falcon): ``module_cls(cfg, vocab)`` from ``folder`` (fp32),
     checked to belong to ``target``, every other tensor present with its shape, the head rebuilt from the target's

@@ -20,8 +20,6 @@ steps 1..k (the path it drafted), at positions j + k.
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -30,119 +28,45 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from ..model.lean import LlamaLayer
 from .calibration import calibration_of
 from .features import default_aux_layers
+from .pieces import (
+    MLP,
+    Attention,
+    DrafterConfig,
+    DrafterModule,
+    DrafterRunner,
+    RMSNorm,
+    architecture_of,
+    decode_layer,
+    init_layer,
+    pass_last_tap,
+    rope_cos_sin,
+    rotate,
+    target_embedding_rows,  # noqa: F401 - re-exported: callers outside the drafters import it from here
+    target_fingerprint,  # noqa: F401 - re-exported, as target_embedding_rows
+    target_layer_shape,
+    target_meta,
+)
 from .vocab import DraftVocab
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 KNOWN_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 
 
-def target_fingerprint(target) -> str:
-    """A short hash of the target's shape and a few embedding rows: equal for the same weights however they were
-    loaded (GGUF, converted folder), different for another model."""
-    cfg = target.config
-    rows = target_embedding_rows(target, torch.arange(min(16, target.vocab_size))).to(torch.float16)
-    h = hashlib.sha256(f"{cfg.num_hidden_layers}:{cfg.hidden_size}:{target.vocab_size}".encode())
-    h.update(rows.contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def target_embedding_rows(target, ids: torch.Tensor) -> torch.Tensor:
-    """fp32 embedding rows of the target (its input embedding, whatever the backend stores)."""
-    embed = getattr(target.backend, "embed", None)
-    if embed is not None:
-        return embed.rows(ids).float()
-    return target.hf_model.get_input_embeddings()(ids).float().detach()
-
-
-def target_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
-    """fp32 rows of the target's LM head for the token ids ``ids`` (the frozen draft head)."""
-    head = getattr(target.backend, "head", None)
-    if head is not None:
-        if hasattr(head, "rows"):
-            return head.rows(ids).float()
-        return head.dense()[ids].float()
-    return target.hf_model.get_output_embeddings().weight[ids].float().detach()
-
-
-LAYER_SHAPE = {"hidden_size": int, "intermediate_size": int, "num_attention_heads": int, "num_key_value_heads": int,
-               "head_dim": int, "rms_norm_eps": float, "rope_theta": float, "vocab_size": int,
-               "target_hidden_size": int}
-
-
-def target_layer_shape(target) -> dict:
-    """The fields of a drafter config that copy the target's decoder-layer shape (``LAYER_SHAPE``)."""
-    c = target.config
-    heads = c.num_attention_heads
-    return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_attention_heads": heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads, "rms_norm_eps": float(c.rms_norm_eps),
-            "rope_theta": float(getattr(c, "rope_theta", 10000.0)), "vocab_size": target.vocab_size,
-            "target_hidden_size": c.hidden_size}
-
-
-def read_layer_shape(raw: dict) -> dict:
-    """``LAYER_SHAPE``'s fields from a drafter's config.json (KeyError / TypeError / ValueError when malformed)."""
-    return {name: kind(raw[name]) for name, kind in LAYER_SHAPE.items()}
-
-
-def architecture_of(raw: dict) -> str:
-    """The first entry of a config's ``architectures`` list ("" when it is missing or not a list of names)."""
-    archs = raw.get("architectures")
-    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
-
-
-def check_drafter_target(cfg, target) -> None:
-    """Refuse, in one line, a drafter config (``fastforward`` section, ``vocab_size``, ``target_hidden_size``,
-    ``aux_layers``) made for another target than ``target``."""
-    fp = cfg.fastforward.get("target_fingerprint")
-    if fp and fp != target_fingerprint(target):
-        raise UsageError(f"this drafter was trained for '{cfg.fastforward.get('target')}', not for "
-                         f"'{target.name}' (target fingerprints differ)")
-    c = target.config
-    if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != c.hidden_size:
-        raise UsageError(f"this drafter expects a target with vocab {cfg.vocab_size} and hidden size "
-                         f"{cfg.target_hidden_size}; '{target.name}' has {target.vocab_size} and {c.hidden_size}")
-    if cfg.hidden_size != c.hidden_size:  # the drafter reads the target's token embeddings
-        raise UsageError(f"this drafter has hidden size {cfg.hidden_size}; it reads the token embeddings of "
-                         f"'{target.name}', whose hidden size is {c.hidden_size}")
-    if cfg.aux_layers and max(cfg.aux_layers) > c.num_hidden_layers:
-        raise UsageError(f"the drafter taps layer {max(cfg.aux_layers)}; '{target.name}' has "
-                         f"{c.num_hidden_layers} layers")
-
-
 @dataclass
-class Eagle3Config:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
+class Eagle3Config(DrafterConfig):
     max_position_embeddings: int
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
     aux_layers: tuple = ()  # HF hidden_states indices (the inputs of these target layers)
     fastforward: dict = field(default_factory=dict)  # {"target": name, "target_fingerprint": ...}
 
     @classmethod
     def for_target(cls, target, draft_vocab_size: int) -> Eagle3Config:
         c = target.config
-        heads = c.num_attention_heads
         return cls(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=float(c.rms_norm_eps),
-            rope_theta=float(getattr(c, "rope_theta", 10000.0)),
+            **target_layer_shape(target), draft_vocab_size=draft_vocab_size,
             max_position_embeddings=int(getattr(c, "max_position_embeddings", 2048)),
-            vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size,
-            aux_layers=default_aux_layers(c.num_hidden_layers),
-            fastforward={"kind": "eagle3", "target": target.name, "target_fingerprint": target_fingerprint(target),
-                         "target_layers": c.num_hidden_layers},
+            aux_layers=default_aux_layers(c.num_hidden_layers), fastforward=target_meta(target, "eagle3"),
         )
 
     def to_hf(self) -> dict:
@@ -198,54 +122,8 @@ class Eagle3Config:
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"malformed EAGLE-3 config.json: {exc}") from None
 
-    def check_target(self, target) -> None:
-        """Refuse a drafter made for another target (one line)."""
-        check_drafter_target(self, target)
-
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (HF's rotate-half convention); ``cos``/``sin`` broadcast over heads."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-class _Attention(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        d2, hd = 2 * cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d2, cfg.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d2, cfg.num_key_value_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d2, cfg.num_key_value_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
-
-
-class _MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class _MidLayer(nn.Module):
@@ -254,37 +132,20 @@ class _MidLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = _Attention(cfg)
-        self.mlp = _MLP(cfg)
+        self.self_attn = Attention(cfg, 2 * cfg.hidden_size)
+        self.mlp = MLP(cfg)
 
 
-def rope_cos_sin(head_dim: int, theta: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = positions.float().unsqueeze(-1) * inv
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(DrafterModule):
     """The trainable drafter (its ``state_dict`` keys are the EAGLE-3 layout's, plus ``d2t``/``t2d`` buffers)."""
 
     def __init__(self, cfg: Eagle3Config, vocab: DraftVocab):
-        super().__init__()
-        if vocab.size != cfg.draft_vocab_size or vocab.vocab_size != cfg.vocab_size:
-            raise UsageError("the draft vocabulary does not match the drafter's config")
-        self.cfg = cfg
+        super().__init__(cfg, vocab)
         d = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, d, bias=False)
         self.midlayer = _MidLayer(cfg)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
-        self.lm_head.weight.requires_grad_(False)  # a frozen slice of the target's head
-        self.register_buffer("d2t", vocab.d2t.clone())
-        self.register_buffer("t2d", vocab.t2d.clone())
-
-    @property
-    def vocab(self) -> DraftVocab:
-        return DraftVocab(self.d2t, self.t2d)
+        self.add_head(vocab)
 
     @classmethod
     def for_target(cls, target, vocab: DraftVocab, seed: int = 0) -> Eagle3Drafter:
@@ -296,22 +157,13 @@ class Eagle3Drafter(nn.Module):
         the other layer weights random (seeded)."""
         torch.manual_seed(seed)
         drafter = cls(Eagle3Config.for_target(target, vocab.size), vocab)
+        drafter.load_head(target)
         with torch.no_grad():
-            drafter.lm_head.weight.copy_(target_head_rows(target, vocab.target_ids))
             norm = getattr(target.backend, "norm", None)
             if norm is not None:
                 drafter.norm.weight.copy_(norm.float())
-            m = drafter.midlayer
-            for lin in (m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj, m.mlp.gate_proj, m.mlp.up_proj):
-                nn.init.normal_(lin.weight, std=0.02)
-            m.self_attn.o_proj.weight.zero_()
-            m.mlp.down_proj.weight.zero_()
-            d, td = drafter.cfg.hidden_size, drafter.cfg.target_hidden_size
-            drafter.fc.weight.zero_()
-            if d == td:
-                drafter.fc.weight[:, -td:] = torch.eye(d)
-            else:
-                nn.init.normal_(drafter.fc.weight, std=0.02)
+            init_layer(drafter.midlayer.self_attn, drafter.midlayer.mlp)
+            pass_last_tap(drafter.fc, drafter.cfg.hidden_size, drafter.cfg.target_hidden_size)
             drafter.norm.weight.mul_(0.1)
         return drafter
 
@@ -412,43 +264,7 @@ def later_rows_window(later_selects: list[torch.Tensor], T: int) -> torch.Tensor
     return start.unsqueeze(1) + torch.arange(W)
 
 
-# ``weights=`` choices of a drafter at decode time: packed blocks the native kernel multiplies, or fp32.
-DRAFTER_WEIGHTS = ("auto", "q8_0", "q4_0", "fp32")
-AUTO_DRAFTER_FORMAT = "Q4_0"  # what ``auto`` packs when the native kernels build (docs/drafters.md: as accepted as
-# Q8_0, and a drafter call reads half the bytes)
-
-
-def decode_linear_factory(weights: str):
-    """``linear(w [out, in]) -> callable``: a drafter weight as the lean forward's linear at decode time -- packed
-    ``Q8_0`` or ``Q4_0`` blocks through the native kernel (``auto``: ``AUTO_DRAFTER_FORMAT`` when the kernels
-    build; with AMX, in both kernels' layouts, each call taking the faster for its rows:
-    :class:`~fastforward.linear.DraftLinear`) or fp32 (``fp32``). A drafter only proposes, so this rounding never
-    changes the output."""
-    from ..kernels import load_native
-    from ..linear import FORMAT_IDS, DenseLinear, DraftLinear, quantize
-
-    if weights not in DRAFTER_WEIGHTS:
-        raise UsageError(f"drafter weights must be one of {', '.join(DRAFTER_WEIGHTS)}, got {weights!r}")
-    native = None
-    try:
-        native = load_native() if weights != "fp32" else None
-    except Exception:  # noqa: BLE001 - no compiler: the plain path
-        native = None
-    if weights != "auto" and weights != "fp32" and native is None:
-        raise UsageError(f"drafter weights {weights} need the native kernels, which did not build on this machine")
-    packed = AUTO_DRAFTER_FORMAT if weights == "auto" else weights.upper()
-
-    def linear(w: torch.Tensor):
-        w = w.detach().float().contiguous()
-        if native is not None and w.shape[1] % 32 == 0:
-            return DraftLinear(quantize(w, packed), FORMAT_IDS[packed], w.shape[1], native=native)
-        return DenseLinear(w)
-
-    linear.layer_ops = native if native is not None and hasattr(native, "attention") else None
-    return linear
-
-
-class Eagle3Runner:
+class Eagle3Runner(DrafterRunner):
     """The drafter at decode time: the weights as the lean forward's linears (fp32, or packed blocks the native
     kernel multiplies, ``Q4_0`` by default -- the drafter only proposes, so its rounding never changes the output),
     its own KV cache of committed rows, and draft rows written after them and dropped after each proposal. With the
@@ -456,46 +272,30 @@ class Eagle3Runner:
     SiLU*mul), which spare the ~20 small torch ops a drafter row otherwise costs."""
 
     def __init__(self, drafter: Eagle3Drafter, target, capacity: int, weights: str = "auto"):
-        cfg = drafter.cfg
-        self.cfg, self.target = cfg, target
-        linear = decode_linear_factory(weights)
+        linear = self.setup(drafter, target, weights)
+        cfg = self.cfg
         self.ops = linear.layer_ops  # None: plain torch ops
-        m = drafter.midlayer
-        a = m.self_attn
         self.fc = linear(drafter.fc.weight)
-        self.norms = {n: getattr(m, n).weight.detach().float() for n in
-                      ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
-        # the target's layer pieces (its in_norm is unused: this layer norms its two halves itself)
-        self.layer = LlamaLayer(in_norm=self.norms["input_layernorm"],
-                                post_norm=self.norms["post_attention_layernorm"],
-                                qkv=linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-                                o=linear(a.o_proj.weight),
-                                gate_up=linear(torch.cat([m.mlp.gate_proj.weight, m.mlp.up_proj.weight])),
-                                down=linear(m.mlp.down_proj.weight))
-        self.head = linear(drafter.lm_head.weight)
+        # the target's layer pieces (in_norm normalises the embedding half; the feature half has its own norm)
+        self.layer = decode_layer(linear, drafter.midlayer)
+        self.hidden_norm = drafter.midlayer.hidden_norm.weight.detach().float()
         self.final_norm = drafter.norm.weight.detach().float()
-        self.d2t = drafter.d2t.clone()
-        self.eps = cfg.rms_norm_eps
         nkv, hd = cfg.num_key_value_heads, cfg.head_dim
         self.k = torch.zeros(nkv, capacity, hd)
         self.v = torch.zeros(nkv, capacity, hd)
         self.length = 0  # committed rows
-        positions = torch.arange(capacity + 64)
-        self.cos, self.sin = rope_cos_sin(hd, cfg.rope_theta, positions)
+        self.rope(capacity + 64)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[1]
 
-    def fresh(self, capacity: int) -> Eagle3Runner:
-        """A runner sharing these weights with an empty KV cache of its own (one per sequence)."""
-        other = copy.copy(self)
-        other.k = torch.zeros(self.k.shape[0], capacity, self.k.shape[2])
-        other.v = torch.zeros_like(other.k)
-        other.length = 0
-        if other.cos.shape[0] < capacity + 64:
-            other.cos, other.sin = rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, torch.arange(capacity + 64))
-        return other
+    def empty(self, capacity: int) -> None:
+        self.k = torch.zeros(self.k.shape[0], capacity, self.k.shape[2])
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+        if self.cos.shape[0] < capacity + 64:
+            self.rope(capacity + 64)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """[r, n_taps, d_t] target taps -> [r, d] fused features."""
@@ -508,30 +308,18 @@ class Eagle3Runner:
         [r, slot + r - length] names (None: causal over the r rows, with slot == length). Returns h [r, d]."""
         if self.ops is not None:
             return self._rows_native(feat, tokens, positions, slot, visible)
-        cfg = self.cfg
         r = tokens.numel()
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        emb = target_embedding_rows(self.target, tokens)
-        x = torch.cat([rms_norm(emb, self.norms["input_layernorm"], self.eps),
-                       rms_norm(feat, self.norms["hidden_norm"], self.eps)], dim=-1)
-        qkv = self.layer.qkv(x.contiguous())
+        x = torch.cat([self.norm(self.embed(tokens), self.layer.in_norm), self.norm(feat, self.hidden_norm)], dim=-1)
         end = slot + r
         if end > self.capacity or int(positions.max()) >= self.cos.shape[0]:
             self._grow(max(end, int(positions.max()) + 1))
-        cos, sin = self.cos[positions], self.sin[positions]
-        q = rotate(qkv[:, : nh * hd].view(r, nh, hd).transpose(0, 1), cos, sin)  # [nh, r, hd]
-        k = rotate(qkv[:, nh * hd : (nh + nkv) * hd].view(r, nkv, hd).transpose(0, 1), cos, sin)
-        v = qkv[:, (nh + nkv) * hd :].view(r, nkv, hd).transpose(0, 1)
-        self.k[:, slot:end] = k
-        self.v[:, slot:end] = v
+        # q [nh, r, hd]; k and v into the cache
+        q, self.k[:, slot:end], self.v[:, slot:end] = self.heads(self.layer, x, self.cos[positions],
+                                                                 self.sin[positions])
         if visible is None:
             visible = self._causal_visible(r, slot)
         mask = torch.cat([torch.ones(r, self.length, dtype=torch.bool), visible], dim=1)  # [r, end]
-        o = F.scaled_dot_product_attention(q.unsqueeze(0), self.k[:, :end].unsqueeze(0), self.v[:, :end].unsqueeze(0),
-                                           attn_mask=mask, enable_gqa=nh != nkv)[0]
-        h = feat + self.layer.o(o.transpose(0, 1).reshape(r, nh * hd).contiguous())
-        gate, up = self.layer.gate_up(rms_norm(h, self.norms["post_attention_layernorm"], self.eps)).chunk(2, dim=-1)
-        return h + self.layer.down((F.silu(gate) * up).contiguous())
+        return self.finish(self.layer, feat, q, self.k[:, :end], self.v[:, :end], mask)
 
     def _causal_visible(self, r: int, slot: int) -> torch.Tensor:
         """[r, slot + r - length]: r rows at ``slot..`` causal among themselves, blind to slots ``length..slot-1``."""
@@ -547,10 +335,10 @@ class Eagle3Runner:
         end = slot + r
         if end > self.capacity or int(positions.max()) >= self.cos.shape[0]:
             self._grow(max(end, int(positions.max()) + 1))
-        emb = target_embedding_rows(self.target, tokens).float().contiguous()
+        emb = self.embed(tokens).float().contiguous()
         feat = feat.float().contiguous()
-        x = torch.cat([ops.rms_norm(emb, self.norms["input_layernorm"], eps),
-                       ops.rms_norm(feat, self.norms["hidden_norm"], eps)], dim=-1)  # [r, 2d]
+        x = torch.cat([ops.rms_norm(emb, self.layer.in_norm, eps),
+                       ops.rms_norm(feat, self.hidden_norm, eps)], dim=-1)  # [r, 2d]
         qkv = self.layer.qkv(x).contiguous()
         write = None
         if visible is None and slot != self.length:  # causal after slots it does not see (the kernel's default
@@ -577,12 +365,8 @@ class Eagle3Runner:
     def log_probs(self, h: torch.Tensor) -> torch.Tensor:
         """[r, draft_vocab] log-probabilities of the next token."""
         h = h.float().contiguous()
-        normed = rms_norm(h, self.final_norm, self.eps) if self.ops is None else \
-            self.ops.rms_norm(h, self.final_norm, self.eps)
+        normed = self.norm(h, self.final_norm) if self.ops is None else self.ops.rms_norm(h, self.final_norm, self.eps)
         return self.head(normed.contiguous()).log_softmax(-1)
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
     def _grow(self, end: int) -> None:
         cap = max(end, 2 * self.capacity)
@@ -592,4 +376,4 @@ class Eagle3Runner:
         v[:, : self.capacity] = self.v
         self.k, self.v = k, v
         if self.cos.shape[0] < cap + 64:
-            self.cos, self.sin = rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, torch.arange(cap + 64))
+            self.rope(cap + 64)

@@ -31,8 +31,7 @@ rebuilt from ``d2t`` at load).
 
 from __future__ import annotations
 
-import copy
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,76 +39,44 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from .checkpoint import load_headless, write_folder
-from .eagle import (
-    architecture_of,
-    check_drafter_target,
-    decode_linear_factory,
-    read_layer_shape,
-    rms_norm,
+from .checkpoint import load_headless, save_headless
+from .pieces import (
+    DecoderLayer,
+    DrafterModule,
+    DrafterRunner,
+    HeadlessConfig,
+    decode_layer,
+    init_layer,
     rope_cos_sin,
-    rotate,
-    target_embedding_rows,
-    target_fingerprint,
-    target_head_rows,
     target_layer_shape,
+    target_meta,
 )
-from .fasteagle import DecoderLayer
 from .vocab import DraftVocab
 
 ARCHITECTURE = "FalconDrafter"
 
 
 @dataclass
-class FalconConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
+class FalconConfig(HeadlessConfig):
     block_size: int  # k: tokens drafted per pass
     lstm_dropout: float = 0.1
     fastforward: dict = field(default_factory=dict)  # {"kind", "target", "target_fingerprint", "target_layers"}
 
+    ARCHITECTURE = ARCHITECTURE
+    NAME = "Falcon"
+
     @classmethod
     def for_target(cls, target, draft_vocab_size: int, block_size: int) -> FalconConfig:
-        return cls(
-            **target_layer_shape(target), draft_vocab_size=draft_vocab_size, block_size=block_size,
-            fastforward={"kind": "falcon", "target": target.name, "target_fingerprint": target_fingerprint(target),
-                         "target_layers": target.config.num_hidden_layers},
-        )
-
-    def to_json(self) -> dict:
-        out = {"architectures": [ARCHITECTURE]}
-        out.update(asdict(self))
-        return out
+        return cls(**target_layer_shape(target), draft_vocab_size=draft_vocab_size, block_size=block_size,
+                   fastforward=target_meta(target, "falcon"))
 
     @classmethod
-    def from_json(cls, raw: dict) -> FalconConfig:
-        if architecture_of(raw) != ARCHITECTURE:
-            raise UsageError(f"not a Falcon drafter: architectures is {raw.get('architectures')!r}, expected "
-                             f"[{ARCHITECTURE!r}]")
-        try:
-            cfg = cls(
-                **read_layer_shape(raw), draft_vocab_size=int(raw["draft_vocab_size"]),
-                block_size=int(raw["block_size"]), lstm_dropout=float(raw.get("lstm_dropout", 0.1)),
-                fastforward=dict(raw.get("fastforward") or {}))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UsageError(f"malformed Falcon config.json: {exc!r}") from None
-        return cfg
+    def fields_of(cls, raw: dict) -> dict:
+        return {"block_size": int(raw["block_size"]), "lstm_dropout": float(raw.get("lstm_dropout", 0.1))}
 
     @property
     def aux_layers(self) -> tuple:  # Falcon reads no taps (only the final state)
         return ()
-
-    def check_target(self, target) -> None:
-        """Refuse a drafter made for another target (one line)."""
-        check_drafter_target(self, target)
 
 
 def block_mask(length: int, k: int) -> torch.Tensor:
@@ -147,25 +114,15 @@ class PositionwiseLSTM(nn.Module):
         return lstm_cell(h, self.w2, self.b2)
 
 
-class FalconDrafter(nn.Module):
+class FalconDrafter(DrafterModule):
     """The trainable drafter (``lm_head`` is a frozen slice of the target's head, not saved)."""
 
     def __init__(self, cfg: FalconConfig, vocab: DraftVocab):
-        super().__init__()
-        if vocab.size != cfg.draft_vocab_size or vocab.vocab_size != cfg.vocab_size:
-            raise UsageError("the draft vocabulary does not match the drafter's config")
-        self.cfg = cfg
+        super().__init__(cfg, vocab)
         d = cfg.hidden_size
         self.lstm = PositionwiseLSTM(d + cfg.target_hidden_size, d, cfg.lstm_dropout)
         self.layer = DecoderLayer(cfg)
-        self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
-        self.lm_head.weight.requires_grad_(False)
-        self.register_buffer("d2t", vocab.d2t.clone())
-        self.register_buffer("t2d", vocab.t2d.clone())
-
-    @property
-    def vocab(self) -> DraftVocab:
-        return DraftVocab(self.d2t, self.t2d)
+        self.add_head(vocab)
 
     @classmethod
     def for_target(cls, target, vocab: DraftVocab, block_size: int = 2, seed: int = 0) -> FalconDrafter:
@@ -177,15 +134,8 @@ class FalconDrafter(nn.Module):
         drafter = cls(FalconConfig.for_target(target, vocab.size, block_size), vocab)
         drafter.load_head(target)
         with torch.no_grad():
-            a, m = drafter.layer.self_attn, drafter.layer.mlp
-            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj, m.down_proj):
-                nn.init.normal_(lin.weight, std=0.02)
-            a.o_proj.weight.zero_()
+            init_layer(drafter.layer.self_attn, drafter.layer.mlp, zero_down=False)
         return drafter
-
-    def load_head(self, target) -> None:
-        with torch.no_grad():
-            self.lm_head.weight.copy_(target_head_rows(target, self.vocab.target_ids))
 
     def forward(self, emb: torch.Tensor, feat: torch.Tensor, mask: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,7 +163,7 @@ def training_mask(lengths: torch.Tensor, T: int, k: int) -> torch.Tensor:
 
 def save_falcon(drafter: FalconDrafter, folder, dtype: str = "float16") -> Path:
     """Write ``drafter`` into ``folder`` (created), without the frozen head; files replaced atomically."""
-    return write_folder(drafter.state_dict(), drafter.cfg.to_json(), folder, dtype, skip=("lm_head.weight",))
+    return save_headless(drafter, folder, dtype)
 
 
 def load_falcon(folder, target) -> FalconDrafter:
@@ -224,7 +174,7 @@ def load_falcon(folder, target) -> FalconDrafter:
 # -- decode time -----------------------------------------------------------------------------------------------------
 
 
-class FalconRunner:
+class FalconRunner(DrafterRunner):
     """The drafter at decode time: its weights as the lean forward's linears (``Q4_0`` blocks through the native
     kernel when it builds -- the drafter only proposes, so rounding never changes the output), a KV cache of
     committed rows, and a scratch area after them for the rows of the current draft's later passes (dropped at the
@@ -235,22 +185,12 @@ class FalconRunner:
     as queries."""
 
     def __init__(self, drafter: FalconDrafter, target, capacity: int, weights: str = "auto"):
-        cfg = drafter.cfg
-        self.cfg, self.target, self.k = cfg, target, cfg.block_size
-        linear = decode_linear_factory(weights)
-        lstm, layer = drafter.lstm, drafter.layer
+        linear = self.setup(drafter, target, weights)
+        self.k = drafter.cfg.block_size
+        lstm = drafter.lstm
         self.w1, self.b1 = linear(lstm.w1), lstm.b1.detach().float()
         self.w2, self.b2 = linear(lstm.w2), lstm.b2.detach().float()
-        a, m = layer.self_attn, layer.mlp
-        self.qkv = linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-        self.o = linear(a.o_proj.weight)
-        self.gate_up = linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-        self.down = linear(m.down_proj.weight)
-        self.in_norm = layer.input_layernorm.weight.detach().float()
-        self.post_norm = layer.post_attention_layernorm.weight.detach().float()
-        self.head = linear(drafter.lm_head.weight)
-        self.d2t = drafter.d2t.clone()
-        self.eps = cfg.rms_norm_eps
+        self.layer = decode_layer(linear, drafter.layer)
         self.length = 0  # committed rows
         self.scratch = 0  # rows of the current draft's later passes, after the committed ones
         self._alloc(capacity)
@@ -268,18 +208,15 @@ class FalconRunner:
         # [nkv, capacity, hd] x2; the committed rows' queries [nh, capacity, hd] and layer inputs [capacity, d], which
         # a first pass re-reads
         self.kc, self.vc, self.qc, self.x = k, v, q, x
-        self.cos, self.sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, torch.arange(capacity))
+        self.rope(capacity)
 
     @property
     def capacity(self) -> int:
         return self.kc.shape[1]
 
-    def fresh(self, capacity: int) -> FalconRunner:
-        """A runner sharing these weights with an empty KV cache of its own (one per sequence)."""
-        other = copy.copy(self)
-        other.length = other.scratch = 0
-        other._alloc(capacity)
-        return other
+    def empty(self, capacity: int) -> None:
+        self.length = self.scratch = 0
+        self._alloc(capacity)
 
     def _ensure(self, end: int) -> None:
         if end > self.capacity:
@@ -287,33 +224,18 @@ class FalconRunner:
 
     def _inputs(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """Rows' LSTM outputs: next tokens [r] (target ids), final states [r, d_t] -> [r, d]."""
-        x = torch.cat([target_embedding_rows(self.target, tokens), feats.float()], dim=-1).contiguous()
+        x = torch.cat([self.embed(tokens), feats.float()], dim=-1).contiguous()
         h = lstm_cell_packed(x, self.w1, self.b1)
         return lstm_cell_packed(h, self.w2, self.b2)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """[r, d] at ``positions`` -> q [nh, r, hd], k and v [nkv, r, hd]."""
-        cfg = self.cfg
-        r = x.shape[0]
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = self.qkv(rms_norm(x, self.in_norm, self.eps).contiguous())
-        cos, sin = self.cos[positions], self.sin[positions]
-        q = rotate(qkv[:, : nh * hd].view(r, nh, hd).transpose(0, 1), cos, sin)
-        k = rotate(qkv[:, nh * hd : (nh + nkv) * hd].view(r, nkv, hd).transpose(0, 1), cos, sin)
-        v = qkv[:, (nh + nkv) * hd :].view(r, nkv, hd).transpose(0, 1)
-        return q, k, v
+        return self.heads(self.layer, self.norm(x, self.layer.in_norm), self.cos[positions], self.sin[positions])
 
     def _attend(self, x: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The layer's output for rows ``x`` [r, d] with queries ``q``, over cache rows ``[0, mask.shape[1])``."""
-        cfg = self.cfg
-        nh, hd = cfg.num_attention_heads, cfg.head_dim
         end = mask.shape[1]
-        o = F.scaled_dot_product_attention(q.unsqueeze(0), self.kc[:, :end].unsqueeze(0),
-                                           self.vc[:, :end].unsqueeze(0), attn_mask=mask,
-                                           enable_gqa=nh != cfg.num_key_value_heads)[0]
-        h = x + self.o(o.transpose(0, 1).reshape(-1, nh * hd).contiguous())
-        gate, up = self.gate_up(rms_norm(h, self.post_norm, self.eps)).chunk(2, dim=-1)
-        return h + self.down((F.silu(gate) * up).contiguous())
+        return self.finish(self.layer, x, q, self.kc[:, :end], self.vc[:, :end], mask)
 
     def commit(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         """Append committed rows -- target final states [r, d_t], next tokens [r], positions [r] -- to the cache
@@ -366,9 +288,6 @@ class FalconRunner:
         """[..., d] -> [..., draft_vocab] next-token probabilities (one head matmul)."""
         shape = h.shape[:-1]
         return self.head(h.reshape(-1, h.shape[-1]).contiguous()).softmax(-1).view(*shape, -1)
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
 
 def lstm_cell_packed(x: torch.Tensor, w, b: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,7 @@ Folder layout (``fastforward``'s own; serving engines have no FastEagle architec
 
 from __future__ import annotations
 
-import copy
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,143 +35,67 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from ..model.lean import LlamaLayer
 from .calibration import calibration_of
-from .checkpoint import load_headless, write_folder
-from .eagle import (
-    _MLP,
-    RMSNorm,
-    architecture_of,
-    check_drafter_target,
-    decode_linear_factory,
-    read_layer_shape,
-    rms_norm,
-    rope_cos_sin,
-    rotate,
-    target_embedding_rows,
-    target_fingerprint,
-    target_head_rows,
-    target_layer_shape,
-)
+from .checkpoint import load_headless, save_headless
 from .features import default_aux_layers
+from .pieces import (
+    DecoderLayer,
+    DrafterModule,
+    DrafterRunner,
+    HeadlessConfig,
+    RMSNorm,
+    decode_layer,
+    init_layer,
+    pass_last_tap,
+    rope_cos_sin,
+    target_layer_shape,
+    target_meta,
+)
 from .vocab import DraftVocab
 
 ARCHITECTURE = "FastEagleDrafter"
 
 
 @dataclass
-class FastEagleConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
+class FastEagleConfig(HeadlessConfig):
     num_layers: int  # N: layers = drafted depths
     cascade: bool = True  # False: the "w/o cascade" ablation (h_i = L_i(h_1))
     aux_layers: tuple = ()
     fastforward: dict = field(default_factory=dict)  # {"kind", "target", "target_fingerprint", "target_layers"}
 
+    ARCHITECTURE = ARCHITECTURE
+    NAME = "FastEagle"
+
     @classmethod
     def for_target(cls, target, draft_vocab_size: int, num_layers: int, cascade: bool = True) -> FastEagleConfig:
-        n_layers = target.config.num_hidden_layers
-        return cls(
-            **target_layer_shape(target), draft_vocab_size=draft_vocab_size, num_layers=num_layers, cascade=cascade,
-            aux_layers=default_aux_layers(n_layers),
-            fastforward={"kind": "fasteagle", "target": target.name, "target_fingerprint": target_fingerprint(target),
-                         "target_layers": n_layers},
-        )
-
-    def to_json(self) -> dict:
-        out = {"architectures": [ARCHITECTURE]}
-        out.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()})
-        return out
+        return cls(**target_layer_shape(target), draft_vocab_size=draft_vocab_size, num_layers=num_layers,
+                   cascade=cascade, aux_layers=default_aux_layers(target.config.num_hidden_layers),
+                   fastforward=target_meta(target, "fasteagle"))
 
     @classmethod
-    def from_json(cls, raw: dict) -> FastEagleConfig:
-        if architecture_of(raw) != ARCHITECTURE:
-            raise UsageError(f"not a FastEagle drafter: architectures is {raw.get('architectures')!r}, expected "
-                             f"[{ARCHITECTURE!r}]")
+    def check_raw(cls, raw: dict) -> None:
         calibration_of(raw.get("fastforward"))  # a malformed calibration is refused at load, in one line
-        try:
-            return cls(
-                **read_layer_shape(raw), draft_vocab_size=int(raw["draft_vocab_size"]),
-                num_layers=int(raw["num_layers"]), cascade=bool(raw.get("cascade", True)),
-                aux_layers=tuple(int(a) for a in raw["aux_layers"]), fastforward=dict(raw.get("fastforward") or {}))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UsageError(f"malformed FastEagle config.json: {exc!r}") from None
 
-    def check_target(self, target) -> None:
-        """Refuse a drafter made for another target (one line)."""
-        check_drafter_target(self, target)
+    @classmethod
+    def fields_of(cls, raw: dict) -> dict:
+        return {"num_layers": int(raw["num_layers"]), "cascade": bool(raw.get("cascade", True)),
+                "aux_layers": tuple(int(a) for a in raw["aux_layers"])}
 
 
-class _SelfAttention(nn.Module):
-    def __init__(self, cfg: FastEagleConfig):
-        super().__init__()
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, d, bias=False)
-
-
-class DecoderLayer(nn.Module):
-    """A pre-norm Llama decoder layer (the target's shape), causal over the positions of a batch of sequences."""
-
-    def __init__(self, cfg: FastEagleConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = _SelfAttention(cfg)
-        self.mlp = _MLP(cfg)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, d] at the positions of ``cos``/``sin`` [T, hd] -> [B, T, d]; causal, or ``mask`` (True = may attend,
-        broadcastable to [B, 1, T, T]) when given (Falcon's relaxed-causal block mask)."""
-        cfg, a = self.cfg, self.self_attn
-        B, T, _ = x.shape
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        y = self.input_layernorm(x)
-        q = rotate(a.q_proj(y).view(B, T, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, T, hd]
-        k = rotate(a.k_proj(y).view(B, T, nkv, hd).transpose(1, 2), cos, sin)  # [B, nkv, T, hd]
-        v = a.v_proj(y).view(B, T, nkv, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=nh != nkv)  # [B, nh, T, hd]
-        h = x + a.o_proj(o.transpose(1, 2).reshape(B, T, nh * hd))
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class FastEagleDrafter(nn.Module):
+class FastEagleDrafter(DrafterModule):
     """The trainable drafter (``lm_head`` is a frozen slice of the target's head, not saved)."""
 
     def __init__(self, cfg: FastEagleConfig, vocab: DraftVocab):
-        super().__init__()
-        if vocab.size != cfg.draft_vocab_size or vocab.vocab_size != cfg.vocab_size:
-            raise UsageError("the draft vocabulary does not match the drafter's config")
+        super().__init__(cfg, vocab)
         if cfg.num_layers < 1:
             raise UsageError(f"a FastEagle drafter needs at least one layer, got {cfg.num_layers}")
-        self.cfg = cfg
         d = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, d, bias=False)
         self.e_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.g_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.fc_in = nn.Linear(2 * d, d, bias=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
-        self.lm_head.weight.requires_grad_(False)
-        self.register_buffer("d2t", vocab.d2t.clone())
-        self.register_buffer("t2d", vocab.t2d.clone())
-
-    @property
-    def vocab(self) -> DraftVocab:
-        return DraftVocab(self.d2t, self.t2d)
+        self.add_head(vocab)
 
     @classmethod
     def for_target(cls, target, vocab: DraftVocab, num_layers: int, cascade: bool = True,
@@ -185,12 +108,8 @@ class FastEagleDrafter(nn.Module):
         drafter = cls(FastEagleConfig.for_target(target, vocab.size, num_layers, cascade), vocab)
         drafter.load_head(target)
         with torch.no_grad():
-            d, td = drafter.cfg.hidden_size, drafter.cfg.target_hidden_size
-            drafter.fc.weight.zero_()
-            if d == td:
-                drafter.fc.weight[:, -td:] = torch.eye(d)
-            else:
-                nn.init.normal_(drafter.fc.weight, std=0.02)
+            d = drafter.cfg.hidden_size
+            pass_last_tap(drafter.fc, d, drafter.cfg.target_hidden_size)
             norm = getattr(target.backend, "norm", None)
             if norm is not None:
                 drafter.g_norm.weight.copy_(norm.float())
@@ -198,16 +117,8 @@ class FastEagleDrafter(nn.Module):
             drafter.fc_in.weight[:, d:] = torch.eye(d)
             drafter.fc_in.bias.zero_()
             for layer in drafter.layers:
-                a = layer.self_attn
-                for lin in (a.q_proj, a.k_proj, a.v_proj, layer.mlp.gate_proj, layer.mlp.up_proj):
-                    nn.init.normal_(lin.weight, std=0.02)
-                a.o_proj.weight.zero_()
-                layer.mlp.down_proj.weight.zero_()
+                init_layer(layer.self_attn, layer.mlp)
         return drafter
-
-    def load_head(self, target) -> None:
-        with torch.no_grad():
-            self.lm_head.weight.copy_(target_head_rows(target, self.vocab.target_ids))
 
     def input_rows(self, taps: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """taps [..., n_taps * d_t], next-token embeddings [..., d] -> the first layer's input [..., d]."""
@@ -238,7 +149,7 @@ class FastEagleDrafter(nn.Module):
 
 def save_fasteagle(drafter: FastEagleDrafter, folder, dtype: str = "float16") -> Path:
     """Write ``drafter`` into ``folder`` (created), without the frozen head; files replaced atomically."""
-    return write_folder(drafter.state_dict(), drafter.cfg.to_json(), folder, dtype, skip=("lm_head.weight",))
+    return save_headless(drafter, folder, dtype)
 
 
 def load_fasteagle(folder, target) -> FastEagleDrafter:
@@ -249,34 +160,21 @@ def load_fasteagle(folder, target) -> FastEagleDrafter:
 # -- decode time -----------------------------------------------------------------------------------------------------
 
 
-class FastEagleRunner:
+class FastEagleRunner(DrafterRunner):
     """The drafter at decode time: its weights as the lean forward's linears (packed ``Q4_0`` blocks through the native
     kernel when it builds -- the drafter only proposes, so rounding never changes the output), and one KV cache per
     layer holding committed (accepted) rows only."""
 
     def __init__(self, drafter: FastEagleDrafter, target, capacity: int, weights: str = "auto"):
-        cfg = drafter.cfg
-        self.cfg, self.target = cfg, target
-        linear = decode_linear_factory(weights)
+        linear = self.setup(drafter, target, weights)
         self.ops = linear.layer_ops  # the target's native layer ops, or None: plain torch ops
         self.fc = linear(drafter.fc.weight)
         self.fc_in = linear(drafter.fc_in.weight)
         self.fc_in_bias = drafter.fc_in.bias.detach().float()
         self.e_norm = drafter.e_norm.weight.detach().float()
         self.g_norm = drafter.g_norm.weight.detach().float()
-        self.layers = []
-        for layer in drafter.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.layers.append(LlamaLayer(  # the target's layer pieces: weights as linears, its half-steps
-                in_norm=layer.input_layernorm.weight.detach().float(),
-                post_norm=layer.post_attention_layernorm.weight.detach().float(),
-                qkv=linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-                o=linear(a.o_proj.weight),
-                gate_up=linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
-                down=linear(m.down_proj.weight)))
-        self.head = linear(drafter.lm_head.weight)
-        self.d2t = drafter.d2t.clone()
-        self.eps = cfg.rms_norm_eps
+        # the target's layer pieces: weights as linears, its half-steps
+        self.layers = [decode_layer(linear, layer) for layer in drafter.layers]
         self._alloc(capacity)
         self.length = 0
 
@@ -288,18 +186,15 @@ class FastEagleRunner:
             k[:, :, :keep] = self.k[:, :, :keep]
             v[:, :, :keep] = self.v[:, :, :keep]
         self.k, self.v = k, v  # [N, nkv, capacity, hd]
-        self.cos, self.sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, torch.arange(capacity))
+        self.rope(capacity)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def fresh(self, capacity: int) -> FastEagleRunner:
-        """A runner sharing these weights with empty KV caches of its own (one per sequence)."""
-        other = copy.copy(self)
-        other._alloc(capacity)
-        other.length = 0
-        return other
+    def empty(self, capacity: int) -> None:
+        self._alloc(capacity)
+        self.length = 0
 
     def commit(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append committed rows -- target taps [r, n_taps, d_t], next tokens [r], positions [r] -- through every
@@ -313,13 +208,11 @@ class FastEagleRunner:
     def _rows(self, taps, tokens, positions) -> torch.Tensor:
         cfg = self.cfg
         r = tokens.numel()
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         start, end = self.length, self.length + r
         if end > self.capacity or int(positions.max()) >= self.cos.shape[0]:
             self._alloc(max(2 * self.capacity, end, int(positions.max()) + 1), keep=self.length)
         g = self.fc(taps.reshape(r, -1).float().contiguous())
-        e = target_embedding_rows(self.target, tokens)
-        x = torch.cat([rms_norm(e, self.e_norm, self.eps), rms_norm(g, self.g_norm, self.eps)], dim=-1)
+        x = torch.cat([self.norm(self.embed(tokens), self.e_norm), self.norm(g, self.g_norm)], dim=-1)
         x = self.fc_in(x.contiguous()) + self.fc_in_bias
         if self.ops is not None:
             return self._layers_native(x, positions, start, end)
@@ -330,17 +223,8 @@ class FastEagleRunner:
         first = None
         for i, w in enumerate(self.layers):
             src = h if (cfg.cascade or i <= 1) else first
-            y = rms_norm(src, w.in_norm, self.eps)
-            qkv = w.qkv(y.contiguous())
-            q = rotate(qkv[:, : nh * hd].view(r, nh, hd).transpose(0, 1), cos, sin)  # [nh, r, hd]
-            self.k[i, :, start:end] = rotate(qkv[:, nh * hd : (nh + nkv) * hd].view(r, nkv, hd).transpose(0, 1),
-                                             cos, sin)
-            self.v[i, :, start:end] = qkv[:, (nh + nkv) * hd :].view(r, nkv, hd).transpose(0, 1)
-            o = F.scaled_dot_product_attention(q.unsqueeze(0), self.k[i : i + 1, :, :end], self.v[i : i + 1, :, :end],
-                                               attn_mask=causal, enable_gqa=nh != nkv)[0]
-            hh = src + w.o(o.transpose(0, 1).reshape(r, nh * hd).contiguous())
-            gate, up = w.gate_up(rms_norm(hh, w.post_norm, self.eps)).chunk(2, dim=-1)
-            h = hh + w.down((F.silu(gate) * up).contiguous())
+            q, self.k[i, :, start:end], self.v[i, :, start:end] = self.heads(w, self.norm(src, w.in_norm), cos, sin)
+            h = self.finish(w, src, q, self.k[i, :, :end], self.v[i, :, :end], causal)
             if i == 0:
                 first = h
             last.append(h[-1])
@@ -370,9 +254,6 @@ class FastEagleRunner:
     def probs(self, h: torch.Tensor) -> torch.Tensor:
         """[N, d] -> [N, draft_vocab] next-token probabilities of depths 1..N (one head matmul)."""
         return self.head(h.contiguous()).softmax(-1)
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
 
 def parameter_count(cfg: FastEagleConfig) -> int:

@@ -50,7 +50,8 @@ import torch
 from ..costs import cost_model
 from ..drafters.calibration import FLOOR, calibration_of
 from ..drafters.checkpoint import load_eagle3
-from ..drafters.eagle import DRAFTER_WEIGHTS, Eagle3Runner
+from ..drafters.eagle import Eagle3Runner
+from ..drafters.pieces import DRAFTER_WEIGHTS
 from ..drafters.features import engine_layers
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from . import register

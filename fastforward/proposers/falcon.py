@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..costs import cost_model
-from ..drafters.eagle import DRAFTER_WEIGHTS
+from ..drafters.pieces import DRAFTER_WEIGHTS
 from ..drafters.falcon import FalconRunner, load_falcon
 from ..drafters.features import FINAL
 from ..engine import DecodeState, Proposal, Proposer, StepResult

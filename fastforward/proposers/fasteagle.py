@@ -33,7 +33,7 @@ import torch
 
 from ..costs import cost_model
 from ..drafters.calibration import calibration_of
-from ..drafters.eagle import DRAFTER_WEIGHTS
+from ..drafters.pieces import DRAFTER_WEIGHTS
 from ..drafters.fasteagle import FastEagleRunner, load_fasteagle
 from ..drafters.features import engine_layers
 from ..engine import DecodeState, Proposal, Proposer, StepResult

@@ -1,0 +1,416 @@
+"""The pieces every trained drafter (EAGLE-3 :mod:`.eagle`, FastEagle :mod:`.fasteagle`, Falcon :mod:`.falcon`) is
+built from, for training and decoding alike:
+
+* **the target** a drafter belongs to: its fingerprint, its embedding and head rows, the decoder-layer shape a
+  drafter config copies, and the one-line refusal of a drafter made for another target;
+* **configs**: what every drafter config shares (:class:`DrafterConfig`), and the ``config.json`` of the drafters
+  saved in fastforward's own headless layout (:class:`HeadlessConfig`);
+* **modules** (training): RMSNorm, the attention and MLP blocks, a pre-norm Llama decoder layer, and
+  :class:`DrafterModule` -- the frozen head and the draft vocabulary every drafter holds;
+* **decode time**: the drafter's weights as the lean forward's linears (:func:`decode_linear_factory`), a decoder
+  layer as the target's :class:`~fastforward.model.lean.LlamaLayer`, and the torch-op halves of a layer over rows.
+
+RMSNorm and RoPE are the lean forward's own (:mod:`fastforward.model.layer_math`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UsageError
+from ..model.layer_math import rms_norm, rope_cos_sin, rotary_heads, rotate
+from ..model.lean import LlamaLayer
+from .vocab import DraftVocab
+
+__all__ = [  # with the lean forward's row-wise math, re-exported: a drafter imports its pieces from here
+    "rms_norm", "rope_cos_sin", "rotary_heads", "rotate",
+]
+
+# ------------------------------------------------------------------------------------------------------------------
+# The target
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def target_fingerprint(target) -> str:
+    """A short hash of the target's shape and a few embedding rows: equal for the same weights however they were
+    loaded (GGUF, converted folder), different for another model."""
+    cfg = target.config
+    rows = target_embedding_rows(target, torch.arange(min(16, target.vocab_size))).to(torch.float16)
+    h = hashlib.sha256(f"{cfg.num_hidden_layers}:{cfg.hidden_size}:{target.vocab_size}".encode())
+    h.update(rows.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def target_meta(target, kind: str) -> dict:
+    """The ``fastforward`` section of a new drafter's config: its kind and the target it is made for."""
+    return {"kind": kind, "target": target.name, "target_fingerprint": target_fingerprint(target),
+            "target_layers": target.config.num_hidden_layers}
+
+
+def target_embedding_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 embedding rows of the target (its input embedding, whatever the backend stores)."""
+    embed = getattr(target.backend, "embed", None)
+    if embed is not None:
+        return embed.rows(ids).float()
+    return target.hf_model.get_input_embeddings()(ids).float().detach()
+
+
+def target_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 rows of the target's LM head for the token ids ``ids`` (the frozen draft head)."""
+    head = getattr(target.backend, "head", None)
+    if head is not None:
+        if hasattr(head, "rows"):
+            return head.rows(ids).float()
+        return head.dense()[ids].float()
+    return target.hf_model.get_output_embeddings().weight[ids].float().detach()
+
+
+LAYER_SHAPE = {"hidden_size": int, "intermediate_size": int, "num_attention_heads": int, "num_key_value_heads": int,
+               "head_dim": int, "rms_norm_eps": float, "rope_theta": float, "vocab_size": int,
+               "target_hidden_size": int}
+
+
+def target_layer_shape(target) -> dict:
+    """The fields of a drafter config that copy the target's decoder-layer shape (``LAYER_SHAPE``)."""
+    c = target.config
+    heads = c.num_attention_heads
+    return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_attention_heads": heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads, "rms_norm_eps": float(c.rms_norm_eps),
+            "rope_theta": float(getattr(c, "rope_theta", 10000.0)), "vocab_size": target.vocab_size,
+            "target_hidden_size": c.hidden_size}
+
+
+def read_layer_shape(raw: dict) -> dict:
+    """``LAYER_SHAPE``'s fields from a drafter's config.json (KeyError / TypeError / ValueError when malformed)."""
+    return {name: kind(raw[name]) for name, kind in LAYER_SHAPE.items()}
+
+
+def architecture_of(raw: dict) -> str:
+    """The first entry of a config's ``architectures`` list ("" when it is missing or not a list of names)."""
+    archs = raw.get("architectures")
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+
+
+def check_drafter_target(cfg, target) -> None:
+    """Refuse, in one line, a drafter config (``fastforward`` section, ``vocab_size``, ``target_hidden_size``,
+    ``aux_layers``) made for another target than ``target``."""
+    fp = cfg.fastforward.get("target_fingerprint")
+    if fp and fp != target_fingerprint(target):
+        raise UsageError(f"this drafter was trained for '{cfg.fastforward.get('target')}', not for "
+                         f"'{target.name}' (target fingerprints differ)")
+    c = target.config
+    if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != c.hidden_size:
+        raise UsageError(f"this drafter expects a target with vocab {cfg.vocab_size} and hidden size "
+                         f"{cfg.target_hidden_size}; '{target.name}' has {target.vocab_size} and {c.hidden_size}")
+    if cfg.hidden_size != c.hidden_size:  # the drafter reads the target's token embeddings
+        raise UsageError(f"this drafter has hidden size {cfg.hidden_size}; it reads the token embeddings of "
+                         f"'{target.name}', whose hidden size is {c.hidden_size}")
+    if cfg.aux_layers and max(cfg.aux_layers) > c.num_hidden_layers:
+        raise UsageError(f"the drafter taps layer {max(cfg.aux_layers)}; '{target.name}' has "
+                         f"{c.num_hidden_layers} layers")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Configs
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrafterConfig:
+    """The fields every drafter config starts with -- the target's decoder-layer shape (``LAYER_SHAPE``) and the draft
+    vocabulary's size -- and what every config does alike. A subclass (a dataclass) adds its own fields, its
+    ``aux_layers`` and its ``fastforward`` section."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+
+    def check_target(self, target) -> None:
+        """Refuse a drafter made for another target (one line)."""
+        check_drafter_target(self, target)
+
+
+@dataclass
+class HeadlessConfig(DrafterConfig):
+    """The ``config.json`` of a drafter in fastforward's own layout (saved without its head): ``architectures``
+    naming it, then the dataclass's fields. A subclass names ``ARCHITECTURE`` and ``NAME`` and reads its own fields
+    in :meth:`fields_of`."""
+
+    ARCHITECTURE: ClassVar[str]
+    NAME: ClassVar[str]  # in refusals: "not a {NAME} drafter", "malformed {NAME} config.json"
+
+    def to_json(self) -> dict:
+        out = {"architectures": [self.ARCHITECTURE]}
+        out.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()})
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict):
+        if architecture_of(raw) != cls.ARCHITECTURE:
+            raise UsageError(f"not a {cls.NAME} drafter: architectures is {raw.get('architectures')!r}, expected "
+                             f"[{cls.ARCHITECTURE!r}]")
+        cls.check_raw(raw)
+        try:
+            return cls(**read_layer_shape(raw), draft_vocab_size=int(raw["draft_vocab_size"]), **cls.fields_of(raw),
+                       fastforward=dict(raw.get("fastforward") or {}))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"malformed {cls.NAME} config.json: {exc!r}") from None
+
+    @classmethod
+    def check_raw(cls, raw: dict) -> None:
+        """Refusals of a config.json beyond its fields (none by default)."""
+
+    @classmethod
+    def fields_of(cls, raw: dict) -> dict:
+        """The subclass's own fields from a config.json (KeyError / TypeError / ValueError when malformed)."""
+        return {}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Modules (training)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """The q, k, v and o projections of a target-shaped attention block over ``d_in``-wide rows."""
+
+    def __init__(self, cfg, d_in: int):
+        super().__init__()
+        hd = cfg.head_dim
+        self.q_proj = nn.Linear(d_in, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d_in, cfg.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d_in, cfg.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm Llama decoder layer (the target's shape), causal over the positions of a batch of sequences."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, cfg.hidden_size)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, d] at the positions of ``cos``/``sin`` [T, hd] -> [B, T, d]; causal, or ``mask`` (True = may attend,
+        broadcastable to [B, 1, T, T]) when given (Falcon's relaxed-causal block mask)."""
+        cfg, a = self.cfg, self.self_attn
+        B, T, _ = x.shape
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        y = self.input_layernorm(x)
+        q = rotate(a.q_proj(y).view(B, T, nh, hd).transpose(1, 2), cos, sin)  # [B, nh, T, hd]
+        k = rotate(a.k_proj(y).view(B, T, nkv, hd).transpose(1, 2), cos, sin)  # [B, nkv, T, hd]
+        v = a.v_proj(y).view(B, T, nkv, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=nh != nkv)  # [B, nh, T, hd]
+        h = x + a.o_proj(o.transpose(1, 2).reshape(B, T, nh * hd))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def init_layer(attn: Attention, mlp: MLP, zero_down: bool = True) -> None:
+    """A fresh layer's start (inside ``torch.no_grad()``): its input projections random (std 0.02, from the seeded
+    generator, in this order), its attention output at zero and, with ``zero_down``, its MLP output too -- so the
+    untrained layer passes its residual input through."""
+    for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+        nn.init.normal_(lin.weight, std=0.02)
+    attn.o_proj.weight.zero_()
+    if zero_down:
+        mlp.down_proj.weight.zero_()
+    else:
+        nn.init.normal_(mlp.down_proj.weight, std=0.02)
+
+
+def pass_last_tap(fc: nn.Linear, d: int, d_target: int) -> None:
+    """A fresh fusion ``fc`` (taps -> d; inside ``torch.no_grad()``) that passes the last tap through when the widths
+    match, else random (std 0.02)."""
+    fc.weight.zero_()
+    if d == d_target:
+        fc.weight[:, -d_target:] = torch.eye(d)
+    else:
+        nn.init.normal_(fc.weight, std=0.02)
+
+
+class DrafterModule(nn.Module):
+    """What every trainable drafter holds besides its layers: its config, the frozen head (the target's head rows of
+    the draft vocabulary) and the draft vocabulary's maps as buffers ``d2t`` / ``t2d``. A subclass builds its layers
+    after ``super().__init__`` and calls :meth:`add_head` last: modules draw their random start in the order they are
+    built."""
+
+    def __init__(self, cfg, vocab: DraftVocab):
+        super().__init__()
+        if vocab.size != cfg.draft_vocab_size or vocab.vocab_size != cfg.vocab_size:
+            raise UsageError("the draft vocabulary does not match the drafter's config")
+        self.cfg = cfg
+
+    def add_head(self, vocab: DraftVocab) -> None:
+        self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)  # a frozen slice of the target's head
+        self.register_buffer("d2t", vocab.d2t.clone())
+        self.register_buffer("t2d", vocab.t2d.clone())
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.d2t, self.t2d)
+
+    def load_head(self, target) -> None:
+        """The head's rows copied from the target's head."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_head_rows(target, self.vocab.target_ids))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Decode time
+# ------------------------------------------------------------------------------------------------------------------
+
+# ``weights=`` choices of a drafter at decode time: packed blocks the native kernel multiplies, or fp32.
+DRAFTER_WEIGHTS = ("auto", "q8_0", "q4_0", "fp32")
+AUTO_DRAFTER_FORMAT = "Q4_0"  # what ``auto`` packs when the native kernels build (docs/drafters.md: as accepted as
+# Q8_0, and a drafter call reads half the bytes)
+
+
+def decode_linear_factory(weights: str):
+    """``linear(w [out, in]) -> callable``: a drafter weight as the lean forward's linear at decode time -- packed
+    ``Q8_0`` or ``Q4_0`` blocks through the native kernel (``auto``: ``AUTO_DRAFTER_FORMAT`` when the kernels
+    build; with AMX, in both kernels' layouts, each call taking the faster for its rows:
+    :class:`~fastforward.linear.DraftLinear`) or fp32 (``fp32``). A drafter only proposes, so this rounding never
+    changes the output."""
+    from ..kernels import load_native
+    from ..linear import FORMAT_IDS, DenseLinear, DraftLinear, quantize
+
+    if weights not in DRAFTER_WEIGHTS:
+        raise UsageError(f"drafter weights must be one of {', '.join(DRAFTER_WEIGHTS)}, got {weights!r}")
+    native = None
+    try:
+        native = load_native() if weights != "fp32" else None
+    except Exception:  # noqa: BLE001 - no compiler: the plain path
+        native = None
+    if weights != "auto" and weights != "fp32" and native is None:
+        raise UsageError(f"drafter weights {weights} need the native kernels, which did not build on this machine")
+    packed = AUTO_DRAFTER_FORMAT if weights == "auto" else weights.upper()
+
+    def linear(w: torch.Tensor):
+        w = w.detach().float().contiguous()
+        if native is not None and w.shape[1] % 32 == 0:
+            return DraftLinear(quantize(w, packed), FORMAT_IDS[packed], w.shape[1], native=native)
+        return DenseLinear(w)
+
+    linear.layer_ops = native if native is not None and hasattr(native, "attention") else None
+    return linear
+
+
+def decode_layer(linear, layer) -> LlamaLayer:
+    """A drafter's decoder layer (``input_layernorm``, ``post_attention_layernorm``, ``self_attn``, ``mlp``) as the
+    target's layer pieces: its weights as ``linear``s, fused q|k|v and gate|up."""
+    a, m = layer.self_attn, layer.mlp
+    return LlamaLayer(in_norm=layer.input_layernorm.weight.detach().float(),
+                      post_norm=layer.post_attention_layernorm.weight.detach().float(),
+                      qkv=linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                      o=linear(a.o_proj.weight),
+                      gate_up=linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                      down=linear(m.down_proj.weight))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of rows' queries ``q`` [nh, r, hd] over cached keys and values ``k``, ``v`` [nkv, n, hd] where
+    ``mask`` [r, n] allows (grouped heads when nkv < nh) -> [nh, r, hd]."""
+    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                          enable_gqa=q.shape[0] != k.shape[0])[0]
+
+
+def residual_mlp(layer: LlamaLayer, residual: torch.Tensor, attn: torch.Tensor, eps: float) -> torch.Tensor:
+    """The second half of a decoder layer in torch ops: ``h = residual + o(attn)`` (``attn`` [nh, r, hd]), then
+    ``h + down(silu(gate) * up)`` over ``post_norm(h)``."""
+    h = residual + layer.o(attn.transpose(0, 1).reshape(residual.shape[0], -1).contiguous())
+    gate, up = layer.gate_up(rms_norm(h, layer.post_norm, eps)).chunk(2, dim=-1)
+    return h + layer.down((F.silu(gate) * up).contiguous())
+
+
+class DrafterRunner:
+    """What the decode-time runners share: the drafter's config and target, its head as a linear, its draft ->
+    target id map, and the torch-op steps of a decoder layer over rows (the native layer ops are the runners' own).
+    A subclass calls :meth:`setup` first and builds its other weights with the ``linear`` it returns."""
+
+    def setup(self, drafter: DrafterModule, target, weights: str):
+        self.cfg, self.target = drafter.cfg, target
+        linear = decode_linear_factory(weights)
+        self.head = linear(drafter.lm_head.weight)
+        self.d2t = drafter.d2t.clone()
+        self.eps = drafter.cfg.rms_norm_eps
+        return linear
+
+    def fresh(self, capacity: int):
+        """A runner sharing these weights with an empty cache of its own (one per sequence)."""
+        other = copy.copy(self)
+        other.empty(capacity)
+        return other
+
+    def empty(self, capacity: int) -> None:
+        """Drop every row: an empty cache with room for ``capacity`` rows (the subclass's own)."""
+        raise NotImplementedError
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's (fp32) embedding rows of ``tokens``."""
+        return target_embedding_rows(self.target, tokens)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps)
+
+    def rope(self, positions: int) -> None:
+        """RoPE tables ``self.cos``, ``self.sin`` for positions 0..positions-1."""
+        self.cos, self.sin = rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, torch.arange(positions))
+
+    def heads(self, layer: LlamaLayer, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rows' normed inputs [r, d_in] -> q [nh, r, hd], k and v [nkv, r, hd] through ``layer``'s fused q|k|v,
+        rotated by ``cos``/``sin`` [r, hd]."""
+        cfg = self.cfg
+        return rotary_heads(layer.qkv(normed.contiguous()), cfg.num_attention_heads, cfg.num_key_value_heads,
+                            cfg.head_dim, cos, sin)
+
+    def finish(self, layer: LlamaLayer, residual: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The rest of ``layer`` for rows with queries ``q`` and residual input ``residual`` [r, d]: attention over
+        ``keys``/``values`` [nkv, n, hd] where ``mask`` [r, n] allows, the o projection, the MLP."""
+        return residual_mlp(layer, residual, attend(q, keys, values, mask), self.eps)
