@@ -574,8 +574,45 @@ def _describe(reading: LoadReading) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Sizing drafts
+# Sizing drafts: the one place a draft is priced
 # ------------------------------------------------------------------------------------------------------------------
+
+#: how much better a larger draft's rate must be to be chosen over a smaller one, for methods whose options are
+#: estimates that may tie to rounding (a chain's geometric series): one part in 10^9
+NEAR_TIE = 1e-9
+
+
+def best_draft(tokens, ms, allowed=None, near_tie: float = 0.0) -> int:
+    """Which of a method's draft options to make: every method that sizes its draft from the cost model (``pld``,
+    ``rest``, ``sps``, ``eagle``, ``falcon``, ``fasteagle``) lists the shapes it could draft and asks here; the
+    shapes differ, the pricing does not.
+
+    Option i is expected to emit ``tokens[i]`` tokens (the bonus token included) for ``ms[i]`` milliseconds: t(q) of
+    the forward that verifies it (q its rows) on this machine's cost model, plus what making it costs where the
+    method pays for that (``sps``: the draft model's forwards). Options are listed smallest first; the first is
+    drafting nothing, one plain step (1 token for t(1)). The chosen option has the most tokens per millisecond, the
+    smallest of equals -- or, with ``near_tie``, the smallest within that relative margin of the best; ``allowed``
+    (bools like ``tokens``) leaves out options the method may not draft. ``tokens``, ``ms`` and ``allowed``: float64
+    torch tensors or numpy arrays (or lists); the index of the chosen option."""
+    if isinstance(tokens, torch.Tensor):
+        rates = tokens / ms
+        if allowed is not None:
+            rates = torch.where(allowed, rates, -1.0)
+        return int(rates.argmax()) if not near_tie else _first_clear_best(rates.tolist(), near_tie)
+    rates = np.asarray(tokens, dtype=np.float64) / np.asarray(ms, dtype=np.float64)
+    if allowed is not None:
+        rates = np.where(allowed, rates, -1.0)
+    return int(np.argmax(rates)) if not near_tie else _first_clear_best(rates.tolist(), near_tie)
+
+
+def _first_clear_best(rates: list[float], near_tie: float) -> int:
+    """Walking up from the smallest option, each next one is taken only if it beats the best so far by more than
+    ``near_tie`` (relative)."""
+    best = 0
+    for i in range(1, len(rates)):
+        if rates[i] > rates[best] * (1.0 + near_tie):
+            best = i
+    return best
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -586,15 +623,14 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_chain_length(alpha: float, max_k: int, curve) -> int:
-    """The draft length k in 0..max_k that maximises expected tokens per unit of forward cost (``curve``: a
-    :class:`CostCurve` or a :class:`CostModel`)."""
-    best_k, best_rate = 0, 1.0
-    for k in range(1, max_k + 1):
-        rate = expected_tokens(alpha, k) / curve.ratio(k + 1)
-        if rate > best_rate + 1e-9:
-            best_k, best_rate = k, rate
-    return best_k
+def best_chain_length(alpha: float, max_k: int, curve, draft_ms: float = 0.0) -> int:
+    """The draft length k in 0..max_k that maximises expected tokens per millisecond (:func:`best_draft`) of a
+    chain whose tokens are each accepted with probability ``alpha``: ``(1 + alpha + ... + alpha^k) / (t(k+1) +
+    k draft_ms)``, with ``curve`` the target's cost (a :class:`CostCurve` or a :class:`CostModel`) and ``draft_ms``
+    what drafting one token costs (0: a lookup)."""
+    ks = range(max_k + 1)
+    return best_draft([expected_tokens(alpha, k) for k in ks], [curve.t(k + 1) + k * draft_ms for k in ks],
+                      near_tie=NEAR_TIE)
 
 
 class AcceptanceEstimate:

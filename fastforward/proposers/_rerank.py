@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..costs import best_draft
 from ..tree import DraftTree, TreeShape
 
 # A draft has tens of candidates, and each call here is one of the small operations a decode step pays for in full.
@@ -31,14 +32,15 @@ def rank(scores, depths):
 
 def best_size(probs, curve_ms, limit: int, nodes: int = 0) -> int:
     """n (root included, 1..limit) for ranked path probabilities ``probs`` [>= limit - 1]: ``nodes`` when fixed, else
-    the n maximising ``(1 + sum of the first n - 1) / t(n)`` (``curve_ms[n - 1]`` = t(n), the same library)."""
+    the n maximising ``(1 + sum of the first n - 1) / t(n)`` (``curve_ms[n - 1]`` = t(n), the same library), priced
+    as every draft is (:func:`~fastforward.costs.best_draft`)."""
     if nodes:
         return min(nodes, limit)
     if isinstance(probs, np.ndarray):
         gain = 1.0 + np.concatenate([[0.0], np.cumsum(probs[: limit - 1], dtype=np.float64)])
-        return int(np.argmax(gain / curve_ms[:limit])) + 1
-    gain = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64), probs[: limit - 1].double().cumsum(0)])
-    return int((gain / curve_ms[:limit]).argmax()) + 1
+    else:
+        gain = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64), probs[: limit - 1].double().cumsum(0)])
+    return best_draft(gain, curve_ms[:limit]) + 1
 
 
 def build_tree(chosen, tokens, parents, depths, root: int) -> DraftTree:

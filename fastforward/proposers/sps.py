@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from .. import model
-from ..costs import AcceptanceEstimate, cost_model, expected_tokens
+from ..costs import AcceptanceEstimate, best_chain_length, cost_model
 from ..drafters import shipped_drafter
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import FastForwardError, UsageError
@@ -128,13 +128,9 @@ def _loaded_draft(target, draft, path: Path) -> TargetModel:
 
 def best_draft_length(alpha: float, max_k: int, target_curve, draft_ms: float) -> int:
     """The k in 0..max_k maximising expected tokens per millisecond: ``(1 + a + ... + a^k) / (t(k+1) + k d)``, with
-    ``t`` the target's cost curve and ``d`` one draft forward's cost (k = 0: one plain step, ``1 / t(1)``)."""
-    best_k, best_rate = 0, 1.0 / target_curve.t(1)
-    for k in range(1, max_k + 1):
-        rate = expected_tokens(alpha, k) / (target_curve.t(k + 1) + k * draft_ms)
-        if rate > best_rate * (1 + 1e-9):
-            best_k, best_rate = k, rate
-    return best_k
+    ``t`` the target's cost curve and ``d`` one draft forward's cost (k = 0: one plain step, ``1 / t(1)``); priced
+    as every draft is (:func:`~fastforward.costs.best_chain_length`)."""
+    return best_chain_length(alpha, max_k, target_curve, draft_ms)
 
 
 class DraftModelProposer(Proposer):
