@@ -47,100 +47,45 @@ from __future__ import annotations
 
 import torch
 
-from ..costs import cost_model
-from ..drafters.calibration import FLOOR, calibration_of
+from ..drafters.calibration import FLOOR
 from ..drafters.checkpoint import load_eagle3
 from ..drafters.eagle import Eagle3Runner
-from ..drafters.pieces import DRAFTER_WEIGHTS
-from ..drafters.features import engine_layers
-from ..engine import DecodeState, Proposal, Proposer, StepResult
+from ..engine import DecodeState, Proposal, Proposer
 from . import register
-from ._backoff import BackOff
 from ._call_cost import DrafterCallCost
-from ._options import (
-    MAX_TREE_NODES,
-    Option,
-    backoff_on_loss_option,
-    backoff_option,
-    drafter_option,
-    max_nodes_option,
-    nodes_option,
-    weights_option,
-)
-from ._rerank import best_size, build_tree, rank
-from ._runners import shared_runner
+from ._feature_drafter import FeatureDrafterProposer, calibrated_option, drafter_options, load_runner
+from ._options import MAX_TREE_NODES, Option, max_nodes_option, nodes_option
+from ._rerank import build_tree, rank
+
+#: the most children per expanded node, and the deepest tree: a step's candidate table holds topk + (depth - 1) x
+#: topk^2 entries and takes depth drafter calls
+MAX_TOPK = 16
+MAX_DEPTH = 16
 
 
 def drafter_runner(target, drafter: str | None, weights: str) -> Eagle3Runner:
-    return shared_runner("eagle", "eagle3", target, drafter, weights,
-                         lambda folder: Eagle3Runner(load_eagle3(folder, target), target, capacity=64, weights=weights))
+    return load_runner("eagle", "eagle3", target, drafter, weights, load_eagle3, Eagle3Runner)
 
 
-class EagleProposer(Proposer):
+class EagleProposer(FeatureDrafterProposer):
     name = "eagle"
+    counts_committed_rows = False  # draft_rows: the rows of its drafter calls
 
     def __init__(self, runner: Eagle3Runner, *, topk: int, depth: int, nodes: int, max_nodes: int,
                  min_prob: float, backoff: int = 0, calibrated: bool = False, price_calls: bool = True,
                  backoff_on_loss: bool = True):
-        self.shared = runner
-        # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
-        self.calibration = calibration_of(runner.cfg.fastforward) if calibrated else None
-        self.greedy_map = None
-        self.hidden_layers = engine_layers(runner.cfg.aux_layers)
+        super().__init__(runner, fixed=bool(nodes), backoff=backoff, backoff_on_loss=backoff_on_loss,
+                         calibrated=calibrated)
         self.topk, self.depth, self.nodes, self.max_nodes, self.min_prob = topk, depth, nodes, max_nodes, min_prob
-        self.runner: Eagle3Runner | None = None
         self.last_h: torch.Tensor | None = None
-        # accepted rows not yet given to the drafter: committed together when it next drafts, so a step that
-        # drafts nothing (a shared forward where no draft pays) costs no drafter pass
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.costs = None  # this machine's cost model (live), unless the tree size is fixed: prepare()
-        self.backoff = 0 if nodes else backoff  # a fixed tree size always drafts
-        self.backoff_on_loss = backoff_on_loss
-        self.back_off = BackOff(self.backoff, backoff_on_loss)
         self.call_cost = DrafterCallCost() if price_calls and not nodes else None  # a fixed size expands fully
         self._n = {"steps": 0, "draft_rows": 0, "draft_calls": 0, "nodes": 0, "skipped": 0, "unpaid_stops": 0}
 
-    def max_proposal_size(self) -> int:
-        return self.nodes or self.max_nodes
+    def _cache_reserve(self) -> int:
+        return self.depth + 8
 
-    def _taps(self, hidden: dict, rows) -> torch.Tensor:
-        return torch.stack([hidden[layer][rows] for layer in self.hidden_layers], dim=1)  # [r, n_taps, d_t]
-
-    def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
-        n = state.prompt_length
-        self.runner = self.shared.fresh(n + state.max_new_tokens + self.depth + 8)
-        self.pending.clear()
-        self.back_off = BackOff(self.backoff, self.backoff_on_loss)
-        self.greedy_map = self.calibration if state.sampling.greedy else None
-        if not self.nodes and self.costs is None:
-            self.prepare(state.target)
-        feat = self.runner.fuse(self._taps(hidden, slice(0, n)))
-        h = self.runner.commit(feat, state.ids[1 : n + 1], torch.arange(n))
-        self.last_h = h[-1:]
-
-    def prepare(self, target) -> None:
-        if not self.nodes:
-            self.costs = cost_model(target)
-
-    def _curve_ms(self) -> torch.Tensor | None:
-        """t(1..max_nodes) from the live cost model (None for a fixed tree size)."""
-        return None if self.costs is None else self.costs.table(self.max_nodes)
-
-    def observe(self, state: DecodeState, step: StepResult) -> None:
-        path = step.verdict.path
-        r = len(path)
-        root_pos = state.length - len(step.new_tokens) - 1
-        tokens = state.ids[root_pos + 1 : root_pos + 1 + r]
-        self.pending.append((self._taps(step.hidden, torch.as_tensor(path)), tokens.clone(),
-                             torch.arange(root_pos, root_pos + r)))
-        self.back_off.verdict(step.verdict.accepted, self._curve_ms())
-
-    def _catch_up(self) -> None:
-        """Give the drafter the accepted rows that wait (one pass over all of them)."""
-        if self.pending:
-            taps, tokens, positions = (torch.cat(parts) for parts in zip(*self.pending, strict=True))
-            self.pending.clear()
-            self.last_h = self.runner.commit(self.runner.fuse(taps), tokens, positions)[-1:]
+    def _commit(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        self.last_h = self.runner.commit(self.runner.fuse(taps), tokens, positions)[-1:]
 
     def propose(self, state: DecodeState) -> Proposal | None:
         run, k = self.runner, self.topk
@@ -215,8 +160,7 @@ class EagleProposer(Proposer):
         parents = torch.cat(cand_parent)
         depths = torch.cat(cand_depth)
         order = rank(scores, depths)
-        limit = min(self.nodes or self.max_nodes, order.numel() + 1, state.remaining + 1)
-        n = best_size(scores[order].double().exp(), curve_ms, limit, self.nodes)
+        n = self._tree_size(scores[order].double().exp(), state)
         self._n["steps"] += 1
         self._n["nodes"] += n
         if n == 1:
@@ -240,16 +184,10 @@ class EagleProposer(Proposer):
                 "expansions_not_worth_a_call": self._n["unpaid_stops"]}
 
 
-#: the most children per expanded node, and the deepest tree: a step's candidate table holds topk + (depth - 1) x
-#: topk^2 entries and takes depth drafter calls
-MAX_TOPK = 16
-MAX_DEPTH = 16
-
-
 @register("eagle", "EAGLE-3-style drafter over the target's features, dynamic tree (EAGLE-2)",
           source="Li et al. 2024/2025, EAGLE-2 / EAGLE-3",
-          options=(
-              drafter_option("eagle"),
+          options=drafter_options(
+              "eagle",
               Option("topk", "int", 4, 1, MAX_TOPK, help="children per expanded node (1: a chain)",
                      bound=f"rows per drafter call (topk per level) and candidates per level (topk^2: "
                            f"{MAX_TOPK ** 2} at {MAX_TOPK}, the nodes of the largest tree, {MAX_TREE_NODES})"),
@@ -260,14 +198,10 @@ MAX_DEPTH = 16
               max_nodes_option(32),
               Option("min_prob", "float", 0.05, 0, 1, high_open=True, bound="a probability",
                      help="expansion stops when the best frontier path probability falls under this"),
-              backoff_option(),
-              weights_option(DRAFTER_WEIGHTS),
-              Option("calibrated", "bool", False,
-                     help="at temperature 0, map draft probabilities to greedy acceptance rates (the drafter's map)"),
-              Option("price_calls", "bool", True,
-                     help="a depth's drafter call is made only if its frontier can pay it back (when the size is "
-                          "not fixed)"),
-              backoff_on_loss_option(),
+              extra=(calibrated_option(),
+                     Option("price_calls", "bool", True,
+                            help="a depth's drafter call is made only if its frontier can pay it back (when the size "
+                                 "is not fixed)")),
           ))
 def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
           min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = False,

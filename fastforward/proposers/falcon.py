@@ -31,30 +31,23 @@ from __future__ import annotations
 
 import torch
 
-from ..costs import cost_model
-from ..drafters.pieces import DRAFTER_WEIGHTS
 from ..drafters.falcon import FalconRunner, load_falcon
 from ..drafters.features import FINAL
-from ..engine import DecodeState, Proposal, Proposer, StepResult
+from ..engine import DecodeState, Proposal, Proposer
 from . import register
-from ._backoff import BackOff
-from ._options import (
-    MAX_TREE_NODES,
-    Option,
-    backoff_on_loss_option,
-    backoff_option,
-    drafter_option,
-    max_nodes_option,
-    nodes_option,
-    weights_option,
-)
-from ._rerank import best_size, build_tree, rank
-from ._runners import shared_runner
+from ._feature_drafter import FeatureDrafterProposer, drafter_options, load_runner
+from ._options import MAX_TREE_NODES, Option, max_nodes_option, nodes_option
+from ._rerank import build_tree, rank
+
+#: candidates per depth, drafter passes per step, and frontier nodes fed back per pass: a pass drafts k depths of
+#: topk candidates for each frontier node, and the drafter's cache reserves passes x k x frontier rows
+MAX_TOPK = 16
+MAX_PASSES = 8
+MAX_FRONTIER = 16
 
 
 def falcon_runner(target, drafter: str | None, weights: str) -> FalconRunner:
-    return shared_runner("falcon", "falcon", target, drafter, weights,
-                         lambda folder: FalconRunner(load_falcon(folder, target), target, capacity=64, weights=weights))
+    return load_runner("falcon", "falcon", target, drafter, weights, load_falcon, FalconRunner)
 
 
 class Candidates:
@@ -92,55 +85,28 @@ class Candidates:
         return torch.cat(self.tokens), torch.cat(self.scores), torch.cat(self.parents), torch.cat(self.depths)
 
 
-class FalconProposer(Proposer):
+class FalconProposer(FeatureDrafterProposer):
     name = "falcon"
     hidden_layers = (FINAL,)
 
     def __init__(self, runner: FalconRunner, *, topk: int, passes: int, frontier: int, nodes: int, max_nodes: int,
                  backoff: int, backoff_on_loss: bool = True):
-        self.shared = runner
+        super().__init__(runner, fixed=bool(nodes), backoff=backoff, backoff_on_loss=backoff_on_loss)
         self.topk, self.passes, self.frontier = topk, passes, frontier
         self.nodes, self.max_nodes = nodes, max_nodes
-        self.back_off = BackOff(0 if nodes else backoff, backoff_on_loss)
-        self.runner: FalconRunner | None = None
-        self.costs = None  # this machine's cost model (live), unless the tree size is fixed: prepare()
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # accepted rows not yet committed
         self._n = {"steps": 0, "looks": 0, "passes": 0, "draft_rows": 0, "nodes": 0}
 
-    def max_proposal_size(self) -> int:
-        return self.nodes or self.max_nodes
+    def _tap_layers(self, runner) -> tuple[int, ...]:
+        return (FINAL,)  # the target's final (normed) states
 
-    def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
-        n = state.prompt_length
-        k = self.shared.k
-        self.runner = self.shared.fresh(n + state.max_new_tokens + self.passes * k * self.frontier + 8)
-        if not self.nodes and self.costs is None:
-            self.prepare(state.target)
-        self.runner.commit(hidden[FINAL][:n], state.ids[1 : n + 1], torch.arange(n))
+    def _taps(self, hidden: dict, rows) -> torch.Tensor:
+        return hidden[FINAL][rows]
 
-    def prepare(self, target) -> None:
-        if not self.nodes:
-            self.costs = cost_model(target)
+    def _cache_reserve(self) -> int:
+        return self.passes * self.shared.k * self.frontier + 8
 
-    def _curve_ms(self) -> torch.Tensor | None:
-        """t(1..max_nodes) from the live cost model (None for a fixed tree size)."""
-        return None if self.costs is None else self.costs.table(self.max_nodes)
-
-    def observe(self, state: DecodeState, step: StepResult) -> None:
-        path = step.verdict.path
-        r = len(path)
-        root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
-        tokens = state.ids[root_pos + 1 : root_pos + 1 + r].clone()
-        self.pending.append((step.hidden[FINAL][torch.as_tensor(path)], tokens, torch.arange(root_pos, root_pos + r)))
-        self._n["draft_rows"] += r
-        self.back_off.verdict(step.verdict.accepted, self._curve_ms())
-
-    def _catch_up(self) -> None:
-        """Commit the accepted rows that wait (one drafter call for all of them)."""
-        if self.pending:
-            feats, tokens, positions = (torch.cat(parts) for parts in zip(*self.pending, strict=True))
-            self.runner.commit(feats, tokens, positions)
-            self.pending.clear()
+    def _commit(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        self.runner.commit(taps, tokens, positions)
 
     def _top(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Block outputs [..., d] -> top-``topk`` probabilities and target ids [..., topk]."""
@@ -150,8 +116,7 @@ class FalconProposer(Proposer):
     def _choose(self, cands: Candidates, state: DecodeState):
         tokens, scores, parents, depths = cands.cat()
         order = rank(scores, depths)
-        limit = min(self.max_proposal_size(), order.numel() + 1, state.remaining + 1)
-        n = best_size(scores[order], self._curve_ms(), limit, self.nodes)
+        n = self._tree_size(scores[order], state)
         return order[: n - 1], (tokens, scores, parents, depths)
 
     def propose(self, state: DecodeState) -> Proposal | None:
@@ -216,17 +181,10 @@ class FalconProposer(Proposer):
                 "passes_per_look": self._n["passes"] / looks, "draft_rows": self._n["draft_rows"]}
 
 
-#: candidates per depth, drafter passes per step, and frontier nodes fed back per pass: a pass drafts k depths of
-#: topk candidates for each frontier node, and the drafter's cache reserves passes x k x frontier rows
-MAX_TOPK = 16
-MAX_PASSES = 8
-MAX_FRONTIER = 16
-
-
 @register("falcon", "Falcon: a semi-autoregressive drafter drafts k tokens per pass, verified as a tree of k-blocks",
           source="Gao et al., AAAI 2025",
-          options=(
-              drafter_option("falcon"),
+          options=drafter_options(
+              "falcon",
               Option("topk", "int", 4, 1, MAX_TOPK, help="candidates per depth of a block (1 with frontier 1: a chain)",
                      bound=f"candidates per pass: a frontier node's k-block holds topk^k of them (Cartesian); "
                            f"past {MAX_TOPK} per depth they are more than the largest tree ({MAX_TREE_NODES} nodes) "
@@ -241,9 +199,6 @@ MAX_FRONTIER = 16
                            f"({MAX_TREE_NODES} nodes)"),
               nodes_option(),
               max_nodes_option(32),
-              backoff_option(),
-              weights_option(DRAFTER_WEIGHTS),
-              backoff_on_loss_option(),
           ))
 def falcon(target, *, drafter: str | None = None, topk: int = 4, passes: int = 2, frontier: int = 4, nodes: int = 0,
            max_nodes: int = 32, backoff: int = 8, weights: str = "auto", backoff_on_loss: bool = True) -> Proposer:

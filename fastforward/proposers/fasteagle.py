@@ -31,31 +31,22 @@ from __future__ import annotations
 
 import torch
 
-from ..costs import cost_model
-from ..drafters.calibration import calibration_of
-from ..drafters.pieces import DRAFTER_WEIGHTS
+from ..costs import best_draft
 from ..drafters.fasteagle import FastEagleRunner, load_fasteagle
-from ..drafters.features import engine_layers
-from ..engine import DecodeState, Proposal, Proposer, StepResult
+from ..engine import DecodeState, Proposal, Proposer
 from ..tree import DraftTree, TreeShape
 from . import register
-from ._backoff import BackOff
-from ._options import (
-    MAX_TREE_NODES,
-    Option,
-    backoff_on_loss_option,
-    backoff_option,
-    drafter_option,
-    max_nodes_option,
-    weights_option,
-)
-from ._runners import shared_runner
+from ._feature_drafter import FeatureDrafterProposer, calibrated_option, drafter_options, load_runner
+from ._options import MAX_TREE_NODES, Option, max_nodes_option
+
+#: the most tokens per depth and the most depths of the backbone expansion tree (levels x k + 1 nodes, also at most
+#: max_nodes)
+MAX_TOPK = 16
+MAX_DEPTH = 64
 
 
 def fasteagle_runner(target, drafter: str | None, weights: str) -> FastEagleRunner:
-    return shared_runner("fasteagle", "fasteagle", target, drafter, weights,
-                         lambda folder: FastEagleRunner(load_fasteagle(folder, target), target, capacity=64,
-                                                        weights=weights))
+    return load_runner("fasteagle", "fasteagle", target, drafter, weights, load_fasteagle, FastEagleRunner)
 
 
 def backbone_tree(tokens: torch.Tensor, root: int, levels: int, k: int) -> DraftTree:
@@ -77,63 +68,21 @@ def expected_tokens(top_probs: torch.Tensor) -> torch.Tensor:
     return 1.0 + per_depth.cumsum(0)
 
 
-class FastEagleProposer(Proposer):
+class FastEagleProposer(FeatureDrafterProposer):
     name = "fasteagle"
 
     def __init__(self, runner: FastEagleRunner, *, topk: int, depth: int, fixed: bool, max_nodes: int,
                  backoff: int, calibrated: bool = False, backoff_on_loss: bool = True):
-        self.shared = runner
-        # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
-        self.calibration = calibration_of(runner.cfg.fastforward) if calibrated else None
-        self.greedy_map = None
-        self.hidden_layers = engine_layers(runner.cfg.aux_layers)
+        super().__init__(runner, fixed=fixed, backoff=backoff, backoff_on_loss=backoff_on_loss, calibrated=calibrated)
         self.topk, self.depth, self.fixed, self.max_nodes = topk, min(depth, runner.cfg.num_layers), fixed, max_nodes
-        self.backoff = 0 if fixed else backoff
-        self.runner: FastEagleRunner | None = None
         self.last_h: torch.Tensor | None = None
-        self.costs = None  # this machine's cost model (live), unless the shape is fixed: prepare()
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # accepted rows not yet committed
-        self.back_off = BackOff(self.backoff, backoff_on_loss)
         self._n = {"steps": 0, "looks": 0, "draft_rows": 0, "nodes": 0, "levels": 0, "k": 0}
 
     def max_proposal_size(self) -> int:
         return min(self.max_nodes, self.depth * self.topk + 1)
 
-    def _taps(self, hidden: dict, rows) -> torch.Tensor:
-        return torch.stack([hidden[layer][rows] for layer in self.hidden_layers], dim=1)  # [r, n_taps, d_t]
-
-    def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
-        n = state.prompt_length
-        self.runner = self.shared.fresh(n + state.max_new_tokens + 8)
-        self.greedy_map = self.calibration if state.sampling.greedy else None
-        if not self.fixed and self.costs is None:
-            self.prepare(state.target)
-        self.last_h = self.runner.commit(self._taps(hidden, slice(0, n)), state.ids[1 : n + 1], torch.arange(n))
-
-    def prepare(self, target) -> None:
-        if not self.fixed:
-            self.costs = cost_model(target)
-
-    def _curve_ms(self) -> torch.Tensor | None:
-        """t(1..max_proposal_size) from the live cost model (None for a fixed shape)."""
-        return None if self.costs is None else self.costs.table(self.max_proposal_size())
-
-    def observe(self, state: DecodeState, step: StepResult) -> None:
-        path = step.verdict.path
-        r = len(path)
-        root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
-        tokens = state.ids[root_pos + 1 : root_pos + 1 + r].clone()
-        self.pending.append((self._taps(step.hidden, torch.as_tensor(path)), tokens,
-                             torch.arange(root_pos, root_pos + r)))
-        self._n["draft_rows"] += r
-        self.back_off.verdict(step.verdict.accepted, self._curve_ms())
-
-    def _catch_up(self) -> None:
-        """Commit the accepted rows that wait (one drafter pass over all of them)."""
-        if self.pending:
-            taps, tokens, positions = (torch.cat(parts) for parts in zip(*self.pending, strict=True))
-            self.last_h = self.runner.commit(taps, tokens, positions)
-            self.pending.clear()
+    def _commit(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        self.last_h = self.runner.commit(taps, tokens, positions)
 
     def propose(self, state: DecodeState) -> Proposal | None:
         run = self.runner
@@ -155,15 +104,7 @@ class FastEagleProposer(Proposer):
             while levels * k + 1 > limit and levels > 1:
                 levels -= 1
         else:
-            curve_ms = self._curve_ms()
-            gain = expected_tokens(self._chances(top.values.double()))  # [levels, K]
-            nodes = (torch.arange(1, room + 1).unsqueeze(1) * torch.arange(1, self.topk + 1)) + 1  # [levels, K]
-            rate = torch.where(nodes <= limit, gain / curve_ms[(nodes - 1).clamp(max=limit - 1)], -1.0)
-            best = int(rate.argmax())
-            if float(rate.reshape(-1)[best]) <= 1.0 / float(curve_ms[0]):
-                levels = k = 0  # drafting nothing is the best rate
-            else:
-                levels, k = best // self.topk + 1, best % self.topk + 1
+            levels, k = self._best_shape(top.values.double(), room, limit)
         self._n["levels"] += levels
         self._n["k"] += k
         if levels == 0:
@@ -174,6 +115,19 @@ class FastEagleProposer(Proposer):
         self.back_off.drafted(len(tree))
         self._n["nodes"] += len(tree)
         return Proposal(tree)
+
+    def _best_shape(self, top_probs: torch.Tensor, room: int, limit: int) -> tuple[int, int]:
+        """(levels, k) of the backbone tree the cost model prices best (:func:`~fastforward.costs.best_draft`), from
+        each depth's top-K draft probabilities ``top_probs`` [room, K]; (0, 0) when drafting nothing is best."""
+        curve_ms = self._curve_ms()
+        gain = expected_tokens(self._chances(top_probs))  # [levels, K]
+        nodes = (torch.arange(1, room + 1).unsqueeze(1) * torch.arange(1, self.topk + 1)) + 1  # [levels, K]
+        # option 0 is drafting nothing (one plain step), then every (levels, k), level-major
+        tokens = torch.cat([torch.ones(1, dtype=gain.dtype), gain.reshape(-1)])
+        ms = torch.cat([curve_ms[:1], curve_ms[(nodes - 1).clamp(max=limit - 1)].reshape(-1)])
+        allowed = torch.cat([torch.ones(1, dtype=torch.bool), (nodes <= limit).reshape(-1)])
+        best = best_draft(tokens, ms, allowed)
+        return (0, 0) if best == 0 else ((best - 1) // self.topk + 1, (best - 1) % self.topk + 1)
 
     def _chances(self, top_probs: torch.Tensor) -> torch.Tensor:
         """[levels, K] chances that the target accepts each candidate given the backbone above it: at temperature 0
@@ -191,16 +145,10 @@ class FastEagleProposer(Proposer):
                 "draft_rows": self._n["draft_rows"]}
 
 
-#: the most tokens per depth and the most depths of the backbone expansion tree (levels x k + 1 nodes, also at most
-#: max_nodes)
-MAX_TOPK = 16
-MAX_DEPTH = 64
-
-
 @register("fasteagle", "FastEagle: a cascaded drafter drafts the whole tree in one pass (backbone expansion tree)",
           source="FastEagle, arXiv 2509.20416",
-          options=(
-              drafter_option("fasteagle"),
+          options=drafter_options(
+              "fasteagle",
               Option("topk", "int", 3, 1, MAX_TOPK, help="the most tokens per depth (1: a chain)",
                      bound=f"rows per forward: the tree has depth x topk + 1 nodes, at most max_nodes "
                            f"({MAX_TREE_NODES}); {MAX_TOPK} x {MAX_TREE_NODES // MAX_TOPK} fills it"),
@@ -210,11 +158,7 @@ MAX_DEPTH = 64
                            f"chain of {MAX_DEPTH} is deeper than drafts are accepted"),
               Option("fixed", "bool", False, help="always the full tree (else sized each step by the cost curve)"),
               max_nodes_option(32),
-              backoff_option(),
-              weights_option(DRAFTER_WEIGHTS),
-              Option("calibrated", "bool", False,
-                     help="at temperature 0, map draft probabilities to greedy acceptance rates (the drafter's map)"),
-              backoff_on_loss_option(),
+              extra=(calibrated_option(),),
           ))
 def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int = 16, fixed: bool = False,
               max_nodes: int = 32, backoff: int = 8, weights: str = "auto", calibrated: bool = False,

@@ -1,0 +1,162 @@
+"""The base of the proposers over a trained drafter that reads the target's own features (``eagle``, ``fasteagle``,
+``falcon``): what they do alike, written once.
+
+* **The drafter's runner**: shared per target and drafter folder (:func:`load_runner`, built once and kept in the
+  target's resource slots); each sequence gets a fresh cache of its own (:meth:`start`).
+* **Committing accepted rows**: the target's features of the accepted path (tapped in the verification forward
+  itself, :meth:`_taps`) and the accepted tokens become committed drafter rows. They wait in ``pending`` until the
+  drafter next drafts and go through it together (:meth:`_catch_up`), so a step that drafts nothing (a shared
+  forward where no draft of this sequence pays, back-off) costs no drafter pass.
+* **The cost model**: fetched before the run's clock starts (:meth:`prepare`) unless the draft's size is fixed; a
+  draft is priced as every draft is (:func:`~fastforward.costs.best_draft`: the tree sizes of :meth:`_tree_size`).
+* **Back-off** (:mod:`._backoff`) and, at temperature 0, the drafter's calibrated acceptance rates when asked for.
+
+A subclass says how its drafter reads rows (:meth:`_commit`), how many extra cache rows a sequence needs
+(:meth:`_cache_reserve`), and drafts (``propose``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..costs import cost_model
+from ..drafters import shipped_drafter
+from ..drafters.calibration import calibration_of
+from ..drafters.features import engine_layers
+from ..drafters.pieces import DRAFTER_WEIGHTS
+from ..engine import DecodeState, Proposer, StepResult
+from ..errors import UsageError
+from ._backoff import BackOff
+from ._options import Option, backoff_on_loss_option, backoff_option, drafter_option, weights_option
+from ._rerank import best_size
+
+
+def drafter_folder(method: str, kind: str, target, drafter: str | None) -> Path:
+    """``drafter`` as a folder, or the shipped drafter of ``kind`` for ``target`` (one-line refusals when there is
+    none or the folder does not exist)."""
+    if drafter is None:
+        folder = shipped_drafter(target, kind)
+        if folder is None:
+            raise UsageError(f"{method}: no drafter ships for '{target.name}'; train one (fastforward train {method}) "
+                             "and pass -o drafter=FOLDER")
+        return folder
+    folder = Path(str(drafter)).expanduser()
+    if not folder.is_dir():
+        raise UsageError(f"{method}: drafter folder not found: {folder}")
+    return folder
+
+
+def shared_runner(method: str, kind: str, target, drafter: str | None, weights: str, build):
+    """``build(folder)`` once per (method, folder, weights) and target, kept in the target's resource slots
+    (:mod:`fastforward.model.slots`): it lives as long as the target, and a new target never gets an old one's."""
+    folder = drafter_folder(method, kind, target, drafter)
+    return target.shared(("drafter runner", method, str(folder.resolve()), weights), lambda: build(folder))
+
+
+def load_runner(method: str, kind: str, target, drafter: str | None, weights: str, load, runner_class):
+    """The target's shared decode-time ``runner_class`` over the drafter ``load(folder, target)`` reads (its weights
+    read and packed once; see :func:`shared_runner`)."""
+    return shared_runner(method, kind, target, drafter, weights,
+                         lambda folder: runner_class(load(folder, target), target, capacity=64, weights=weights))
+
+
+def drafter_options(method: str, *own: Option, extra: tuple[Option, ...] = ()) -> tuple[Option, ...]:
+    """A feature drafter's options in the order they are listed: its drafter folder, the method's ``own`` (its
+    draft's shape and size), back-off, the drafter's weights, ``extra``, back-off on loss."""
+    return (drafter_option(method), *own, backoff_option(), weights_option(DRAFTER_WEIGHTS), *extra,
+            backoff_on_loss_option())
+
+
+def calibrated_option() -> Option:
+    return Option("calibrated", "bool", False,
+                  help="at temperature 0, map draft probabilities to greedy acceptance rates (the drafter's map)")
+
+
+class FeatureDrafterProposer(Proposer):
+    """See the module docstring. ``fixed``: the draft's size does not follow the cost model (no cost model, no
+    back-off); ``calibrated``: at temperature 0, the drafter's calibrated greedy-acceptance rates (if its folder has
+    a map) in place of its probabilities."""
+
+    #: whether committed rows count as ``draft_rows`` in the stats (else the subclass counts its drafting rows)
+    counts_committed_rows = True
+
+    def __init__(self, runner, *, fixed: bool, backoff: int, backoff_on_loss: bool = True, calibrated: bool = False):
+        self.shared = runner
+        self.fixed_size = fixed
+        self.hidden_layers = self._tap_layers(runner)
+        # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
+        self.calibration = calibration_of(runner.cfg.fastforward) if calibrated else None
+        self.greedy_map = None
+        self.backoff = 0 if fixed else backoff  # a fixed size always drafts
+        self.backoff_on_loss = backoff_on_loss
+        self.back_off = BackOff(self.backoff, backoff_on_loss)
+        self.runner = None  # this sequence's: start()
+        self.costs = None  # this machine's cost model (live), unless the size is fixed: prepare()
+        # accepted rows (taps, tokens, positions) not yet given to the drafter
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    # -- what a subclass says -----------------------------------------------------------------------------------
+    def _tap_layers(self, runner) -> tuple[int, ...]:
+        """The target layers whose inputs the drafter reads (the engine taps them in every forward)."""
+        return engine_layers(runner.cfg.aux_layers)
+
+    def _taps(self, hidden: dict, rows) -> torch.Tensor:
+        """The drafter's input features of target rows ``rows`` from a forward's hidden states."""
+        return torch.stack([hidden[layer][rows] for layer in self.hidden_layers], dim=1)  # [r, n_taps, d_t]
+
+    def _cache_reserve(self) -> int:
+        """Cache rows a sequence needs beyond its prompt and new tokens."""
+        return 8
+
+    def _commit(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append committed rows to this sequence's runner."""
+        raise NotImplementedError
+
+    # -- the run ------------------------------------------------------------------------------------------------
+    def max_proposal_size(self) -> int:
+        return self.nodes or self.max_nodes
+
+    def prepare(self, target) -> None:
+        if not self.fixed_size:
+            self.costs = cost_model(target)
+
+    def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
+        n = state.prompt_length
+        self.runner = self.shared.fresh(n + state.max_new_tokens + self._cache_reserve())
+        self.pending.clear()
+        self.back_off = BackOff(self.backoff, self.backoff_on_loss)
+        self.greedy_map = self.calibration if state.sampling.greedy else None
+        if not self.fixed_size and self.costs is None:
+            self.prepare(state.target)
+        self._commit(self._taps(hidden, slice(0, n)), state.ids[1 : n + 1], torch.arange(n))
+
+    def observe(self, state: DecodeState, step: StepResult) -> None:
+        path = step.verdict.path
+        r = len(path)
+        root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
+        tokens = state.ids[root_pos + 1 : root_pos + 1 + r].clone()
+        self.pending.append((self._taps(step.hidden, torch.as_tensor(path)), tokens,
+                             torch.arange(root_pos, root_pos + r)))
+        if self.counts_committed_rows:
+            self._n["draft_rows"] += r
+        self.back_off.verdict(step.verdict.accepted, self._curve_ms())
+
+    def _catch_up(self) -> None:
+        """Give the drafter the accepted rows that wait (one pass over all of them)."""
+        if self.pending:
+            taps, tokens, positions = (torch.cat(parts) for parts in zip(*self.pending, strict=True))
+            self.pending.clear()
+            self._commit(taps, tokens, positions)
+
+    # -- sizing -------------------------------------------------------------------------------------------------
+    def _curve_ms(self) -> torch.Tensor | None:
+        """t(1..max_proposal_size) from the live cost model (None for a fixed size)."""
+        return None if self.costs is None else self.costs.table(self.max_proposal_size())
+
+    def _tree_size(self, ranked_probs: torch.Tensor, state: DecodeState) -> int:
+        """The rerank's tree size n (root included) for candidates' path probabilities, ranked: ``nodes`` when
+        fixed, else the n the cost model prices best (:func:`._rerank.best_size`)."""
+        limit = min(self.max_proposal_size(), ranked_probs.numel() + 1, state.remaining + 1)
+        return best_size(ranked_probs, self._curve_ms(), limit, self.nodes)
