@@ -591,18 +591,24 @@ def best_draft(tokens, ms, allowed=None, near_tie: float = 0.0) -> int:
     the forward that verifies it (q its rows) on this machine's cost model, plus what making it costs where the
     method pays for that (``sps``: the draft model's forwards). Options are listed smallest first; the first is
     drafting nothing, one plain step (1 token for t(1)). The chosen option has the most tokens per millisecond, the
-    smallest of equals -- or, with ``near_tie``, the smallest within that relative margin of the best; ``allowed``
-    (bools like ``tokens``) leaves out options the method may not draft. ``tokens``, ``ms`` and ``allowed``: float64
-    torch tensors or numpy arrays (or lists); the index of the chosen option."""
+    smallest of equals -- or, with ``near_tie``, each larger option must beat the best smaller one by more than
+    that share; ``allowed`` (bools like ``tokens``) leaves out options the method may not draft. ``tokens``, ``ms``
+    and ``allowed``: float64 torch tensors, numpy arrays or lists (a few options: plain floats are the fastest);
+    the index of the chosen option. (The unit of ``tokens`` may be scaled, as ``tree_builder`` prices speedups.)"""
     if isinstance(tokens, torch.Tensor):
         rates = tokens / ms
         if allowed is not None:
             rates = torch.where(allowed, rates, -1.0)
         return int(rates.argmax()) if not near_tie else _first_clear_best(rates.tolist(), near_tie)
-    rates = np.asarray(tokens, dtype=np.float64) / np.asarray(ms, dtype=np.float64)
+    if isinstance(tokens, np.ndarray):
+        rates = tokens / np.asarray(ms, dtype=np.float64)
+        if allowed is not None:
+            rates = np.where(allowed, rates, -1.0)
+        return int(np.argmax(rates)) if not near_tie else _first_clear_best(rates.tolist(), near_tie)
+    rates = [t / m for t, m in zip(tokens, ms, strict=True)]
     if allowed is not None:
-        rates = np.where(allowed, rates, -1.0)
-    return int(np.argmax(rates)) if not near_tie else _first_clear_best(rates.tolist(), near_tie)
+        rates = [r if ok else -1.0 for r, ok in zip(rates, allowed, strict=True)]
+    return max(range(len(rates)), key=rates.__getitem__) if not near_tie else _first_clear_best(rates, near_tie)
 
 
 def _first_clear_best(rates: list[float], near_tie: float) -> int:

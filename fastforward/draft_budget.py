@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .costs import CostCurve, CostModel
+from .costs import CostCurve, CostModel, best_draft
 from .tree import DraftTree, TreeShape
 
 #: the prior for the chance of accepting a token at depth d (1-based) a sequence has no history at: PRIOR ** d,
@@ -99,19 +99,15 @@ class DraftBudget:
         depth = [0] * len(drafts)
         rows = fixed_rows
         tokens = fixed_tokens
-        rate = tokens / self.cost(rows)
         while True:
-            best, best_rate = -1, rate
-            for i, draft in enumerate(drafts):
-                d = depth[i]
-                if d < len(draft.rows):
-                    r = (tokens + draft.gains[d]) / self.cost(rows + draft.rows[d])
-                    if r > best_rate:
-                        best, best_rate = i, r
-            if best < 0:
+            # as it stands, or one of the drafts a level deeper: priced as every draft is (costs.best_draft)
+            options = [(i, draft.gains[depth[i]], draft.rows[depth[i]]) for i, draft in enumerate(drafts)
+                       if depth[i] < len(draft.rows)]
+            best = best_draft([tokens] + [tokens + gain for _, gain, _ in options],
+                              [self.cost(rows)] + [self.cost(rows + extra) for _, _, extra in options])
+            if best == 0:
                 return depth
-            d = depth[best]
-            rows += drafts[best].rows[d]
-            tokens += drafts[best].gains[d]
-            rate = best_rate
-            depth[best] = d + 1
+            i, gain, extra = options[best - 1]
+            rows += extra
+            tokens += gain
+            depth[i] += 1

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .costs import DEFAULT_QS, CostCurve, measure_forward_costs
+from .costs import DEFAULT_QS, CostCurve, best_draft, measure_forward_costs
 from .engine import Generation
 from .errors import UsageError
 from .paths import owned_json
@@ -280,7 +280,9 @@ def choose_budget(taus: Sequence[float], costs: dict, extra_tokens=6, min_nodes:
         return sum(w * curve.t(n + e) for e, w in dist.items()) / total
 
     speedups = [tau * t1 / cost(n) for n, tau in enumerate(taus)]
-    best = max(range(min_nodes, len(taus)), key=lambda n: (speedups[n], -n))
+    # priced as every draft is (costs.best_draft), in units of a plain step's tokens per millisecond
+    sizes = range(min_nodes, len(taus))
+    best = min_nodes + best_draft([taus[n] * t1 for n in sizes], [cost(n) for n in sizes])
     return best, speedups
 
 
