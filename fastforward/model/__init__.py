@@ -51,6 +51,6 @@ __all__ = [
     "DEFAULT_MODEL", "DEFAULT_PASTA_MODEL", "SHIPPED_ADAPTERS",
     "LEAN_ARCHITECTURES", "MODEL_ALIASES", "PACKAGED_MODELS", "WEIGHT_CHOICES", "ForwardOutput",
     "ForwardRequest", "HFDynamicKVCache", "HFForward", "LeanLlama", "LlamaLayer", "StaticKVCache", "TargetModel",
-    "convert_gguf", "from_hf", "load", "load_hf", "packaged_gguf", "resolve_model", "rope_tables",
-    "shared", "sliding_window_of", "_converted_gguf", "_full_mask", "_gguf_cache_dir", "_gguf_tokenizer", "_quiet_transformers",
+    "convert_gguf", "from_hf", "load", "load_hf", "packaged_gguf", "resolve_model", "rope_tables", "shared",
+    "sliding_window_of", "_converted_gguf", "_full_mask", "_gguf_cache_dir", "_gguf_tokenizer", "_quiet_transformers",
 ]
