@@ -107,9 +107,25 @@ class DrafterMethod:
                                               min(draft_vocab, target.vocab_size), always=sorted(target.eos_token_ids))
         self.embed = target_embedding_rows(target, torch.arange(target.vocab_size))
 
-    def evaluate(self, drafter, target, records: list[dict]) -> dict | None:
-        """Optional: the trained drafter scored on held-out records (in the run's summary and printed)."""
+    #: whether the held-out run's greedy calibration is saved with the drafter (:mod:`fastforward.drafters.calibration`)
+    calibrates = False
+
+    def heldout(self, drafter, target, records: list[dict]) -> dict | None:
+        """Optional: this kind of drafter's agreement with the target on held-out records."""
         return None
+
+    def evaluate(self, drafter, target, records: list[dict]) -> dict | None:
+        """The trained drafter scored on held-out records (in the run's summary and printed), and with
+        :attr:`calibrates` its greedy calibration kept in its config to be saved with it."""
+        if not records:
+            return None
+        drafter.eval()
+        held = self.heldout(drafter, target, records)
+        if held is not None and self.calibrates:
+            from ..drafters.calibration import CONFIG_KEY
+
+            drafter.cfg.fastforward[CONFIG_KEY] = held["calibration"]
+        return held
 
     def load_weights(self, drafter, folder: Path) -> None:
         from safetensors.torch import load_file

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from ..drafters.calibration import CONFIG_KEY as CALIBRATION_KEY
 from ..drafters.checkpoint import save_eagle3
 from ..drafters.eagle import Eagle3Drafter
 from ..drafters.vocab import DraftVocab
@@ -75,15 +74,10 @@ class EagleTraining(DrafterMethod):
     def save(self, drafter, folder: Path) -> None:
         save_eagle3(drafter, folder, dtype="float16")
 
-    def evaluate(self, drafter, target, records):
-        """Held-out agreement (printed and kept in the run's summary), and the greedy calibration the drafter is
-        saved with (:mod:`fastforward.drafters.calibration`)."""
-        if not records:
-            return None
-        drafter.eval()
-        held = heldout_agreement(target, drafter, records, self.ttt_steps)
-        drafter.cfg.fastforward[CALIBRATION_KEY] = held["calibration"]
-        return held
+    calibrates = True
+
+    def heldout(self, drafter, target, records):
+        return heldout_agreement(target, drafter, records, self.ttt_steps)
 
 
 def heldout_agreement(target, drafter: Eagle3Drafter, records: list[dict], steps: int = 3, *, store=None,

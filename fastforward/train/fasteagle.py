@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafters.calibration import CONFIG_KEY as CALIBRATION_KEY
 from ..drafters.eagle import target_embedding_rows
 from ..drafters.fasteagle import FastEagleDrafter, save_fasteagle
 from ..drafters.vocab import DraftVocab
@@ -78,15 +77,10 @@ class FastEagleTraining(DrafterMethod):
     def save(self, drafter, folder: Path) -> None:
         save_fasteagle(drafter, folder, dtype="float16")
 
-    def evaluate(self, drafter, target, records):
-        """Held-out agreement (printed and kept in the run's summary), and the greedy calibration the drafter is
-        saved with (:mod:`fastforward.drafters.calibration`)."""
-        if not records:
-            return None
-        drafter.eval()
-        held = heldout_agreement(target, drafter, records)
-        drafter.cfg.fastforward[CALIBRATION_KEY] = held["calibration"]
-        return held
+    calibrates = True
+
+    def heldout(self, drafter, target, records):
+        return heldout_agreement(target, drafter, records)
 
     def load_weights(self, drafter, folder: Path) -> None:
         from safetensors.torch import load_file
