@@ -26,13 +26,13 @@ topic; a fork cannot promise, sync or end the answer; a topic is one line of at 
 from __future__ import annotations
 
 import time
-import weakref
 
 import torch
 
 from ..engine import Run
 from ..errors import UsageError
 from ..model import ForwardRequest
+from ..model.slots import shared
 from ..verify import next_token
 from .language import PastaVocab
 from .layout import PastaSchedule, Settler, Thread
@@ -40,21 +40,16 @@ from .layout import PastaSchedule, Settler, Thread
 TOPIC_FORBIDDEN = '"<>\n\r'  # characters a topic cannot hold (the written form's delimiters; one line)
 
 
-_TOPIC_BANNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _topic_banned_ids(tokenizer, vocab_size: int) -> torch.Tensor:
-    """The ids (below ``vocab_size``) whose text holds a character a topic cannot, cached per tokenizer."""
-    try:
-        cached = _TOPIC_BANNED.setdefault(tokenizer, {})
-    except TypeError:  # a tokenizer that cannot be weakly referenced: computed every time
-        cached = {}
-    if vocab_size not in cached:
+    """The ids (below ``vocab_size``) whose text holds a character a topic cannot, kept with the tokenizer (its
+    resource slot: :func:`fastforward.model.slots.shared`)."""
+    def build() -> torch.Tensor:
         texts = tokenizer.batch_decode([[i] for i in range(min(vocab_size, len(tokenizer)))],
                                        skip_special_tokens=False)
-        cached[vocab_size] = torch.tensor([i for i, t in enumerate(texts) if any(c in t for c in TOPIC_FORBIDDEN)],
-                                          dtype=torch.long)
-    return cached[vocab_size]
+        return torch.tensor([i for i, t in enumerate(texts) if any(c in t for c in TOPIC_FORBIDDEN)],
+                            dtype=torch.long)
+
+    return shared(tokenizer, ("pasta topic-banned ids", vocab_size), build)
 
 
 class PastaMethod:
