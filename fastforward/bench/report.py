@@ -391,41 +391,47 @@ def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(summary: dict, plots: list[str]) -> str:
+def _md_intro(summary: dict) -> list[str]:
+    """The title and the paragraph of parameters (with a warning when the rows mix parameter sets)."""
     p = summary.get("parameters", {})
     env = summary.get("environment", {})
-    methods = summary["methods"]
-    cats = summary["categories"]
     out = ["# fastforward bench report", ""]
     out.append(
         f"Model `{p.get('model')}` ({p.get('backend')} backend, {p.get('dtype')}"
         + (f", arithmetic {p['arithmetic']}, KV cache {p.get('kv_cache')}" if p.get("arithmetic") else "")
         + f"), {summary['questions']} questions "
-        f"in {len(cats)} categories, up to {p.get('max_new_tokens')} new tokens, temperature {p.get('temperature')}, "
-        f"seed {p.get('seed')}, {p.get('repeats')} repeat(s) per question (timing: median), "
+        f"in {len(summary['categories'])} categories, up to {p.get('max_new_tokens')} new tokens, temperature "
+        f"{p.get('temperature')}, seed {p.get('seed')}, {p.get('repeats')} repeat(s) per question (timing: median), "
         f"{env.get('threads')} thread(s). Baseline: our engine's autoregressive decoding (`ar`)."
     )
     if summary.get("parameter_sets", 1) > 1:
         out.append("")
         out.append(f"**Warning:** the results mix {summary['parameter_sets']} parameter sets.")
-    out += ["", "## Overall", ""]
+    return out
+
+
+def _md_overall_row(label: str, m: dict, depth_n: int) -> list[str]:
+    """One method's row of the overall table."""
+    alpha = [_f(m["acceptance_by_depth"][d]) if d < len(m["acceptance_by_depth"]) else "–" for d in range(depth_n)]
+    mism = "n/a" if not m["checked"] else str(m["mismatches"]) + (
+        f" ({m['mismatches_near_tie']} near-tie)" if m["mismatches"] else "")
+    if not m["checked"] and m.get("agreement"):
+        mism = f"n/a ({_pct(m['agreement']['identical_prefix_fraction'])} agreement)"
+    name = f"`{label}`" + (" (peer)" if m["kind"] == "peer" else "")
+    return [name, _opts(m), str(m["questions"]), _f(m["tokens_per_s"], 1),
+            _f(m.get("decode_tokens_per_s"), 1), _ms(m.get("ttft")), _f(m["speedup_geomean"], 2, "×"),
+            _f(m["speedup_arith"], 2, "×"), _f(m["speedup_total"], 2, "×"), _f(m["tau"])] + alpha + [
+        _step_ms(m, "draft_ms_per_step"), _step_ms(m, "verify_ms_per_step"), mism]
+
+
+def _md_overall(methods: dict) -> list[str]:
+    """The overall table, one row per method, and what its columns mean."""
+    out = ["", "## Overall", ""]
     depth_n = min(4, max((len(m["acceptance_by_depth"]) for m in methods.values()), default=0))
     header = ["method", "options", "questions", "tokens/s", "decode tokens/s", "TTFT ms", "speedup geomean",
               "speedup arith. mean", "speedup total", "τ"] + [f"α{d + 1}" for d in range(depth_n)] + [
                   "drafting ms / step", "verify ms / step", "mismatches"]
-    rows = []
-    for label, m in methods.items():
-        alpha = [_f(m["acceptance_by_depth"][d]) if d < len(m["acceptance_by_depth"]) else "–"
-                 for d in range(depth_n)]
-        mism = "n/a" if not m["checked"] else str(m["mismatches"]) + (
-            f" ({m['mismatches_near_tie']} near-tie)" if m["mismatches"] else "")
-        if not m["checked"] and m.get("agreement"):
-            mism = f"n/a ({_pct(m['agreement']['identical_prefix_fraction'])} agreement)"
-        name = f"`{label}`" + (" (peer)" if m["kind"] == "peer" else "")
-        rows.append([name, _opts(m), str(m["questions"]), _f(m["tokens_per_s"], 1),
-                     _f(m.get("decode_tokens_per_s"), 1), _ms(m.get("ttft")), _f(m["speedup_geomean"], 2, "×"),
-                     _f(m["speedup_arith"], 2, "×"), _f(m["speedup_total"], 2, "×"), _f(m["tau"])] + alpha + [
-                        _step_ms(m, "draft_ms_per_step"), _step_ms(m, "verify_ms_per_step"), mism])
+    rows = [_md_overall_row(label, m, depth_n) for label, m in methods.items()]
     out.append(_table(header, rows, left=2))
     out += [
         "",
@@ -439,6 +445,12 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
         "decoding steps (peers: –). Mismatches: questions whose output differs from AR's (near-tie: the target's "
         "logit gap at the first divergence is within 0.01, i.e. floating-point rounding rather than a bug).",
     ]
+    return out
+
+
+def _md_per_category(methods: dict, cats: list[str]) -> list[str]:
+    """Speedup, τ and tokens/s per category, a table each."""
+    out = []
     for title, key, nd, suffix in (("Speedup per category (geometric mean)", "speedup_geomean", 2, "×"),
                                    ("τ per category", "tau", 2, ""),
                                    ("Tokens/s per category", "tokens_per_s", 1, "")):
@@ -448,6 +460,12 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
             cells = [_f(m["categories"][c][key], nd, suffix) if c in m["categories"] else "–" for c in cats]
             rows.append([f"`{label}`"] + cells + [_f(m[key], nd, suffix)])
         out.append(_table(["method"] + cats + [OVERALL], rows))
+    return out
+
+
+def _md_reference_peers(methods: dict, cats: list[str]) -> list[str]:
+    """Each reference peer that ran: the methods' end-to-end, decode-only and time-to-first-token ratios to it."""
+    out = []
     for peer, key, title, text in REFERENCE_PEERS:
         if not any(key in m for m in methods.values()):
             continue
@@ -466,63 +484,98 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
                 cells = [_f(m["categories"][c].get(k), 2, "×") if c in m["categories"] else "–" for c in cats]
                 rows.append([f"`{label}`"] + cells + [_f(m.get(k), 2, "×")])
             out.append(_table(["method"] + cats + [OVERALL], rows))
+    return out
+
+
+def _md_ttft(methods: dict, cats: list[str]) -> list[str]:
+    """Time to first token per category, for the methods that measured it."""
     timed = {label: m for label, m in methods.items() if m.get("ttft") is not None}
-    if timed:
-        out += ["", "## Time to first token per category (ms)", "",
-                "Mean over turns and questions of the time from the start of a turn to its first token (the "
-                "prefill and the first token's choice).", ""]
-        rows = []
-        for label, m in timed.items():
-            cells = [_ms(m["categories"][c].get("ttft")) if c in m["categories"] else "–" for c in cats]
-            rows.append([f"`{label}`"] + cells + [_ms(m["ttft"])])
-        out.append(_table(["method"] + cats + [OVERALL], rows))
+    if not timed:
+        return []
+    out = ["", "## Time to first token per category (ms)", "",
+           "Mean over turns and questions of the time from the start of a turn to its first token (the "
+           "prefill and the first token's choice).", ""]
+    rows = []
+    for label, m in timed.items():
+        cells = [_ms(m["categories"][c].get("ttft")) if c in m["categories"] else "–" for c in cats]
+        rows.append([f"`{label}`"] + cells + [_ms(m["ttft"])])
+    out.append(_table(["method"] + cats + [OVERALL], rows))
+    return out
+
+
+def _md_agreement(methods: dict, cats: list[str]) -> list[str]:
+    """The agreement with AR of the peers with other arithmetic (instead of a losslessness check)."""
     agreeing = {label: m for label, m in methods.items() if m.get("agreement")}
-    if agreeing:
-        out += ["", "## Agreement with AR (peers with other arithmetic)", "",
-                "llama.cpp quantises activations to 8 bits (and keeps the GGUF file's weights), so its greedy text "
-                "is not expected to be token-identical to ours; instead of a losslessness check, its agreement with "
-                "`ar` is measured: the identical prefix (tokens before the first difference, as a fraction of AR's "
-                "tokens, mean over questions) and the turns identical to AR's.", ""]
-        rows = []
-        for label, m in agreeing.items():
-            a = m["agreement"]
-            cells = [_pct((m["categories"][c].get("agreement") or {}).get("identical_prefix_fraction"))
-                     if c in m["categories"] else "–" for c in cats]
-            rows.append([f"`{label}`"] + cells + [_pct(a["identical_prefix_fraction"]),
-                                                  _f(a["identical_prefix_tokens"], 1),
-                                                  f"{a['identical_turns']}/{a['turns']}",
-                                                  f"{a['identical_questions']}/{a['questions']}"])
-        out.append(_table(["method"] + cats + [OVERALL, "identical prefix (tokens)", "identical turns",
-                                               "identical questions"], rows))
-    if p.get("repeats", 1) and p.get("repeats", 1) > 1:
-        out += ["", "## Repeats: median vs fastest", ""]
-        rows = [[f"`{label}`", _f(m["speedup_geomean"], 2, "×"), _f(m["speedup_geomean_min"], 2, "×"),
-                 _f(m["speedup_total"], 2, "×"), _f(m["speedup_total_min"], 2, "×")] for label, m in methods.items()]
-        out.append(_table(["method", "geomean (median)", "geomean (min)", "total (median)", "total (min)"], rows))
+    if not agreeing:
+        return []
+    out = ["", "## Agreement with AR (peers with other arithmetic)", "",
+           "llama.cpp quantises activations to 8 bits (and keeps the GGUF file's weights), so its greedy text "
+           "is not expected to be token-identical to ours; instead of a losslessness check, its agreement with "
+           "`ar` is measured: the identical prefix (tokens before the first difference, as a fraction of AR's "
+           "tokens, mean over questions) and the turns identical to AR's.", ""]
+    rows = []
+    for label, m in agreeing.items():
+        a = m["agreement"]
+        cells = [_pct((m["categories"][c].get("agreement") or {}).get("identical_prefix_fraction"))
+                 if c in m["categories"] else "–" for c in cats]
+        rows.append([f"`{label}`"] + cells + [_pct(a["identical_prefix_fraction"]),
+                                              _f(a["identical_prefix_tokens"], 1),
+                                              f"{a['identical_turns']}/{a['turns']}",
+                                              f"{a['identical_questions']}/{a['questions']}"])
+    out.append(_table(["method"] + cats + [OVERALL, "identical prefix (tokens)", "identical turns",
+                                           "identical questions"], rows))
+    return out
+
+
+def _md_repeats(methods: dict, p: dict) -> list[str]:
+    """With several repeats: the speedups from the median repeat beside those from the fastest."""
+    if not (p.get("repeats", 1) and p.get("repeats", 1) > 1):
+        return []
+    out = ["", "## Repeats: median vs fastest", ""]
+    rows = [[f"`{label}`", _f(m["speedup_geomean"], 2, "×"), _f(m["speedup_geomean_min"], 2, "×"),
+             _f(m["speedup_total"], 2, "×"), _f(m["speedup_total_min"], 2, "×")] for label, m in methods.items()]
+    out.append(_table(["method", "geomean (median)", "geomean (min)", "total (median)", "total (min)"], rows))
+    return out
+
+
+def _md_jacobi(methods: dict, cats: list[str]) -> list[str]:
+    """The Jacobi methods' iteration counts per category (CLLM Table 3)."""
     jac = {label: m for label, m in methods.items() if m.get("jacobi")}
-    if jac:
-        out += ["", "## Jacobi iterations (CLLM Table 3)", "",
-                "Fast-forwarded: tokens fixed per Jacobi iteration (one target forward; 1.00 = AR). Stationary: "
-                "tokens already correct in the window before every token ahead of them was, per n-token block.", ""]
-        rows = []
-        for label, m in jac.items():
-            for key, name in (("fast_forward_per_iteration", "fast-forwarded / iteration"),
-                              ("stationary_per_block", "stationary / block")):
-                cells = [_f((m["categories"][c].get("jacobi") or {}).get(key)) if c in m["categories"] else "–"
-                         for c in cats]
-                rows.append([f"`{label}` {name}"] + cells + [_f(m["jacobi"].get(key))])
-        out.append(_table(["method"] + cats + [OVERALL], rows))
+    if not jac:
+        return []
+    out = ["", "## Jacobi iterations (CLLM Table 3)", "",
+           "Fast-forwarded: tokens fixed per Jacobi iteration (one target forward; 1.00 = AR). Stationary: "
+           "tokens already correct in the window before every token ahead of them was, per n-token block.", ""]
+    rows = []
+    for label, m in jac.items():
+        for key, name in (("fast_forward_per_iteration", "fast-forwarded / iteration"),
+                          ("stationary_per_block", "stationary / block")):
+            cells = [_f((m["categories"][c].get("jacobi") or {}).get(key)) if c in m["categories"] else "–"
+                     for c in cats]
+            rows.append([f"`{label}` {name}"] + cells + [_f(m["jacobi"].get(key))])
+    out.append(_table(["method"] + cats + [OVERALL], rows))
+    return out
+
+
+def _md_acceptance(methods: dict) -> list[str]:
+    """The acceptance rate by draft depth (up to depth 10) of the methods that draft."""
     max_depth = max((len(m["acceptance_by_depth"]) for m in methods.values()), default=0)
-    if max_depth:
-        out += ["", "## Acceptance rate by draft depth", ""]
-        shown = min(max_depth, 10)
-        rows = []
-        for label, m in methods.items():
-            a = m["acceptance_by_depth"]
-            if a:
-                rows.append([f"`{label}`"] + [_f(a[d]) if d < len(a) else "–" for d in range(shown)])
-        out.append(_table(["method"] + [f"d={d + 1}" for d in range(shown)], rows))
-    out += ["", "## Losslessness", ""]
+    if not max_depth:
+        return []
+    out = ["", "## Acceptance rate by draft depth", ""]
+    shown = min(max_depth, 10)
+    rows = []
+    for label, m in methods.items():
+        a = m["acceptance_by_depth"]
+        if a:
+            rows.append([f"`{label}`"] + [_f(a[d]) if d < len(a) else "–" for d in range(shown)])
+    out.append(_table(["method"] + [f"d={d + 1}" for d in range(shown)], rows))
+    return out
+
+
+def _md_losslessness(summary: dict, methods: dict) -> list[str]:
+    """The losslessness verdict: not checked, every output identical, or the first 50 mismatches."""
+    out = ["", "## Losslessness", ""]
     details = summary.get("mismatch_details", [])
     if not any(m["checked"] for m in methods.values()):
         out.append("Not checked (sampling: temperature > 0).")
@@ -543,15 +596,25 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
     if unchecked and any(m["checked"] for m in methods.values()):
         out += ["", "Not checked (other arithmetic; see their agreement with AR above): "
                 + ", ".join(f"`{label}`" for label in unchecked) + "."]
+    return out
+
+
+def _md_errors(summary: dict) -> list[str]:
+    """The runs that failed (the first 50), left out of every number."""
     errors = summary.get("errors", [])
-    if errors:
-        out += ["", "## Failed runs", "", "Excluded from every number above; rerunning the command retries them.", ""]
-        out.append(_table(["question", "method", "repeat", "error"],
-                          [[str(e["question_id"]), f"`{e['label']}`", str(e["repeat"]), e["error"].replace("|", "/")]
-                           for e in errors[:50]], left=4))
-    if plots:
-        out += ["", "## Plots", ""] + [f"![{Path(pl).stem}]({Path(pl).name})" for pl in plots]
-    out += ["", "## Command and environment", "", "```", summary.get("command") or "(not recorded)", "```", ""]
+    if not errors:
+        return []
+    out = ["", "## Failed runs", "", "Excluded from every number above; rerunning the command retries them.", ""]
+    out.append(_table(["question", "method", "repeat", "error"],
+                      [[str(e["question_id"]), f"`{e['label']}`", str(e["repeat"]), e["error"].replace("|", "/")]
+                       for e in errors[:50]], left=4))
+    return out
+
+
+def _md_environment(summary: dict) -> list[str]:
+    """The command that ran and the machine, software, commit and threads it ran with."""
+    env = summary.get("environment", {})
+    out = ["", "## Command and environment", "", "```", summary.get("command") or "(not recorded)", "```", ""]
     mach, soft = env.get("machine") or {}, env.get("software") or {}
     out.append(f"- machine: {mach.get('cpu')}, {mach.get('cpu_count')} CPUs, {mach.get('arch')}, {mach.get('os')}")
     out.append("- software: " + ", ".join(f"{k} {v}" for k, v in soft.items() if k != "llama_cpp_system_info"))
@@ -559,6 +622,27 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
     out.append(f"- threads: {env.get('threads')}")
     if env.get("llama_cpp_system_info"):
         out.append(f"- llama.cpp system_info: `{env['llama_cpp_system_info']}`")
+    return out
+
+
+def render_markdown(summary: dict, plots: list[str]) -> str:
+    """report.md: the parameters, then a section each (the tables that apply), then the command and environment."""
+    methods = summary["methods"]
+    cats = summary["categories"]
+    out = _md_intro(summary)
+    out += _md_overall(methods)
+    out += _md_per_category(methods, cats)
+    out += _md_reference_peers(methods, cats)
+    out += _md_ttft(methods, cats)
+    out += _md_agreement(methods, cats)
+    out += _md_repeats(methods, summary.get("parameters", {}))
+    out += _md_jacobi(methods, cats)
+    out += _md_acceptance(methods)
+    out += _md_losslessness(summary, methods)
+    out += _md_errors(summary)
+    if plots:
+        out += ["", "## Plots", ""] + [f"![{Path(pl).stem}]({Path(pl).name})" for pl in plots]
+    out += _md_environment(summary)
     return "\n".join(out) + "\n"
 
 
