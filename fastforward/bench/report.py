@@ -262,85 +262,103 @@ def llama_cpp_system_info(rows: list[dict]) -> str | None:
     return None
 
 
-def aggregate(rows: list[dict]) -> dict:
-    """The machine-readable summary (see the module docstring for each number's definition)."""
-    failed = [r for r in rows if r.get("error")]
-    all_rows, rows = rows, [r for r in rows if not r.get("error")]
-    pq = _per_question(rows)
+#: summary.json's ``definitions``: what each number means
+DEFINITIONS = {
+    "speedup_geomean": "geometric mean over questions of (method tokens/s) / (AR tokens/s)",
+    "speedup_arith": "arithmetic mean over questions of (method tokens/s) / (AR tokens/s)",
+    "speedup_total": "(total method tokens / total method time) / (total AR tokens / total AR time)",
+    "speedup_specbench": "Spec-Bench: mean per-question method tokens/s / mean per-question AR tokens/s",
+    "tau": "new tokens per target forward, pooled over all forwards (prefill included; AR = 1)",
+    "acceptance_by_depth": "[d-1]: of the decode steps whose draft reached depth d, the fraction that "
+                           "accepted a token at depth d",
+    "mismatches": "questions whose output differs from AR's in at least one repeat (temperature 0 only)",
+    "mismatches_near_tie": "mismatches whose first divergence is a floating-point near-tie",
+    "speedup_vs_hf_generate_geomean": "geometric mean over questions of (method tokens/s) / (hf-generate "
+                                      "tokens/s), when hf-generate ran",
+    "speedup_vs_llama_cpp_geomean": "geometric mean over questions of (method tokens/s) / (llama-cpp "
+                                    "tokens/s), when llama-cpp ran; end to end (prefill included)",
+    "speedup_decode_geomean": "decode only: as speedup_geomean, with the tokens after each turn's first over "
+                              "the time after the first token",
+    "decode_tokens_per_s": "tokens after each turn's first / time after the first token, over the method's "
+                           "questions (null when the time to first token was not measured)",
+    "speedup_vs_llama_cpp_decode_geomean": "decode only: geometric mean over questions of (method decode "
+                                           "tokens/s) / (llama-cpp decode tokens/s)",
+    "speedup_vs_hf_generate_decode_geomean": "decode only, against hf-generate",
+    "ttft_speedup_vs_llama_cpp": "llama-cpp's mean time to first token / the method's, over the questions "
+                                 "both ran (> 1: the method's first token comes sooner)",
+    "ttft_speedup_vs_hf_generate": "the same against hf-generate",
+    "ttft_ratio": "AR's mean time to first token / the method's, over the questions both ran",
+    "ttft": "seconds to the first token of a turn (prefill included), mean over turns and questions "
+            "(median over repeats); null when the runner does not measure it",
+    "agreement": "peers with other arithmetic (llama.cpp), temperature 0: identical_prefix_fraction = mean "
+                 "over questions of (tokens identical to AR's before the first difference) / (AR's tokens); "
+                 "identical_turns of turns: turns identical to AR's (in an identical conversation); "
+                 "identical_questions: questions whose every turn is identical",
+    "jacobi.fast_forward_per_iteration": "Jacobi methods: tokens fixed per iteration (CLLM Table 3's "
+                                         "fast-forwarded count; 1 = plain AR)",
+    "jacobi.stationary_per_block": "Jacobi methods: tokens that were already in place before their "
+                                   "prefix converged, per n-token block (CLLM Table 3)",
+}
+
+
+def _labels(all_rows: list[dict]) -> list[str]:
+    """The methods' labels in the order they first appear, AR first."""
     labels = list(dict.fromkeys(r["label"] for r in all_rows))
     if BASELINE in labels:
         labels.remove(BASELINE)
         labels.insert(0, BASELINE)
-    categories = list(dict.fromkeys(r["category"] for r in all_rows))
-    first = {}
-    for r in rows + failed:
-        first.setdefault(r["label"], r)
-    refs = [(ref, key) for ref, key, _, _ in REFERENCE_PEERS if ref in labels]
-    methods = {}
-    for label in labels:
-        qids = [q for (lab, q) in pq if lab == label]
-        r0 = first[label]
-        entry = {"method": r0.get("method", label), "kind": r0.get("kind", "method"),
-                 "options": r0.get("options", {}), "lossless_claimed": r0.get("lossless_claimed", True)}
-        entry.update(_stats(label, qids, pq))
-        entry["errors"] = sum(r["label"] == label for r in failed)
-        _against_peers(entry, label, qids, pq, refs)
-        entry["categories"] = {}
-        for cat in categories:
-            cq = [q for q in qids if pq[(label, q)]["category"] == cat]
-            if cq:
-                c = _stats(label, cq, pq)
-                _against_peers(c, label, cq, pq, refs)
-                entry["categories"][cat] = c
-        methods[label] = entry
+    return labels
 
+
+def _method_entry(label: str, r0: dict, pq: dict, failed: list[dict], categories: list[str],
+                  refs: list[tuple[str, str]]) -> dict:
+    """One method's summary: what it is (from its first row ``r0``), its numbers overall and per category."""
+    qids = [q for (lab, q) in pq if lab == label]
+    entry = {"method": r0.get("method", label), "kind": r0.get("kind", "method"),
+             "options": r0.get("options", {}), "lossless_claimed": r0.get("lossless_claimed", True)}
+    entry.update(_stats(label, qids, pq))
+    entry["errors"] = sum(r["label"] == label for r in failed)
+    _against_peers(entry, label, qids, pq, refs)
+    entry["categories"] = {}
+    for cat in categories:
+        cq = [q for q in qids if pq[(label, q)]["category"] == cat]
+        if cq:
+            c = _stats(label, cq, pq)
+            _against_peers(c, label, cq, pq, refs)
+            entry["categories"][cat] = c
+    return entry
+
+
+def _mismatch_details(rows: list[dict]) -> list[dict]:
+    """Each row that differs from AR's: which question, method and repeat, and its first divergence."""
     mismatches = []
     for r in rows:
         if r.get("lossless") is False:
             d = dict(r.get("first_divergence") or {})
             mismatches.append({"question_id": r["question_id"], "category": r["category"], "label": r["label"],
                                "repeat": r["repeat"], **d})
+    return mismatches
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """The machine-readable summary (see the module docstring for each number's definition)."""
+    failed = [r for r in rows if r.get("error")]
+    all_rows, rows = rows, [r for r in rows if not r.get("error")]
+    pq = _per_question(rows)
+    labels = _labels(all_rows)
+    categories = list(dict.fromkeys(r["category"] for r in all_rows))
+    first = {}
+    for r in rows + failed:
+        first.setdefault(r["label"], r)
+    refs = [(ref, key) for ref, key, _, _ in REFERENCE_PEERS if ref in labels]
+    methods = {label: _method_entry(label, first[label], pq, failed, categories, refs) for label in labels}
+    mismatches = _mismatch_details(rows)
     param_sets = Counter(json.dumps(r.get("parameters", {}), sort_keys=True) for r in all_rows)
     last = max(all_rows, key=lambda r: r.get("timestamp", ""))
     return _clean({
         "baseline": BASELINE,
         "timing": "median wall time over repeats (fields ending in _min: the fastest repeat)",
-        "definitions": {
-            "speedup_geomean": "geometric mean over questions of (method tokens/s) / (AR tokens/s)",
-            "speedup_arith": "arithmetic mean over questions of (method tokens/s) / (AR tokens/s)",
-            "speedup_total": "(total method tokens / total method time) / (total AR tokens / total AR time)",
-            "speedup_specbench": "Spec-Bench: mean per-question method tokens/s / mean per-question AR tokens/s",
-            "tau": "new tokens per target forward, pooled over all forwards (prefill included; AR = 1)",
-            "acceptance_by_depth": "[d-1]: of the decode steps whose draft reached depth d, the fraction that "
-                                   "accepted a token at depth d",
-            "mismatches": "questions whose output differs from AR's in at least one repeat (temperature 0 only)",
-            "mismatches_near_tie": "mismatches whose first divergence is a floating-point near-tie",
-            "speedup_vs_hf_generate_geomean": "geometric mean over questions of (method tokens/s) / (hf-generate "
-                                              "tokens/s), when hf-generate ran",
-            "speedup_vs_llama_cpp_geomean": "geometric mean over questions of (method tokens/s) / (llama-cpp "
-                                            "tokens/s), when llama-cpp ran; end to end (prefill included)",
-            "speedup_decode_geomean": "decode only: as speedup_geomean, with the tokens after each turn's first over "
-                                      "the time after the first token",
-            "decode_tokens_per_s": "tokens after each turn's first / time after the first token, over the method's "
-                                   "questions (null when the time to first token was not measured)",
-            "speedup_vs_llama_cpp_decode_geomean": "decode only: geometric mean over questions of (method decode "
-                                                   "tokens/s) / (llama-cpp decode tokens/s)",
-            "speedup_vs_hf_generate_decode_geomean": "decode only, against hf-generate",
-            "ttft_speedup_vs_llama_cpp": "llama-cpp's mean time to first token / the method's, over the questions "
-                                         "both ran (> 1: the method's first token comes sooner)",
-            "ttft_speedup_vs_hf_generate": "the same against hf-generate",
-            "ttft_ratio": "AR's mean time to first token / the method's, over the questions both ran",
-            "ttft": "seconds to the first token of a turn (prefill included), mean over turns and questions "
-                    "(median over repeats); null when the runner does not measure it",
-            "agreement": "peers with other arithmetic (llama.cpp), temperature 0: identical_prefix_fraction = mean "
-                         "over questions of (tokens identical to AR's before the first difference) / (AR's tokens); "
-                         "identical_turns of turns: turns identical to AR's (in an identical conversation); "
-                         "identical_questions: questions whose every turn is identical",
-            "jacobi.fast_forward_per_iteration": "Jacobi methods: tokens fixed per iteration (CLLM Table 3's "
-                                                 "fast-forwarded count; 1 = plain AR)",
-            "jacobi.stationary_per_block": "Jacobi methods: tokens that were already in place before their "
-                                           "prefix converged, per n-token block (CLLM Table 3)",
-        },
+        "definitions": DEFINITIONS,
         "parameters": last.get("parameters", {}),
         "parameter_sets": len(param_sets),
         "command": last.get("command", ""),
