@@ -24,6 +24,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -290,6 +291,190 @@ def precheck(out_dir, parameters: dict, force: bool) -> None:
                 )
 
 
+def _check_arguments(questions: list[Question], specs: list[MethodSpec], repeats: int, max_new_tokens: int,
+                     temperature: float) -> None:
+    """Refuse settings that cannot make a benchmark."""
+    if repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {repeats}")
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
+    if temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {temperature}")
+    if not questions:
+        raise UsageError("no questions selected")
+    if not specs or specs[0].label != BASELINE:
+        raise UsageError("the first method must be the autoregressive baseline 'ar'")
+
+
+def _make_runners(target, specs: list[MethodSpec], runners: dict | None) -> dict:
+    """Each spec's runner (one given in ``runners`` wins), each checked against the target before any work."""
+    runners = dict(runners or {})
+    for spec in specs:
+        if spec.label not in runners:
+            runners[spec.label] = make_runner(spec)
+    for spec in specs:  # what a runner needs from the target (llama.cpp: a GGUF file), checked before any work
+        requirement = getattr(runners[spec.label], "check", None)
+        if requirement is not None:
+            requirement(target)
+    return runners
+
+
+def _parameters(target, *, max_new_tokens: int, temperature: float, seed: int | None, threads: int, repeats: int,
+                warmup: int) -> dict:
+    """The run's parameters, recorded in every row (those in :data:`FINGERPRINT` must match to mix rows)."""
+    return {
+        "model": target.name,
+        "backend": target.backend_name,
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "matmul": getattr(target.backend, "matmul_kernel", "hf"),
+        "arithmetic": target.arithmetic,
+        "kv_cache": target.kv_precision,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "threads": threads,
+        "repeats": repeats,
+        "warmup": warmup,
+    }
+
+
+def _kept_rows(path: Path, parameters: dict, plan_keys: set, by_label: dict, force: bool) -> list[dict]:
+    """The rows of the results file this run keeps; the file rewritten with only them when some are dropped."""
+    existing = read_rows(path)
+    kept = _check_existing(existing, parameters, plan_keys, by_label, force, path)
+    if len(kept) != len(existing) or len(existing) != _count_lines(path):
+        rewrite(path, kept)  # drops superseded rows (and duplicates); only with --force or after a crash
+    return kept
+
+
+def _record_cost_curve(target, env: dict) -> None:
+    """The cost curve the methods size their drafts with, measured afresh for this run (a benchmark runs on a quiet
+    machine; a cached curve may have been measured under load), into ``env`` to be recorded with every row."""
+    from ..costs import machine_cost_curve
+
+    env["machine"]["cost_curve_ms"] = {str(q): round(v, 3) for q, v in
+                                       machine_cost_curve(target, refresh=True, announce=False).ms.items()}
+
+
+def _ar_references(kept: list[dict]) -> dict[str, dict]:
+    """AR's row per question (its earliest repeat): the reference of the losslessness check."""
+    reference: dict[str, dict] = {}
+    for row in sorted(kept, key=lambda r: r["repeat"]):
+        if row["label"] == BASELINE and row["question_id"] not in reference:
+            reference[row["question_id"]] = row
+    return reference
+
+
+def _warm_up(target, pending: list, runners: dict, warmup: int, generate: dict) -> None:
+    """``warmup`` generations per method still to run, on the first pending question's first turn (excluded from
+    timing and from the results)."""
+    q0 = pending[0][0]
+    prompt0 = turn_prompt(target, q0.turns[:1], [])
+    labels_pending = list(dict.fromkeys(s.label for _, _, s in pending))
+    for label in labels_pending:
+        for _ in range(warmup):  # excluded from timing and from the results
+            runners[label].generate(target, prompt0, **generate)
+
+
+@dataclass
+class _Run:
+    """What every measurement of one :func:`run_bench` call shares."""
+
+    target: object
+    writer: ResultsWriter
+    reference: dict[str, dict]  # AR's row per question
+    check: bool  # temperature 0: outputs are compared with AR's
+    generate: dict  # max_new_tokens, temperature, seed
+    env: dict
+    threads: int
+    parameters: dict
+    command: str
+
+    def append(self, row: dict) -> None:
+        """Stamp ``row`` with the run's environment and parameters and append it to the results file."""
+        _stamp(row, self.env, self.threads, self.parameters, self.command)
+        self.writer.append(row)
+
+
+def _check_row(target, q: Question, row: dict, ref: dict | None, runner) -> None:
+    """``row``'s verdict against AR's row ``ref``: lossless and the first divergence (with the target's logit gap
+    there), or for a runner with other arithmetic its agreement with AR."""
+    if not getattr(runner, "exact", True):
+        # other arithmetic (llama.cpp's 8-bit activations): how far it agrees, not a losslessness verdict
+        row["lossless"], row["first_divergence"] = None, None
+        row["agreement"] = agreement(ref["output_ids"], row["output_ids"])
+        return
+    div = first_divergence(ref["output_ids"], row["output_ids"])
+    row["lossless"] = div is None
+    if div is not None and div["ar_token"] is not None and div["token"] is not None:
+        ref_turns = ref["output_ids"]
+        prompt = turn_prompt(target, q.turns[: div["turn"] + 1], ref["output"][: div["turn"]])
+        div.update(logit_gap(target, prompt, ref_turns[div["turn"]], div["index"], div["token"]))
+        div["ar_text"] = target.decode([div["ar_token"]])
+        div["text"] = target.decode([div["token"]])
+    row["first_divergence"] = div
+
+
+def _measure_one(run: _Run, q: Question, r: int, spec: MethodSpec, runner, bar) -> None:
+    """One question, one repeat, one method: its row appended to the results (a failure recorded as an error row,
+    except for AR or with ``FASTFORWARD_DEBUG``)."""
+    target = run.target
+    turns: list[tuple[list[int], TurnOutcome]] = []
+    answers: list[str] = []
+    try:
+        for t in range(len(q.turns)):
+            prompt_ids = turn_prompt(target, q.turns[: t + 1], answers)
+            outcome = runner.generate(target, prompt_ids, **run.generate)
+            turns.append((prompt_ids, outcome))
+            answers.append(target.decode(outcome.token_ids))
+    except Exception as exc:  # one failing run must not cost a long benchmark: record it, go on
+        if os.environ.get("FASTFORWARD_DEBUG") or spec.label == BASELINE:
+            raise
+        error = f"{type(exc).__name__}: {exc}"
+        (bar.write if bar is not None else print)(
+            f"fastforward bench: {spec.label} failed on question {q.question_id}: {error}", file=sys.stderr)
+        row = make_row(q, spec, r, bool(getattr(runner, "lossless", True)), turns, target)
+        row.update(error=error, lossless=None, first_divergence=None)
+        run.append(row)
+        return
+    row = make_row(q, spec, r, bool(getattr(runner, "lossless", True)), turns, target)
+    ref = run.reference.get(q.question_id)
+    if spec.label == BASELINE and ref is None:
+        run.reference[q.question_id] = ref = row
+    if not run.check or ref is None:
+        row["lossless"], row["first_divergence"] = None, None
+    else:
+        _check_row(target, q, row, ref, runner)
+    run.append(row)
+
+
+def _measure_all(run: _Run, pending: list, runners: dict, progress: bool, path: Path) -> None:
+    """Every pending (question, repeat, method) in turn, with a progress bar; an interrupt says how far it got."""
+    bar = None
+    if progress and pending:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(pending), desc="bench", unit="run", smoothing=0.0, file=sys.stderr, dynamic_ncols=True)
+    finished = 0
+    try:
+        for q, r, spec in pending:
+            if bar is not None:
+                bar.set_postfix_str(f"q {q.question_id} {spec.label}", refresh=False)
+            _measure_one(run, q, r, spec, runners[spec.label], bar)
+            finished += 1
+            if bar is not None:
+                bar.update(1)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+            bar = None
+        raise KeyboardInterrupt(f"{finished} of {len(pending)} runs measured, in {path}; run the same command again "
+                                "to resume") from None
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def run_bench(
     target,
     questions: list[Question],
@@ -312,146 +497,31 @@ def run_bench(
     ``runners`` maps labels to objects with ``generate(target, prompt_ids, *, max_new_tokens, temperature, seed)
     -> TurnOutcome`` (and optionally ``lossless``), replacing the runner the spec would get.
     """
-    if repeats < 1:
-        raise UsageError(f"--repeats must be >= 1, got {repeats}")
-    if max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
-    if temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {temperature}")
-    if not questions:
-        raise UsageError("no questions selected")
-    if not specs or specs[0].label != BASELINE:
-        raise UsageError("the first method must be the autoregressive baseline 'ar'")
+    _check_arguments(questions, specs, repeats, max_new_tokens, temperature)
     out_dir = Path(out_dir)
     path = out_dir / RESULTS
-    runners = dict(runners or {})
-    for spec in specs:
-        if spec.label not in runners:
-            runners[spec.label] = make_runner(spec)
-    for spec in specs:  # what a runner needs from the target (llama.cpp: a GGUF file), checked before any work
-        requirement = getattr(runners[spec.label], "check", None)
-        if requirement is not None:
-            requirement(target)
+    runners = _make_runners(target, specs, runners)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads)  # fixed for the whole run (recorded in every row)
     env = environment()
-    parameters = {
-        "model": target.name,
-        "backend": target.backend_name,
-        "dtype": str(target.dtype).replace("torch.", ""),
-        "matmul": getattr(target.backend, "matmul_kernel", "hf"),
-        "arithmetic": target.arithmetic,
-        "kv_cache": target.kv_precision,
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "seed": seed,
-        "threads": threads,
-        "repeats": repeats,
-        "warmup": warmup,
-    }
+    parameters = _parameters(target, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                             threads=threads, repeats=repeats, warmup=warmup)
     by_label = {s.label: s for s in specs}
     plan = [(q, r, s) for q in questions for r in range(repeats) for s in specs]
     plan_keys = {(q.question_id, s.label, r) for q, r, s in plan}
     writer = ResultsWriter(path)
-    existing = read_rows(path)
-    kept = _check_existing(existing, parameters, plan_keys, by_label, force, path)
-    if len(kept) != len(existing) or len(existing) != _count_lines(path):
-        rewrite(path, kept)  # drops superseded rows (and duplicates); only with --force or after a crash
+    kept = _kept_rows(path, parameters, plan_keys, by_label, force)
     done = {row_key(r) for r in kept if not r.get("error")}
     pending = [(q, r, s) for q, r, s in plan if (q.question_id, s.label, r) not in done]
     if pending and isinstance(env.get("machine"), dict):
-        # the cost curve the methods size their drafts with, measured afresh for this run (a benchmark runs on a
-        # quiet machine; a cached curve may have been measured under load) and recorded with every row
-        from ..costs import machine_cost_curve
+        _record_cost_curve(target, env)
 
-        env["machine"]["cost_curve_ms"] = {str(q): round(v, 3) for q, v in
-                                           machine_cost_curve(target, refresh=True, announce=False).ms.items()}
-
-    # AR's tokens per question: the reference of the losslessness check.
-    reference: dict[str, dict] = {}
-    for row in sorted(kept, key=lambda r: r["repeat"]):
-        if row["label"] == BASELINE and row["question_id"] not in reference:
-            reference[row["question_id"]] = row
-    check = temperature == 0
-
+    generate = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+    run = _Run(target, writer, _ar_references(kept), temperature == 0, generate, env, threads, parameters, command)
     if pending:
-        q0 = pending[0][0]
-        prompt0 = turn_prompt(target, q0.turns[:1], [])
-        labels_pending = list(dict.fromkeys(s.label for _, _, s in pending))
-        for label in labels_pending:
-            for _ in range(warmup):  # excluded from timing and from the results
-                runners[label].generate(target, prompt0, max_new_tokens=max_new_tokens, temperature=temperature,
-                                        seed=seed)
-
-    bar = None
-    if progress and pending:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(pending), desc="bench", unit="run", smoothing=0.0, file=sys.stderr, dynamic_ncols=True)
-    finished = 0
-    try:
-        for q, r, spec in pending:
-            if bar is not None:
-                bar.set_postfix_str(f"q {q.question_id} {spec.label}", refresh=False)
-            runner = runners[spec.label]
-            turns: list[tuple[list[int], TurnOutcome]] = []
-            answers: list[str] = []
-            try:
-                for t in range(len(q.turns)):
-                    prompt_ids = turn_prompt(target, q.turns[: t + 1], answers)
-                    outcome = runner.generate(target, prompt_ids, max_new_tokens=max_new_tokens,
-                                              temperature=temperature, seed=seed)
-                    turns.append((prompt_ids, outcome))
-                    answers.append(target.decode(outcome.token_ids))
-            except Exception as exc:  # one failing run must not cost a long benchmark: record it, go on
-                if os.environ.get("FASTFORWARD_DEBUG") or spec.label == BASELINE:
-                    raise
-                error = f"{type(exc).__name__}: {exc}"
-                (bar.write if bar is not None else print)(
-                    f"fastforward bench: {spec.label} failed on question {q.question_id}: {error}", file=sys.stderr)
-                row = make_row(q, spec, r, bool(getattr(runner, "lossless", True)), turns, target)
-                row.update(error=error, lossless=None, first_divergence=None)
-                _stamp(row, env, threads, parameters, command)
-                writer.append(row)
-                finished += 1
-                if bar is not None:
-                    bar.update(1)
-                continue
-            row = make_row(q, spec, r, bool(getattr(runner, "lossless", True)), turns, target)
-            ref = reference.get(q.question_id)
-            if spec.label == BASELINE and ref is None:
-                reference[q.question_id] = ref = row
-            if not check or ref is None:
-                row["lossless"], row["first_divergence"] = None, None
-            elif not getattr(runner, "exact", True):
-                # other arithmetic (llama.cpp's 8-bit activations): how far it agrees, not a losslessness verdict
-                row["lossless"], row["first_divergence"] = None, None
-                row["agreement"] = agreement(ref["output_ids"], row["output_ids"])
-            else:
-                div = first_divergence(ref["output_ids"], row["output_ids"])
-                row["lossless"] = div is None
-                if div is not None and div["ar_token"] is not None and div["token"] is not None:
-                    ref_turns = ref["output_ids"]
-                    prompt = turn_prompt(target, q.turns[: div["turn"] + 1], ref["output"][: div["turn"]])
-                    div.update(logit_gap(target, prompt, ref_turns[div["turn"]], div["index"], div["token"]))
-                    div["ar_text"] = target.decode([div["ar_token"]])
-                    div["text"] = target.decode([div["token"]])
-                row["first_divergence"] = div
-            _stamp(row, env, threads, parameters, command)
-            writer.append(row)
-            finished += 1
-            if bar is not None:
-                bar.update(1)
-    except KeyboardInterrupt:
-        if bar is not None:
-            bar.close()
-            bar = None
-        raise KeyboardInterrupt(f"{finished} of {len(pending)} runs measured, in {path}; run the same command again "
-                                "to resume") from None
-    finally:
-        if bar is not None:
-            bar.close()
+        _warm_up(target, pending, runners, warmup, generate)
+    _measure_all(run, pending, runners, progress, path)
     rows = read_rows(path)
     if report:
         write_report(out_dir, rows)
