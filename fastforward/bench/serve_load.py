@@ -251,6 +251,98 @@ def cpu_seconds(pid: int | None) -> float | None:
         return None
 
 
+def _warm_up(url: str, model: str, methods: list[str], timeout: float) -> None:
+    """Every method once (drafters load on first use); a failure stops the load test."""
+    for m in methods:
+        warm = Outcome(-1, 0, 0, m, False, False)
+        _client(url, model, [warm], 4, timeout)
+        if not warm.ok:
+            raise FastForwardError(f"the warm-up request with method {m} failed: {warm.error}")
+
+
+def _forward_rows(url: str) -> tuple[float | None, float | None]:
+    """The server's target forwards so far and the rows they computed (from /metrics)."""
+    return _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
+
+
+def _per_forward(f0, r0, f1, r1):
+    """Rows per target forward between two readings of :func:`_forward_rows` (None without a forward)."""
+    if None in (f0, r0, f1, r1) or f1 == f0:
+        return None
+    return round((r1 - r0) / (f1 - f0), 2)
+
+
+def _many_plan(clients: int, requests: int, n_prompts: int, methods: list[str]) -> list[list[Outcome]]:
+    """Phase 2's requests, per client: prompt ``(c + r) % P``, method ``(c + 2r) % M``, streaming every other
+    one, every 8th sampled."""
+    plan = []
+    for c in range(clients):
+        jobs = []
+        for r in range(requests):
+            p = (c + r) % n_prompts
+            jobs.append(Outcome(c, r, p, methods[(c + 2 * r) % len(methods)], (c + r) % 2 == 0, r % 8 == 7))
+        plan.append(jobs)
+    return plan
+
+
+def _greedy_mismatches(outcomes: list[Outcome], reference: dict) -> list[Outcome]:
+    """The greedy requests whose tokens differ from the solo answer of their prompt."""
+    return [o for o in outcomes if o.ok and not o.sampled and o.token_ids != reference.get(o.prompt)]
+
+
+def _sampled_groups(outcomes: list[Outcome]) -> dict[tuple, set]:
+    """The sampled answers (as token tuples) per prompt and method: one seed, so each group should hold one."""
+    groups: dict[tuple, set] = {}
+    for o in outcomes:
+        if o.ok and o.sampled:
+            groups.setdefault((o.prompt, o.method), set()).add(tuple(o.token_ids))
+    return groups
+
+
+def _hostile_report(results: list[dict], honest3: dict, many: dict) -> dict:
+    """Phase 3's hostile requests: their statuses, the problems, the slowest, and the honest requests' latency
+    p95 against phase 2's."""
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    problems = [r for r in results if r["problem"]]
+    p95, p95_3 = many["latency_p95_s"], honest3["latency_p95_s"]
+    return {
+        "requests": len(results), "by_status": dict(sorted(statuses.items())), "problems": len(problems),
+        "problem_examples": [f"{r['name']}: {r['problem']}" for r in problems[:5]],
+        "slowest_s": _round(max((r["seconds"] for r in results), default=None)),
+        "slowest": max(results, key=lambda r: r["seconds"])["name"] if results else None,
+        "honest": honest3, "latency_p95_ratio": round(p95_3 / p95, 3) if p95 and p95_3 else None}
+
+
+def _hostile_phase(url: str, model: str, plan: list[list[Outcome]], many: dict, many_wall: float, *,
+                   hostile: int, hostile_seed: int, max_tokens: int, timeout: float, log,
+                   server_pid: int | None) -> tuple[list[Outcome], dict]:
+    """Phase 3: phase 2's requests again with ``hostile`` hostile requests from four more clients spread over
+    about phase 2's time; returns the honest outcomes and the hostile report."""
+    from .hostile import hostile_requests
+
+    plan3 = [[Outcome(o.client, o.index, o.prompt, o.method, o.stream, o.sampled) for o in jobs] for jobs in plan]
+    corpus = hostile_requests(model, hostile, hostile_seed)
+    shares = [corpus[i::4] for i in range(4)]
+    gap = many_wall / max(1, len(shares[0]))  # spread over about the time phase 2 took
+    results: list[dict] = []
+    threads = [threading.Thread(target=_hostile_client, args=(url, share, gap, timeout, results), daemon=True)
+               for share in shares if share]
+    log(f"phase 3: phase 2 again with {hostile} hostile requests interleaved ...")
+    for t in threads:
+        t.start()
+    cpu3 = cpu_seconds(server_pid)
+    wall3 = _phase(url, model, plan3, max_tokens, timeout)
+    cpu4 = cpu_seconds(server_pid)
+    for t in threads:
+        t.join(timeout * len(shares[0]))
+    outcomes3 = [o for jobs in plan3 for o in jobs]
+    honest3 = _summary(outcomes3, wall3, cpu3, cpu4)
+    log(f"  {honest3}")
+    return outcomes3, _hostile_report(results, honest3, many)
+
+
 def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max_tokens: int = 64,
              methods=DEFAULT_METHODS, timeout: float = 600.0, log=print, server_pid: int | None = None,
              hostile: int = 0, hostile_seed: int = 0) -> dict:
@@ -259,84 +351,37 @@ def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max
     per CPU second: a measure of batching that other load on the machine does not distort as much as wall time."""
     methods = list(methods)
     n_prompts = min(len(PROMPTS), max(requests, 1))
-    # warm-up: every method once (drafters load on first use)
-    for m in methods:
-        warm = Outcome(-1, 0, 0, m, False, False)
-        _client(url, model, [warm], 4, timeout)
-        if not warm.ok:
-            raise FastForwardError(f"the warm-up request with method {m} failed: {warm.error}")
+    _warm_up(url, model, methods, timeout)
     solo = [Outcome(0, i, i, methods[i % len(methods)], bool(i % 2), False) for i in range(n_prompts)]
     log(f"phase 1: 1 client x {n_prompts} requests (greedy, methods in rotation) ...")
-    forwards0, rows0 = _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
+    counts0 = _forward_rows(url)
     cpu0 = cpu_seconds(server_pid)
     solo_wall = _phase(url, model, [solo], max_tokens, timeout)
     cpu1 = cpu_seconds(server_pid)
-    forwards1, rows1 = _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
+    counts1 = _forward_rows(url)
     one = _summary(solo, solo_wall, cpu0, cpu1)
     log(f"  {one}")
-    plan = []
-    for c in range(clients):
-        jobs = []
-        for r in range(requests):
-            p = (c + r) % n_prompts
-            jobs.append(Outcome(c, r, p, methods[(c + 2 * r) % len(methods)], (c + r) % 2 == 0, r % 8 == 7))
-        plan.append(jobs)
+    plan = _many_plan(clients, requests, n_prompts, methods)
     log(f"phase 2: {clients} clients x {requests} requests (mixed methods, streaming and not) ...")
     many_wall = _phase(url, model, plan, max_tokens, timeout)
     cpu2 = cpu_seconds(server_pid)
-    forwards2, rows2 = _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
+    counts2 = _forward_rows(url)
     outcomes = [o for jobs in plan for o in jobs]
     many = _summary(outcomes, many_wall, cpu1, cpu2)
     log(f"  {many}")
     # checks
     reference = {o.prompt: o.token_ids for o in solo if o.ok}
-    mismatches = [o for o in outcomes if o.ok and not o.sampled and o.token_ids != reference.get(o.prompt)]
-    groups: dict[tuple, set] = {}
-    for o in outcomes:
-        if o.ok and o.sampled:
-            groups.setdefault((o.prompt, o.method), set()).add(tuple(o.token_ids))
+    mismatches = _greedy_mismatches(outcomes, reference)
+    groups = _sampled_groups(outcomes)
     sampled_disagree = [k for k, v in groups.items() if len(v) > 1]
     failures = [o for o in solo + outcomes if not o.ok]
-
-    def per_forward(f0, r0, f1, r1):
-        if None in (f0, r0, f1, r1) or f1 == f0:
-            return None
-        return round((r1 - r0) / (f1 - f0), 2)
-
+    outcomes3: list[Outcome] = []
     if hostile:
-        from .hostile import hostile_requests
-
-        plan3 = [[Outcome(o.client, o.index, o.prompt, o.method, o.stream, o.sampled) for o in jobs] for jobs in plan]
-        corpus = hostile_requests(model, hostile, hostile_seed)
-        shares = [corpus[i::4] for i in range(4)]
-        gap = many_wall / max(1, len(shares[0]))  # spread over about the time phase 2 took
-        results: list[dict] = []
-        threads = [threading.Thread(target=_hostile_client, args=(url, share, gap, timeout, results), daemon=True)
-                   for share in shares if share]
-        log(f"phase 3: phase 2 again with {hostile} hostile requests interleaved ...")
-        for t in threads:
-            t.start()
-        cpu3 = cpu_seconds(server_pid)
-        wall3 = _phase(url, model, plan3, max_tokens, timeout)
-        cpu4 = cpu_seconds(server_pid)
-        for t in threads:
-            t.join(timeout * len(shares[0]))
-        outcomes3 = [o for jobs in plan3 for o in jobs]
-        honest3 = _summary(outcomes3, wall3, cpu3, cpu4)
-        log(f"  {honest3}")
-        mismatches += [o for o in outcomes3 if o.ok and not o.sampled and o.token_ids != reference.get(o.prompt)]
+        outcomes3, hostile_report = _hostile_phase(url, model, plan, many, many_wall, hostile=hostile,
+                                                   hostile_seed=hostile_seed, max_tokens=max_tokens,
+                                                   timeout=timeout, log=log, server_pid=server_pid)
+        mismatches += _greedy_mismatches(outcomes3, reference)
         failures += [o for o in outcomes3 if not o.ok]
-        statuses: dict[str, int] = {}
-        for r in results:
-            statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-        problems = [r for r in results if r["problem"]]
-        p95, p95_3 = many["latency_p95_s"], honest3["latency_p95_s"]
-        hostile_report = {
-            "requests": len(results), "by_status": dict(sorted(statuses.items())), "problems": len(problems),
-            "problem_examples": [f"{r['name']}: {r['problem']}" for r in problems[:5]],
-            "slowest_s": _round(max((r["seconds"] for r in results), default=None)),
-            "slowest": max(results, key=lambda r: r["seconds"])["name"] if results else None,
-            "honest": honest3, "latency_p95_ratio": round(p95_3 / p95, 3) if p95 and p95_3 else None}
 
     report = {
         "model": model, "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens,
@@ -344,11 +389,11 @@ def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max
         "speedup_tokens_per_s": round(many["tokens_per_s"] / one["tokens_per_s"], 2) if one["tokens_per_s"] else None,
         "speedup_tokens_per_cpu_s": round(many["tokens_per_cpu_s"] / one["tokens_per_cpu_s"], 2)
         if one["tokens_per_cpu_s"] and many["tokens_per_cpu_s"] else None,
-        "rows_per_forward_one_client": per_forward(forwards0, rows0, forwards1, rows1),
-        "rows_per_forward_many_clients": per_forward(forwards1, rows1, forwards2, rows2),
+        "rows_per_forward_one_client": _per_forward(*counts0, *counts1),
+        "rows_per_forward_many_clients": _per_forward(*counts1, *counts2),
         "failures": len(failures), "failure_examples": [f"{o.method}: {o.error}" for o in failures[:5]],
         "greedy_checked": sum(1 for o in outcomes if o.ok and not o.sampled) + sum(
-            1 for o in (outcomes3 if hostile else []) if o.ok and not o.sampled),
+            1 for o in outcomes3 if o.ok and not o.sampled),
         "greedy_mismatches": len(mismatches),
         "mismatch_examples": [asdict(o) | {"token_ids": o.token_ids[:16]} for o in mismatches[:3]],
         "sampled_groups": len(groups), "sampled_disagreements": len(sampled_disagree),
