@@ -373,6 +373,108 @@ def _groups_that_pay(tokenizer, prompt_ids, text: str, kept: list[Chunk], syncs:
     return kept, syncs
 
 
+def _snapped_chunks(groups: list[list[Chunk]], bounds: list[int], text: str, min_words: int) -> list[Chunk]:
+    """The candidate chunks snapped inward to token boundaries (their token span set on each), those that end up
+    too short or too long for a block left out."""
+    chunks: list[Chunk] = []
+    for group in groups:
+        for c in group:
+            a, b = _snap(bounds, c.start, up=True), _snap(bounds, c.end, up=False)
+            if a is None or b is None or b - a < 2 or b - a > thread_cap(MAX_TENS) - 10:
+                continue
+            c.tok_start, c.tok_end, c.start, c.end = a, b, bounds[a], bounds[b]
+            if c.end > c.start and len(text[c.start:c.end].split()) >= min_words:
+                chunks.append(c)
+    return chunks
+
+
+def _groups_of_two(chunks: list[Chunk]) -> dict[int, list[Chunk]]:
+    """The chunks by group, only the groups that still have two or more."""
+    by_group: dict[int, list[Chunk]] = {}
+    for c in chunks:
+        by_group.setdefault(c.group, []).append(c)
+    return {g: cs for g, cs in by_group.items() if len(cs) >= 2}
+
+
+def _unmarked_start(text: str, bounds: list[int], c: Chunk) -> int:
+    """The chunk's first token after a list item's marker ("2."): at inference the fork sees the earlier promises,
+    which carry the count, but the untagged text cannot show them, so the marker is left out of its score."""
+    m = _MARKER.match(text, c.start)
+    a = c.tok_start
+    if m is not None:
+        a = next((i for i in range(c.tok_start, c.tok_end) if bounds[i] >= m.end()), c.tok_end)
+    if a >= c.tok_end:
+        a = c.tok_start
+    return a
+
+
+def _keep_by_rise(scorer, causal: torch.Tensor, text: str, bounds: list[int], candidates: list[Chunk],
+                  group_ends: list[int], n: int, threshold: float) -> tuple[list[Chunk], list[float]]:
+    """(a) every candidate async, each group joined right after it (``group_ends``): each chunk loses only its
+    siblings; the chunks whose mean loss rises by at most ``threshold`` are kept. Returns them and every rise."""
+    blocks = [(c.tok_start, c.tok_end) for c in candidates]
+    hidden = scorer.losses(*tagless_mask(n, blocks, group_ends))
+    kept, rises = [], []
+    for c in candidates:
+        a = _unmarked_start(text, bounds, c)
+        rise = float(hidden[a:c.tok_end].mean() - causal[a:c.tok_end].mean())
+        rises.append(rise)
+        if rise <= threshold:
+            kept.append(c)
+    return kept, rises
+
+
+def _sync_tokens(scorer, causal: torch.Tensor, kept: list[Chunk], units: list[Unit], bounds: list[int],
+                 starts: dict, n: int, sync_threshold: float) -> list[int]:
+    """(b) the kept chunks async, groups joined right before the next group's first block, none at the end: each
+    group's sync moves up to the first main-thread unit after its first block whose mean loss rises by more than
+    ``sync_threshold``."""
+    kept_groups = sorted({c.group for c in kept})
+    sync_tokens: list[int] = []
+    if not kept:
+        return sync_tokens
+    next_start = {g: (starts[kept_groups[k + 1]] if k + 1 < len(kept_groups) else n)
+                  for k, g in enumerate(kept_groups)}
+    first_kept = {g: min(c.tok_start for c in kept if c.group == g) for g in kept_groups}
+    forced = [next_start[g] for g in kept_groups if next_start[g] < n]
+    blocks = [(c.tok_start, c.tok_end) for c in kept]
+    alone = scorer.losses(*tagless_mask(n, blocks, forced))
+    in_block = torch.zeros(n, dtype=torch.bool)
+    for a, b in blocks:
+        in_block[a:b] = True
+    for g in kept_groups:
+        chosen = next_start[g] if next_start[g] < n else None
+        for u in units:  # the main-thread units between this group's first block and the next group
+            a, b = _snap(bounds, u.start, up=True), _snap(bounds, u.end, up=False)
+            if a is None or b is None or b <= a or a < first_kept[g] or a >= next_start[g]:
+                continue
+            main = ~in_block[a:b]
+            if not main.any():
+                continue
+            rise = float(alone[a:b][main].mean() - causal[a:b][main].mean())
+            if rise > sync_threshold:
+                chosen = a
+                break
+        if chosen is not None:
+            sync_tokens.append(chosen)
+    return sync_tokens
+
+
+def _checked_annotation(text: str, kept: list[Chunk], syncs: list[int], token_len, candidates: int,
+                        rises: list[float]) -> Annotation:
+    """The annotated answer, if it parses back to the plain answer; else (or with nothing kept) the plain one."""
+    if not kept:
+        return Annotation(text, candidates, 0, 0, rises)
+    annotated = render(text, kept, syncs, token_len)
+    try:
+        doc = parse(annotated)
+    except PastaSyntaxError:
+        return Annotation(text, candidates, 0, 0, rises)
+    if doc.plain() != text:  # pragma: no cover - render keeps every character by construction
+        return Annotation(text, candidates, 0, 0, rises)
+    return Annotation(annotated, candidates, len(kept), annotated.count(SYNC_TAG), rises)
+
+
 def annotate_answer(target, prompt_ids, answer_ids, *, mode: str = "likelihood",
                     threshold: float = DEFAULT_THRESHOLD, sync_threshold: float = DEFAULT_SYNC_THRESHOLD,
                     min_words: int = DEFAULT_MIN_WORDS, topic_words: int = DEFAULT_TOPIC_WORDS,
@@ -386,19 +488,7 @@ def annotate_answer(target, prompt_ids, answer_ids, *, mode: str = "likelihood",
     if not groups:
         return Annotation(text, 0, 0, 0)
     bounds = token_bounds(tokenizer, answer_ids)
-    chunks: list[Chunk] = []
-    for group in groups:
-        for c in group:
-            a, b = _snap(bounds, c.start, up=True), _snap(bounds, c.end, up=False)
-            if a is None or b is None or b - a < 2 or b - a > thread_cap(MAX_TENS) - 10:
-                continue
-            c.tok_start, c.tok_end, c.start, c.end = a, b, bounds[a], bounds[b]
-            if c.end > c.start and len(text[c.start:c.end].split()) >= min_words:
-                chunks.append(c)
-    by_group: dict[int, list[Chunk]] = {}
-    for c in chunks:
-        by_group.setdefault(c.group, []).append(c)
-    by_group = {g: cs for g, cs in by_group.items() if len(cs) >= 2}
+    by_group = _groups_of_two(_snapped_chunks(groups, bounds, text, min_words))
     candidates = [c for g in sorted(by_group) for c in by_group[g]]
     if not candidates:
         return Annotation(text, 0, 0, 0)
@@ -414,67 +504,16 @@ def annotate_answer(target, prompt_ids, answer_ids, *, mode: str = "likelihood",
     else:
         scorer = Scorer(target, list(prompt_ids), answer_ids)
         causal = scorer.losses(*tagless_mask(n, [], []))
-        # (a) every candidate async, each group joined right after it: each chunk loses only its siblings
-        blocks = [(c.tok_start, c.tok_end) for c in candidates]
-        hidden = scorer.losses(*tagless_mask(n, blocks, [ends[g] for g in group_ids]))
-        kept = []
-        for c in candidates:
-            # a list item's marker ("2.") is left out: at inference the fork sees the earlier promises, which
-            # carry the count, but the untagged text cannot show them
-            m = _MARKER.match(text, c.start)
-            a = c.tok_start
-            if m is not None:
-                a = next((i for i in range(c.tok_start, c.tok_end) if bounds[i] >= m.end()), c.tok_end)
-            if a >= c.tok_end:
-                a = c.tok_start
-            rise = float(hidden[a:c.tok_end].mean() - causal[a:c.tok_end].mean())
-            rises.append(rise)
-            if rise <= threshold:
-                kept.append(c)
-        kept_groups = sorted({c.group for c in kept})
-        sync_tokens = []
-        if kept:
-            # (b) kept chunks async, groups joined right before the next group's first block, none at the end
-            next_start = {g: (starts[kept_groups[k + 1]] if k + 1 < len(kept_groups) else n)
-                          for k, g in enumerate(kept_groups)}
-            first_kept = {g: min(c.tok_start for c in kept if c.group == g) for g in kept_groups}
-            forced = [next_start[g] for g in kept_groups if next_start[g] < n]
-            blocks = [(c.tok_start, c.tok_end) for c in kept]
-            alone = scorer.losses(*tagless_mask(n, blocks, forced))
-            in_block = torch.zeros(n, dtype=torch.bool)
-            for a, b in blocks:
-                in_block[a:b] = True
-            for g in kept_groups:
-                chosen = next_start[g] if next_start[g] < n else None
-                for u in units:  # the main-thread units between this group's first block and the next group
-                    a, b = _snap(bounds, u.start, up=True), _snap(bounds, u.end, up=False)
-                    if a is None or b is None or b <= a or a < first_kept[g] or a >= next_start[g]:
-                        continue
-                    main = ~in_block[a:b]
-                    if not main.any():
-                        continue
-                    rise = float(alone[a:b][main].mean() - causal[a:b][main].mean())
-                    if rise > sync_threshold:
-                        chosen = a
-                        break
-                if chosen is not None:
-                    sync_tokens.append(chosen)
+        kept, rises = _keep_by_rise(scorer, causal, text, bounds, candidates, [ends[g] for g in group_ids], n,
+                                    threshold)
+        sync_tokens = _sync_tokens(scorer, causal, kept, units, bounds, starts, n, sync_threshold)
     sync_tokens = sorted({t for t in sync_tokens if any(c.tok_end <= t for c in kept)})
     kept, sync_tokens = _drop_useless(kept, sync_tokens, n)
     syncs = [bounds[t] for t in sync_tokens]
     token_len = lambda c: c.tok_end - c.tok_start  # noqa: E731
     if kept and mode == "likelihood" and min_saving is not None:
         kept, syncs = _groups_that_pay(tokenizer, prompt_ids, text, kept, syncs, token_len, min_saving)
-    if not kept:
-        return Annotation(text, len(candidates), 0, 0, rises)
-    annotated = render(text, kept, syncs, token_len)
-    try:
-        doc = parse(annotated)
-    except PastaSyntaxError:
-        return Annotation(text, len(candidates), 0, 0, rises)
-    if doc.plain() != text:  # pragma: no cover - render keeps every character by construction
-        return Annotation(text, len(candidates), 0, 0, rises)
-    return Annotation(annotated, len(candidates), len(kept), annotated.count(SYNC_TAG), rises)
+    return _checked_annotation(text, kept, syncs, token_len, len(candidates), rises)
 
 
 def annotated_ids(tokenizer, text: str, vocab: PastaVocab) -> list[int]:
