@@ -253,6 +253,68 @@ def check_settings(n_token: int, max_new_tokens: int, limit: int | None, augment
         raise UsageError(f"--max-sentence-repeats must be a positive integer, got {max_sentence_repeats}")
 
 
+def _check_saved_settings(meta_path: Path, settings: dict, out_dir: Path) -> None:
+    """Refuse to add to a collection whose meta.json names other identity settings (an unreadable one: none)."""
+    if not meta_path.is_file():
+        return
+    try:
+        saved = json.loads(meta_path.read_text())
+    except json.JSONDecodeError:
+        saved = {}
+    diff = sorted(k for k in IDENTITY_KEYS if saved.get(k) != settings.get(k))
+    if diff:
+        raise UsageError(f"{out_dir} holds trajectories collected with other settings ({', '.join(diff)}); "
+                         "use another --out")
+
+
+def _write_meta(meta_path: Path, settings: dict, questions: list, done: dict, finished: bool) -> dict:
+    """meta.json: the settings and the counts over the prompts done so far (complete once ``finished`` with every
+    prompt done); returns its contents."""
+    lines = list(done.values())
+    meta = dict(settings)
+    meta.update(
+        prompts_total=len(questions), prompts_done=len(lines),
+        prompts_kept=sum(1 for r in lines if r.get("kept")),
+        dropped_token_repetition=sum(1 for r in lines if r.get("dropped") == "token"),
+        dropped_sentence_repetition=sum(1 for r in lines if r.get("dropped") == "sentence"),
+        records=sum(int(r.get("records", 0)) for r in lines),
+        blocks=sum(int(r.get("blocks", 0)) for r in lines),
+        generated_tokens=sum(int(r.get("answer_tokens", 0)) for r in lines),
+        complete=finished and all(q.question_id in done for q in questions), updated=time.time(),
+    )
+    _write_atomic(meta_path, json.dumps(meta, indent=1))
+    return meta
+
+
+def _collect_one(target, q, traj_f, done_f, *, n_token: int, max_new_tokens: int, seed: int, augment: bool,
+                 augment_prob: float, ngram: int, max_ngram_repeat: float, max_sentence_repeats: int) -> dict:
+    """One prompt: its greedy answer's trajectories, their block records appended to ``traj_f`` (none when the
+    answer repeats itself), then its line appended to ``done_f``; returns that line."""
+    prompt_ids = target.encode(q.turns[0])
+    t0 = time.perf_counter()
+    answer, trajs, stats = collect_prompt(target, prompt_ids, n_token=n_token, max_new_tokens=max_new_tokens,
+                                          seed=prompt_seed(seed, q.question_id))
+    reason = repetition_reason(answer, target.decode(answer), ngram=ngram, max_ngram_repeat=max_ngram_repeat,
+                               max_sentence_repeats=max_sentence_repeats)
+    records = []
+    if reason is None:
+        rng = random.Random(prompt_seed(seed, q.question_id, 1)) if augment else None
+        records = block_records(q.question_id, prompt_ids, answer, trajs, augment_rng=rng, augment_prob=augment_prob)
+    for rec in records:
+        traj_f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    traj_f.flush()
+    os.fsync(traj_f.fileno())
+    line = {"prompt_id": q.question_id, "kept": reason is None, "dropped": reason,
+            "blocks": len(trajs), "records": len(records), "answer_tokens": len(answer),
+            "fast_forward_mean": stats.get("fast_forward_mean"),
+            "stationary_per_block": stats.get("stationary_per_block"),
+            "seconds": round(time.perf_counter() - t0, 3)}
+    done_f.write(json.dumps(line) + "\n")
+    done_f.flush()
+    os.fsync(done_f.fileno())
+    return line
+
+
 def collect(model: str, prompts: str, out: str, *, n_token: int = 16, max_new_tokens: int = 256,
             augment: bool = False, augment_prob: float = 0.5, limit: int | None = None, seed: int = 0,
             ngram: int = 4, max_ngram_repeat: float = 0.4, max_sentence_repeats: int = 2,
@@ -269,38 +331,13 @@ def collect(model: str, prompts: str, out: str, *, n_token: int = 16, max_new_to
         "ngram": ngram, "max_ngram_repeat": max_ngram_repeat, "max_sentence_repeats": max_sentence_repeats,
     }
     meta_path = out_dir / META
-    if meta_path.is_file():
-        try:
-            saved = json.loads(meta_path.read_text())
-        except json.JSONDecodeError:
-            saved = {}
-        diff = sorted(k for k in IDENTITY_KEYS if saved.get(k) != settings.get(k))
-        if diff:
-            raise UsageError(f"{out_dir} holds trajectories collected with other settings ({', '.join(diff)}); "
-                             "use another --out")
+    _check_saved_settings(meta_path, settings, out_dir)
     target = ff.load(model, threads=threads)
     started = time.time()
     mark_output_dir(out_dir, "collect-trajectories")
     done = recover(out_dir)
     todo = [q for q in questions if q.question_id not in done]
-
-    def write_meta(finished: bool) -> dict:
-        lines = list(done.values())
-        meta = dict(settings)
-        meta.update(
-            prompts_total=len(questions), prompts_done=len(lines),
-            prompts_kept=sum(1 for r in lines if r.get("kept")),
-            dropped_token_repetition=sum(1 for r in lines if r.get("dropped") == "token"),
-            dropped_sentence_repetition=sum(1 for r in lines if r.get("dropped") == "sentence"),
-            records=sum(int(r.get("records", 0)) for r in lines),
-            blocks=sum(int(r.get("blocks", 0)) for r in lines),
-            generated_tokens=sum(int(r.get("answer_tokens", 0)) for r in lines),
-            complete=finished and all(q.question_id in done for q in questions), updated=time.time(),
-        )
-        _write_atomic(meta_path, json.dumps(meta, indent=1))
-        return meta
-
-    write_meta(False)
+    _write_meta(meta_path, settings, questions, done, False)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(questions), initial=len(questions) - len(todo), desc="collect-trajectories", unit="prompt",
@@ -309,33 +346,11 @@ def collect(model: str, prompts: str, out: str, *, n_token: int = 16, max_new_to
         with open(out_dir / TRAJECTORIES, "a", encoding="utf-8") as traj_f, \
                 open(out_dir / PROMPTS, "a", encoding="utf-8") as done_f:
             for q in todo:
-                prompt_ids = target.encode(q.turns[0])
-                t0 = time.perf_counter()
-                answer, trajs, stats = collect_prompt(target, prompt_ids, n_token=n_token,
-                                                      max_new_tokens=max_new_tokens,
-                                                      seed=prompt_seed(seed, q.question_id))
-                reason = repetition_reason(answer, target.decode(answer), ngram=ngram,
-                                           max_ngram_repeat=max_ngram_repeat,
-                                           max_sentence_repeats=max_sentence_repeats)
-                records = []
-                if reason is None:
-                    rng = random.Random(prompt_seed(seed, q.question_id, 1)) if augment else None
-                    records = block_records(q.question_id, prompt_ids, answer, trajs, augment_rng=rng,
-                                            augment_prob=augment_prob)
-                for rec in records:
-                    traj_f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-                traj_f.flush()
-                os.fsync(traj_f.fileno())
-                line = {"prompt_id": q.question_id, "kept": reason is None, "dropped": reason,
-                        "blocks": len(trajs), "records": len(records), "answer_tokens": len(answer),
-                        "fast_forward_mean": stats.get("fast_forward_mean"),
-                        "stationary_per_block": stats.get("stationary_per_block"),
-                        "seconds": round(time.perf_counter() - t0, 3)}
-                done_f.write(json.dumps(line) + "\n")
-                done_f.flush()
-                os.fsync(done_f.fileno())
-                done[q.question_id] = line
-                write_meta(False)
+                done[q.question_id] = _collect_one(
+                    target, q, traj_f, done_f, n_token=n_token, max_new_tokens=max_new_tokens, seed=seed,
+                    augment=augment, augment_prob=augment_prob, ngram=ngram, max_ngram_repeat=max_ngram_repeat,
+                    max_sentence_repeats=max_sentence_repeats)
+                _write_meta(meta_path, settings, questions, done, False)
                 bar.set_postfix(records=sum(int(r.get("records", 0)) for r in done.values()), refresh=False)
                 bar.update(1)
     except KeyboardInterrupt:
@@ -343,6 +358,6 @@ def collect(model: str, prompts: str, out: str, *, n_token: int = 16, max_new_to
                                 "command to resume") from None
     finally:
         bar.close()
-    meta = write_meta(True)
+    meta = _write_meta(meta_path, settings, questions, done, True)
     meta["seconds_this_run"] = round(time.time() - started, 2)
     return meta
