@@ -268,6 +268,62 @@ def _converted_gguf(gguf: Path, dtype=torch.float32):
     return load_hf(cached, dtype)
 
 
+def _check_options(name, *, backend: str, dtype, weights: str, arithmetic: str, kv_cache: str) -> None:
+    """Refuse a model that is not a name or path, an unknown choice, and an fp16 KV cache without the lean fp32
+    forward."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise InputTypeError(f"the model must be a name, a folder or a .gguf path, got {type(name).__name__}")
+    if weights not in WEIGHT_CHOICES:
+        raise UsageError(f"unknown --weights '{weights}' (use {', '.join(WEIGHT_CHOICES)})")
+    if backend not in ("auto", "lean", "hf"):
+        raise UsageError(f"unknown backend '{backend}' (use auto, lean or hf)")
+    if arithmetic not in ARITHMETIC_CHOICES:
+        raise UsageError(f"unknown --arithmetic '{arithmetic}' (use {', '.join(ARITHMETIC_CHOICES)})")
+    if kv_cache not in ("auto", *KV_PRECISIONS):
+        raise UsageError(f"unknown --kv-cache '{kv_cache}' (use auto, {', '.join(KV_PRECISIONS)})")
+    if kv_cache == "fp16" and (backend == "hf" or dtype != torch.float32):
+        raise UsageError(f"--kv-cache {kv_cache} is the lean forward's cache with fp32 activations: it cannot be "
+                         "combined with --backend hf or a dtype other than fp32")
+
+
+def _set_threads(threads: int | None) -> None:
+    """torch's thread count, when one is given (an integer >= 1)."""
+    if threads is not None:
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise UsageError(f"threads must be an integer >= 1, got {threads!r}")
+        torch.set_num_threads(threads)
+
+
+def _check_q8(kind: str, *, backend: str, dtype, weights: str, arithmetic: str) -> None:
+    """Refuse the q8 arithmetic for an HF folder, or with settings other than the lean forward on the packed
+    weights in fp32."""
+    if arithmetic == "q8" and kind == "hf":
+        raise UsageError("--arithmetic q8 is the arithmetic of GGUF quantised weights; a Hugging Face folder runs "
+                         "exact (give a .gguf file, or leave --arithmetic at auto)")
+    if arithmetic == "q8" and (weights != "auto" or backend == "hf" or dtype != torch.float32):
+        raise UsageError("--arithmetic q8 multiplies a GGUF file's own packed weights on the lean forward: it cannot "
+                         "be combined with --weights fp32, --backend hf or a dtype other than fp32")
+
+
+def _lean_gguf(name, path, *, dtype, arithmetic: str) -> TargetModel | None:
+    """The GGUF file run straight from its packed blocks on the lean forward, when the lean forward runs it (its
+    architecture, no rope scaling or sliding window) with the native kernels or the q8 arithmetic; else None."""
+    native = load_native()
+    try:
+        converted = _gguf_cache_dir(path)
+        gguf_model = read_gguf(path, index_file=converted.with_name(converted.name + "-index.json"))
+    except UnsupportedGGUF:
+        gguf_model = None
+    hp = gguf_model.hparams if gguf_model is not None else {}
+    lean_ok = bool(hp) and not hp["sliding_window"] and hp["rope_scaling"] in ("none", "")
+    chosen = (DEFAULT_GGUF_ARITHMETIC if native is not None else "exact") if arithmetic == "auto" else arithmetic
+    if lean_ok and (native is not None or chosen == "q8"):
+        tokenizer = _gguf_tokenizer(path)
+        return TargetModel.from_gguf(str(name), gguf_model, tokenizer, native,
+                                     hf_loader=lambda: _converted_gguf(path, dtype)[0], arithmetic=chosen)
+    return None
+
+
 def load(
     name: str = DEFAULT_MODEL,
     *,
@@ -304,30 +360,10 @@ def load(
     A GGUF file's HF model, for peers and training, is made on first use by dequantising the file once into a cached
     safetensors folder under ``$FASTFORWARD_CACHE`` (default ``~/.cache/fastforward``).
     """
-    if not isinstance(name, (str, os.PathLike)):
-        raise InputTypeError(f"the model must be a name, a folder or a .gguf path, got {type(name).__name__}")
-    if weights not in WEIGHT_CHOICES:
-        raise UsageError(f"unknown --weights '{weights}' (use {', '.join(WEIGHT_CHOICES)})")
-    if backend not in ("auto", "lean", "hf"):
-        raise UsageError(f"unknown backend '{backend}' (use auto, lean or hf)")
-    if arithmetic not in ARITHMETIC_CHOICES:
-        raise UsageError(f"unknown --arithmetic '{arithmetic}' (use {', '.join(ARITHMETIC_CHOICES)})")
-    if kv_cache not in ("auto", *KV_PRECISIONS):
-        raise UsageError(f"unknown --kv-cache '{kv_cache}' (use auto, {', '.join(KV_PRECISIONS)})")
-    if kv_cache == "fp16" and (backend == "hf" or dtype != torch.float32):
-        raise UsageError(f"--kv-cache {kv_cache} is the lean forward's cache with fp32 activations: it cannot be "
-                         "combined with --backend hf or a dtype other than fp32")
-    if threads is not None:
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-            raise UsageError(f"threads must be an integer >= 1, got {threads!r}")
-        torch.set_num_threads(threads)
+    _check_options(name, backend=backend, dtype=dtype, weights=weights, arithmetic=arithmetic, kv_cache=kv_cache)
+    _set_threads(threads)
     kind, path = resolve_model(name)
-    if arithmetic == "q8" and kind == "hf":
-        raise UsageError("--arithmetic q8 is the arithmetic of GGUF quantised weights; a Hugging Face folder runs "
-                         "exact (give a .gguf file, or leave --arithmetic at auto)")
-    if arithmetic == "q8" and (weights != "auto" or backend == "hf" or dtype != torch.float32):
-        raise UsageError("--arithmetic q8 multiplies a GGUF file's own packed weights on the lean forward: it cannot "
-                         "be combined with --weights fp32, --backend hf or a dtype other than fp32")
+    _check_q8(kind, backend=backend, dtype=dtype, weights=weights, arithmetic=arithmetic)
     if kind == "hf":
         model, tokenizer = load_hf(path, dtype)
         return _with_kv_cache(TargetModel(str(name), model, tokenizer, backend=backend, small_q_max=small_q_max,
@@ -336,20 +372,9 @@ def load(
         raise UsageError(f"--weights {weights} is for Hugging Face folders; a GGUF file runs its own quantised weights "
                          "(--weights auto) or their fp32 values (--weights fp32)")
     if weights == "auto" and backend in ("auto", "lean") and dtype == torch.float32:
-        native = load_native()
-        try:
-            converted = _gguf_cache_dir(path)
-            gguf_model = read_gguf(path, index_file=converted.with_name(converted.name + "-index.json"))
-        except UnsupportedGGUF:
-            gguf_model = None
-        hp = gguf_model.hparams if gguf_model is not None else {}
-        lean_ok = bool(hp) and not hp["sliding_window"] and hp["rope_scaling"] in ("none", "")
-        chosen = (DEFAULT_GGUF_ARITHMETIC if native is not None else "exact") if arithmetic == "auto" else arithmetic
-        if lean_ok and (native is not None or chosen == "q8"):
-            tokenizer = _gguf_tokenizer(path)
-            return _with_kv_cache(TargetModel.from_gguf(str(name), gguf_model, tokenizer, native,
-                                                        hf_loader=lambda: _converted_gguf(path, dtype)[0],
-                                                        arithmetic=chosen), kv_cache)
+        target = _lean_gguf(name, path, dtype=dtype, arithmetic=arithmetic)
+        if target is not None:
+            return _with_kv_cache(target, kv_cache)
     if arithmetic == "q8":
         raise UsageError(f"--arithmetic q8 needs the lean forward, which does not run {Path(path).name} (its "
                          "architecture, rope scaling or sliding window); use --arithmetic exact")
