@@ -289,6 +289,25 @@ def thread_streams(ids: list[int], vocab: PastaVocab, eos_ids=()):
     return main, forks
 
 
+def _complete_unfed(mask: torch.Tensor, positions: torch.Tensor, fed: torch.Tensor, p: int, main_idx: list[int],
+                    fork_idx: list[list[int]], main_next_pos: int) -> None:
+    """The rows of the tokens chosen but never fed (EOS; a ``</async>`` chosen after EOS), for completeness: what
+    they would see and their position (EOS: the implicit sync, after everything before it; a fork's token: after
+    the fork's previous one)."""
+    main_set = set(main_idx)
+    for i in torch.nonzero(~fed).flatten().tolist():
+        j = i - p
+        if j in main_set:
+            mask[i, :i + 1] = True  # EOS: the implicit sync sees everything before it
+            positions[i] = main_next_pos
+        else:
+            k = next(k for k, s in enumerate(fork_idx) if j in s)
+            prev = p + fork_idx[k][fork_idx[k].index(j) - 1]
+            mask[i] = mask[prev]
+            mask[i, i] = True
+            positions[i] = positions[prev] + 1
+
+
 def pasta_layout(prompt_ids, answer_ids, vocab: PastaVocab, eos_ids=(), max_forks: int = 1 << 30) -> PastaLayout:
     """Positions, visibility, targets and steps of ``prompt_ids + answer_ids`` exactly as the interpreter decodes
     them (see the module docstring); a :class:`PastaSyntaxError` when the answer is malformed."""
@@ -358,18 +377,6 @@ def pasta_layout(prompt_ids, answer_ids, vocab: PastaVocab, eos_ids=(), max_fork
                 give(thread, slot_logical[slot])
     fed = slot_of >= 0
     fed[:p] = True
-    # tokens chosen but never fed (EOS; a </async> chosen after EOS): what they would see, for completeness
-    main_set = set(main_idx)
-    for i in torch.nonzero(~fed).flatten().tolist():
-        j = i - p
-        if j in main_set:
-            mask[i, :i + 1] = True  # EOS: the implicit sync sees everything before it
-            positions[i] = schedule.main.next_pos
-        else:
-            k = next(k for k, s in enumerate(fork_idx) if j in s)
-            prev = p + fork_idx[k][fork_idx[k].index(j) - 1]
-            mask[i] = mask[prev]
-            mask[i, i] = True
-            positions[i] = positions[prev] + 1
+    _complete_unfed(mask, positions, fed, p, main_idx, fork_idx, schedule.main.next_pos)
     return PastaLayout(torch.tensor(prompt + answer, dtype=torch.long), positions, mask, targets, fed, step, slot_of,
                        p, last_choice[0] + 1, len(fork_idx))
