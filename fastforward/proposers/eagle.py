@@ -155,7 +155,14 @@ class EagleProposer(FeatureDrafterProposer):
             cand_parent.append(glob.repeat_interleave(k))
             cand_depth.append(torch.full((r * k,), d, dtype=torch.long))
             src_h = h.repeat_interleave(k, dim=0)
-        tokens = run.to_target(torch.cat(cand_tok))
+        return self._tree_proposal(cand_tok, cand_score, cand_parent, cand_depth, state)
+
+    def _tree_proposal(self, cand_tok: list[torch.Tensor], cand_score: list[torch.Tensor],
+                       cand_parent: list[torch.Tensor], cand_depth: list[torch.Tensor],
+                       state: DecodeState) -> Proposal | None:
+        """The step's tree from the candidates of every depth (draft ids, path scores, parents, depths): the
+        best-ranked candidates, as many as :meth:`_tree_size` chooses (None when that is the root alone)."""
+        tokens = self.runner.to_target(torch.cat(cand_tok))
         scores = torch.cat(cand_score)
         parents = torch.cat(cand_parent)
         depths = torch.cat(cand_depth)
