@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +44,7 @@ import torch
 
 from ...errors import PastaSyntaxError, UsageError
 from ...jsonl import jsonl_records
+from ...model.slots import shared
 from ...pasta.language import ASYNC as ASYNC_TAG
 from ...pasta.language import END_ASYNC as END_TAG
 from ...pasta.language import MAX_TENS, PastaVocab, add_pasta_tokens, parse, parse_ids, promise_tag, thread_cap
@@ -330,15 +330,14 @@ def _drop_useless(kept: list[Chunk], sync_tokens: list[int], n: int) -> tuple[li
     return out_chunks, out_syncs
 
 
-_GROWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _grown(tokenizer) -> tuple[object, PastaVocab]:
-    """A copy of ``tokenizer`` with the PASTA-LANG tokens added (made once per tokenizer), and its vocab."""
-    if tokenizer not in _GROWN:
+    """A copy of ``tokenizer`` with the PASTA-LANG tokens added, and its vocab: made once per tokenizer and kept in
+    its resource slot (:func:`fastforward.model.slots.shared`)."""
+    def build():
         grown = copy.deepcopy(tokenizer)
-        _GROWN[tokenizer] = (grown, add_pasta_tokens(grown))
-    return _GROWN[tokenizer]
+        return grown, add_pasta_tokens(grown)
+
+    return shared(tokenizer, "pasta grown tokenizer", build)
 
 
 def _joined_syncs(chunks: list[Chunk], syncs: list[int]) -> list[int]:
