@@ -63,9 +63,10 @@ def main() -> int:
     p.add_argument("--questions", required=True)
     p.add_argument("--per-category", type=int, default=4)
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: arguments for fastforward bench")
-    args = p.parse_args()
-    extra = [a for a in args.bench_args if a != "--"]
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    extra = argv[cut + 1:]  # after --: arguments for fastforward bench
     args.out.mkdir(parents=True, exist_ok=True)
     trees = {name: worktree(ref, args.out / "trees") for name, ref in (("old", args.old), ("new", args.new))}
     halves = split_questions(trees["new"], args, args.out)
