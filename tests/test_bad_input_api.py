@@ -114,13 +114,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "kwargs", "error", "words"), CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("entry", ["generate", "stream"])
-def test_bad_api_input(tiny, monkeypatch, entry, name, kwargs, error, words):
+def call_case(entry: str, model, kwargs: dict):
+    """``ff.<entry>(model, prompt, method, **rest)`` for one case of :data:`CASES` (its prompt placeholders made
+    into tensors); also run by tests/test_bad_input_bounds.py in a child process."""
     import torch
 
-    started = []
-    monkeypatch.setattr(SequenceRun, "prefill", lambda self: started.append(1) or [])
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", OK)
     if prompt == "tensor2d":
@@ -128,9 +126,16 @@ def test_bad_api_input(tiny, monkeypatch, entry, name, kwargs, error, words):
     elif prompt == "tensorfloat":
         prompt = torch.tensor([1.0, 2.0])
     method = kwargs.pop("method", "ar")
-    call = getattr(ff, entry)
+    return getattr(ff, entry)(model, prompt, method, **kwargs)
+
+
+@pytest.mark.parametrize(("name", "kwargs", "error", "words"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("entry", ["generate", "stream"])
+def test_bad_api_input(tiny, monkeypatch, entry, name, kwargs, error, words):
+    started = []
+    monkeypatch.setattr(SequenceRun, "prefill", lambda self: started.append(1) or [])
     with pytest.raises(error) as info:
-        call(tiny, prompt, method, **kwargs)
+        call_case(entry, tiny, kwargs)
     message = str(info.value)
     assert words.lower() in message.lower() and "\n" not in message and len(message) < 300
     assert isinstance(info.value, UsageError)  # every bad input is also a UsageError: one line on the CLI

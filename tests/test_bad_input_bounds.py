@@ -88,12 +88,10 @@ def test_command_line_cases_in_bounds(files):  # noqa: F811
 
 API_RUNNER = r"""
 import json, resource, sys, time
-import torch
-import fastforward as ff
 from fastforward.engine import SequenceRun
 from fastforward.errors import UsageError
 from fastforward.testing import tiny_target
-from test_bad_input_api import CASES, OK
+from test_bad_input_api import CASES, call_case
 
 started = []
 SequenceRun.prefill = lambda self: started.append(1) or []
@@ -101,16 +99,9 @@ tiny = tiny_target(backend="lean")  # the API suite's model
 results = []
 for name, kwargs, error, words in CASES:
     for entry in ("generate", "stream"):
-        kwargs_ = dict(kwargs)
-        prompt = kwargs_.pop("prompt", OK)
-        if prompt == "tensor2d":
-            prompt = torch.tensor([[1, 2], [3, 4]])
-        elif prompt == "tensorfloat":
-            prompt = torch.tensor([1.0, 2.0])
-        method = kwargs_.pop("method", "ar")
         t0 = time.perf_counter()
         try:
-            getattr(ff, entry)(tiny, prompt, method, **kwargs_)
+            call_case(entry, tiny, kwargs)
             raised = None
         except Exception as exc:
             raised = exc
