@@ -8,9 +8,11 @@ the cancelled ones (their client went away), and runs one verification step of e
 ``max_batch_tokens`` rows. Each sequence decodes exactly as it would alone, so a greedy answer never depends on
 who else is being served.
 
-Bounds per request: a sequence whose step alone fills more than one shared forward (a wide Jacobi window, a large
-tree) steps once per ``ceil(rows / max_batch_tokens)`` rounds, so it costs the others about one forward's worth per
-round, as any other sequence does; and each request ends (finish reason ``length``) once it has used
+Bounds per request: the decode loop's CPU time is shared fairly. Each sequence's steps are charged to it (a round's
+CPU time split by rows), and a sequence more than :data:`FAIR_SHARE_SECONDS` ahead of the least-served one
+sits out rounds until the others catch up. A sequence whose steps are wide (a Jacobi window, a large tree, a long
+draft) therefore gets about its share of the machine, not a forward per round on top of everyone's; and each
+request ends (finish reason ``length``) once it has used
 ``max_request_seconds`` of wall time or ``max_request_cpu_seconds`` of the decode loop's CPU time (its prefill, and a
 share of every step it was in, by rows). Output never depends on either: only when it comes.
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import threading
 import time
 import traceback
@@ -39,6 +40,10 @@ from .metrics import Metrics
 from .schemas import APIError, ParsedRequest, without_server_paths
 
 log = logging.getLogger("fastforward.server")
+
+#: how far (decode-loop CPU seconds) a sequence may run ahead of the least-served one before it sits out rounds:
+#: large enough that ordinary sequences keep stepping together (sharing forwards), small against a wide step
+FAIR_SHARE_SECONDS = 0.5
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "cancelled",
                   "wall budget": "length", "cpu budget": "length"}
@@ -62,7 +67,7 @@ class Ticket:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.done = False
         self.rows = 1  # rows of its last step in the target forward
-        self.skip_rounds = 0  # rounds to sit out: its last step alone filled more than one shared forward
+        self.served = 0.0  # decode-loop CPU seconds charged to it, counted from the least-served one's at admission
         self.cpu_seconds = 0.0  # decode-loop CPU time charged to it
 
     @property
@@ -204,11 +209,8 @@ class Scheduler:
     def _step(self) -> None:
         """One round: a step of every running sequence but those sitting out (see the module docstring); the
         round's CPU time is charged to the sequences stepped, by their rows."""
-        stepping = [t for t in self._active.values() if t.skip_rounds == 0]
-        for ticket in self._active.values():
-            ticket.skip_rounds = max(0, ticket.skip_rounds - 1)
-        if not stepping:  # only large steps are running: nobody to leave room for
-            stepping = list(self._active.values())
+        least = min((t.served for t in self._active.values()), default=0.0)
+        stepping = [t for t in self._active.values() if t.served <= least + FAIR_SHARE_SECONDS]
         cpu_start = time.process_time()
         try:
             steps = self.batch.step([t.run for t in stepping])
@@ -222,8 +224,9 @@ class Scheduler:
         cpu = time.process_time() - cpu_start
         rows = sum(t.rows for t in stepping)
         for ticket in stepping:
-            ticket.cpu_seconds += cpu * ticket.rows / rows
-            ticket.skip_rounds = math.ceil(ticket.rows / self.max_batch_tokens) - 1
+            share = cpu * ticket.rows / rows
+            ticket.cpu_seconds += share
+            ticket.served += share
         for run, tokens in steps:
             ticket = self._active.get(id(run))
             if ticket is None:
@@ -248,6 +251,8 @@ class Scheduler:
 
     def _admit(self, ticket: Ticket) -> None:
         ticket.t_admit = time.perf_counter()
+        # it starts level with the least-served sequence: owed nothing for the time before it came
+        ticket.served = min((t.served for t in self._active.values()), default=0.0)
         try:
             generation = ticket.parsed.generation.start(self.target, observers=(ticket.observe,),
                                                         prefix_cache=self.prefix_cache)
@@ -273,7 +278,9 @@ class Scheduler:
         cpu_start = time.process_time()
         try:
             tokens = self.batch.add(run)
-            ticket.cpu_seconds += time.process_time() - cpu_start
+            spent = time.process_time() - cpu_start
+            ticket.cpu_seconds += spent
+            ticket.served += spent
         except Exception:
             log.error("prefill failed:\n%s", traceback.format_exc())
             self._fail(ticket, APIError(500, "internal error while reading the prompt (see the server log)"))
