@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -216,6 +216,12 @@ def read_prompt(target, prompt, cache, hidden_layers, on_prefill=None,
     token's requested hidden states, and how many prompt positions came from the ``prefix_cache``: the longest kept
     prefix of the prompt is copied in instead of read (bitwise the same entries), and the prompt is kept for later
     ones. ``on_prefill(done, total)`` is called after each chunk."""
+    return to_the_end(read_prompt_in_chunks(target, prompt, cache, hidden_layers, on_prefill, prefix_cache))
+
+
+def read_prompt_in_chunks(target, prompt, cache, hidden_layers, on_prefill=None, prefix_cache=None):
+    """:func:`read_prompt` a chunk at a time: a generator that yields ``(positions read, prompt length)`` after each
+    chunk's forward and returns what :func:`read_prompt` returns (a server interleaves other work between chunks)."""
     n = prompt.numel()
     hidden: dict[int, list] = {}
     begin = 0
@@ -236,6 +242,8 @@ def read_prompt(target, prompt, cache, hidden_layers, on_prefill=None,
             hidden.setdefault(layer, []).append(h)
         if on_prefill is not None:
             on_prefill(end, n)
+        if end < n:
+            yield end, n
     if len(hidden) and any(len(parts) > 1 for parts in hidden.values()):
         out = ForwardOutput(out.logits, {layer: torch.cat(parts) for layer, parts in hidden.items()})
     if prefix_cache is not None:
@@ -243,10 +251,19 @@ def read_prompt(target, prompt, cache, hidden_layers, on_prefill=None,
     return out, begin
 
 
+def to_the_end(steps: Generator):
+    """Run a generator of steps to its end; returns its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
 class Run:
     """One sequence being decoded: the protocol the engine drives, and what every run holds.
 
-    The engine calls :meth:`prefill` once, then steps of three calls until :attr:`finished` -- :meth:`propose` (this
+    The engine calls :meth:`prefill` once (or drives :meth:`prefill_steps`, a chunk of the prompt at a time), then steps of three calls until :attr:`finished` -- :meth:`propose` (this
     step's rows, anything with a ``size``), a target forward over :meth:`forward_request` (alone, or together with
     other runs'), :meth:`complete` (the emitted tokens) -- and :meth:`cancel` at any time. In a shared forward a run
     may let its drafts be cut to their worth there (:attr:`draft_negotiable`, :meth:`draft_levels`,
@@ -303,6 +320,11 @@ class Run:
     # -- the protocol ----------------------------------------------------------------------------------------------
     def prefill(self) -> list[int]:
         """Read the prompt into a fresh KV cache and choose the first token(s); returns the emitted tokens."""
+        return to_the_end(self.prefill_steps())
+
+    def prefill_steps(self) -> Generator[tuple[int, int], None, list[int]]:
+        """:meth:`prefill` as a generator: yields ``(positions read, prompt length)`` between the prompt's chunks
+        and returns the emitted tokens. Nothing it computes depends on what runs between two chunks."""
         raise NotImplementedError
 
     def propose(self):
@@ -338,21 +360,32 @@ class Run:
         raise NotImplementedError
 
     # -- for the kinds of run --------------------------------------------------------------------------------------
-    def _read_prompt(self, capacity: int, hidden_layers=()) -> ForwardOutput:
+    def _read_prompt(self, capacity: int, hidden_layers=()) -> Generator[tuple[int, int], None, ForwardOutput]:
         """Start the clock, make a KV cache of ``capacity`` positions and read the prompt into it
-        (:func:`read_prompt`); the prefill's statistics are kept."""
+        (:func:`read_prompt_in_chunks`, whose steps it passes on); the prefill's statistics are kept (its time is
+        the chunks' own, not what ran between them)."""
         target, stats, n_prompt = self.target, self.stats, self.state.prompt_length
-        self._t_start = time.perf_counter()
+        self._t_start = t0 = time.perf_counter()
         self.cache = target.new_cache(capacity)
-        out, stats.cached_prompt_tokens = read_prompt(target, self.ids[:n_prompt], self.cache, hidden_layers,
-                                                      self.on_prefill, self.prefix_cache)
+        chunks = read_prompt_in_chunks(target, self.ids[:n_prompt], self.cache, hidden_layers, self.on_prefill,
+                                       self.prefix_cache)
+        stats.prefill_time = 0.0
+        while True:
+            try:
+                progress = next(chunks)
+            except StopIteration as end:
+                out, stats.cached_prompt_tokens = end.value
+                break
+            stats.prefill_time += time.perf_counter() - t0
+            yield progress
+            t0 = time.perf_counter()
         stats.target_forwards = 1
-        stats.prefill_time = time.perf_counter() - self._t_start
+        stats.prefill_time += time.perf_counter() - t0
         return out
 
     def _finish(self) -> None:
         self.stats.finish_reason = self.reason
-        self.stats.wall_time = time.perf_counter() - self._t_start
+        self.stats.wall_time = time.perf_counter() - self._t_start if self._t_start else 0.0
         self.cache = None  # free the KV memory as soon as the run ends
 
 
@@ -411,11 +444,12 @@ class SequenceRun(Run):
         self.proposer.finish(self.state)  # after the timing: what a method learns for later requests is not this one's
 
     # -- the three steps -----------------------------------------------------------------------------------------
-    def prefill(self) -> list[int]:
-        """Read the prompt into a fresh KV cache and choose the first token; returns the emitted token(s)."""
+    def prefill_steps(self) -> Generator[tuple[int, int], None, list[int]]:
+        """Read the prompt into a fresh KV cache (a chunk per step) and choose the first token; returns the emitted
+        token(s)."""
         target, stats, n_prompt = self.target, self.stats, self.state.prompt_length
         capacity = min(target.max_context, n_prompt + self.max_new_tokens + self.proposer.max_proposal_size() + 1)
-        out = self._read_prompt(capacity, self.proposer.hidden_layers)
+        out = yield from self._read_prompt(capacity, self.proposer.hidden_layers)
         first = next_token(out.logits[-1], self.sampling, self.state.generator, self.state.keyed, n_prompt)
         taken = self._emit([first])
         stats.accept_lengths.append(len(taken))
@@ -686,7 +720,12 @@ class BatchDecoder:
 
     def add(self, run: Run) -> list[int]:
         """Prefill ``run`` (its first token is returned) and let it join the next step unless it already ended."""
-        taken = run.prefill()
+        return to_the_end(self.add_in_chunks(run))
+
+    def add_in_chunks(self, run: Run) -> Generator[tuple[int, int], None, list[int]]:
+        """:meth:`add` as a generator of the prompt's chunks (:meth:`Run.prefill_steps`): steps of the runs
+        already in may go on between two chunks; the run joins once its prompt is read."""
+        taken = yield from run.prefill_steps()
         if not run.finished:
             self.runs.append(run)
         return taken

@@ -131,10 +131,10 @@ class PastaRun(Run):
         self._in_topic = False
 
     # -- the three steps -------------------------------------------------------------------------------------------
-    def prefill(self) -> list[int]:
+    def prefill_steps(self):
         target, n_prompt = self.target, self.state.prompt_length
         capacity = min(target.max_context, n_prompt + self.max_new_tokens + 2)
-        out = self._read_prompt(capacity)
+        out = yield from self._read_prompt(capacity)
         self.schedule = PastaSchedule(self.method.vocab, n_prompt, capacity - n_prompt, target.eos_token_ids,
                                       self.method.max_forks)
         self.settler = Settler(self.schedule)

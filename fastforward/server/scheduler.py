@@ -2,8 +2,10 @@
 
 Requests arrive from the HTTP handlers (:meth:`Scheduler.submit`, which answers 429 when the waiting queue is
 full) and wait in order. Between two steps the loop admits waiting requests while fewer than ``max_running``
-decode (prompt ids, proposer and prefill happen here, in the thread that owns the model and the tokenizer), drops
-the cancelled ones (their client went away), and runs one verification step of every running sequence through
+decode (prompt ids and proposer are made here, in the thread that owns the model and the tokenizer), drops
+the cancelled ones (their client went away), reads about one chunk of new prompts (:data:`PREFILL_CHUNK` tokens,
+the shortest first: a long prompt is read over several rounds, never holding the others up for its whole
+length), and runs one verification step of every running sequence through
 :class:`~fastforward.engine.BatchDecoder`: the drafts of all of them packed into shared target forwards of at most
 ``max_batch_tokens`` rows. Each sequence decodes exactly as it would alone, so a greedy answer never depends on
 who else is being served.
@@ -32,7 +34,7 @@ import threading
 import time
 import traceback
 
-from ..engine import BatchDecoder, Generation, Run
+from ..engine import PREFILL_CHUNK, BatchDecoder, Generation, Run
 from ..errors import FastForwardError
 from ..model.prefix_cache import prefix_cache_for
 from ..stopping import IncrementalDetokenizer
@@ -67,6 +69,7 @@ class Ticket:
         self.drafts = self.draft_tokens = self.accepted = 0
         self.done = False
         self.rows = 1  # rows of its last step in the target forward
+        self.prompt_reading = None  # while its prompt is read: the generator of its chunks (BatchDecoder.add_in_chunks)
         self.served = 0.0  # decode-loop CPU seconds charged to it, counted from the least-served one's at admission
         self.cpu_seconds = 0.0  # decode-loop CPU time charged to it
 
@@ -122,6 +125,13 @@ class Ticket:
                 "total_s": round(now - self.t_arrival, 4),
             },
         }
+
+
+def _positions_read(run: Run) -> int:
+    """How many of the prompt's positions are in the run's cache (all of them once it is read, cache freed or not)."""
+    if run.cache is None:
+        return run.stats.prompt_tokens if run.finished or run.emitted else 0
+    return run.cache.length
 
 
 class Scheduler:
@@ -182,35 +192,81 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     break
-                room = self.max_running - len(self._active)
-                admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
-            for ticket in admit:
-                if ticket.cancelled.is_set():
-                    ticket.done = True
-                    continue
-                waited = time.perf_counter() - ticket.t_arrival
-                if waited > self.max_request_seconds:
-                    self._fail(ticket, APIError(503, f"the request waited {waited:.0f} s in the queue, past this "
-                                                     f"server's {self.max_request_seconds:g} s per request; retry "
-                                                     "later"))
-                    continue
-                self._admit(ticket)
-            self._drop_cancelled()
-            if len(self.batch):
-                self._step()
-                self._end_over_budget()
-            self.metrics.queue(len(self._pending), len(self._active))
+            self.round()
         with self._cond:
             pending = list(self._pending) + list(self._active.values())
             self._pending.clear()
         for ticket in pending:
             self._fail(ticket, APIError(503, "the server is shutting down"))
 
+    def round(self) -> None:
+        """One round of the decode loop (its thread calls it while there is work): admit what fits, drop the
+        cancelled, read a chunk of new prompts, step the running sequences, end those over budget."""
+        with self._cond:
+            room = self.max_running - len(self._active)
+            admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+        for ticket in admit:
+            if ticket.cancelled.is_set():
+                ticket.done = True
+                continue
+            waited = time.perf_counter() - ticket.t_arrival
+            if waited > self.max_request_seconds:
+                self._fail(ticket, APIError(503, f"the request waited {waited:.0f} s in the queue, past this "
+                                                 f"server's {self.max_request_seconds:g} s per request; retry later"))
+                continue
+            self._admit(ticket)
+        self._drop_cancelled()
+        if self._reading():
+            self._read_prompts()
+        if len(self.batch):
+            self._step()
+        self._end_over_budget()
+        self.metrics.queue(len(self._pending), len(self._active))
+
+    def _reading(self) -> list[Ticket]:
+        return [t for t in self._active.values() if t.prompt_reading is not None]
+
+    def _decoding(self) -> list[Ticket]:
+        return [t for t in self._active.values() if t.prompt_reading is None]
+
+    def _read_prompts(self) -> None:
+        """About :data:`~fastforward.engine.PREFILL_CHUNK` prompt tokens a round, a chunk at a time, of the prompts
+        being read, the fewest tokens left first among the least-served (within :data:`FAIR_SHARE_SECONDS`): a
+        long prompt is read between rounds of the others' steps instead of holding them all up, and a short one
+        arriving behind it goes first. The CPU time is charged to each."""
+        budget = PREFILL_CHUNK
+        while budget > 0:
+            reading = self._reading()
+            if not reading:
+                return
+            least = min(t.served for t in reading)  # the fewest tokens left first, among the least-served
+            ticket = min((t for t in reading if t.served <= least + FAIR_SHARE_SECONDS),
+                         key=lambda t: t.run.stats.prompt_tokens - _positions_read(t.run))
+            before = _positions_read(ticket.run)
+            cpu_start = time.process_time()
+            try:
+                next(ticket.prompt_reading)
+                tokens = None
+            except StopIteration as end:
+                tokens = end.value
+            except Exception:
+                log.error("prefill failed:\n%s", traceback.format_exc())
+                self._fail(ticket, APIError(500, "internal error while reading the prompt (see the server log)"))
+                continue
+            spent = time.process_time() - cpu_start
+            ticket.cpu_seconds += spent
+            ticket.served += spent
+            budget -= max(1, _positions_read(ticket.run) - before)
+            if tokens is not None:
+                ticket.prompt_reading = None
+                self._prompt_read(ticket, tokens)
+
     def _step(self) -> None:
         """One round: a step of every running sequence but those sitting out (see the module docstring); the
         round's CPU time is charged to the sequences stepped, by their rows."""
-        least = min((t.served for t in self._active.values()), default=0.0)
-        stepping = [t for t in self._active.values() if t.served <= least + FAIR_SHARE_SECONDS]
+        decoding = self._decoding()
+        least = min((t.served for t in decoding), default=0.0)
+        stepping = [t for t in decoding if t.served <= least + FAIR_SHARE_SECONDS]
         cpu_start = time.process_time()
         try:
             steps = self.batch.step([t.run for t in stepping])
@@ -246,6 +302,7 @@ class Scheduler:
                 continue
             log.info("a %s request ended after its %s (%.1f s, %.1f CPU s, %d tokens)", ticket.parsed.method,
                      reason, now - ticket.t_arrival, ticket.cpu_seconds, ticket.run.stats.new_tokens)
+            self._stop_reading(ticket)
             self.batch.remove(ticket.run, reason)
             self._finish(ticket)
 
@@ -275,20 +332,14 @@ class Scheduler:
             ticket.tracer = IncrementalDetokenizer(self.target.decode)
         ticket.put("start", {"prompt_tokens": len(generation.prompt_ids)})
         self._active[id(run)] = ticket
-        cpu_start = time.process_time()
-        try:
-            tokens = self.batch.add(run)
-            spent = time.process_time() - cpu_start
-            ticket.cpu_seconds += spent
-            ticket.served += spent
-        except Exception:
-            log.error("prefill failed:\n%s", traceback.format_exc())
-            self._fail(ticket, APIError(500, "internal error while reading the prompt (see the server log)"))
-            return
+        ticket.prompt_reading = self.batch.add_in_chunks(run)  # read a chunk a round (_read_prompts)
+
+    def _prompt_read(self, ticket: Ticket, tokens: list[int]) -> None:
+        """The prompt is in: its first token goes out, and it decodes from the next round."""
         if self.prefix_cache is not None:
             self.metrics.prefix_cache(self.prefix_cache)
         self._emit(ticket, tokens, depths=[0])
-        if run.finished:
+        if ticket.run.finished:
             self._finish(ticket)
 
     def _emit(self, ticket: Ticket, tokens: list[int], depths: list[int] | None = None) -> None:
@@ -338,6 +389,7 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for key, ticket in list(self._active.items()):
             if ticket.cancelled.is_set():
+                self._stop_reading(ticket)
                 self.batch.remove(ticket.run)
                 self._active.pop(key, None)
                 ticket.done = True
@@ -346,7 +398,13 @@ class Scheduler:
     def _fail(self, ticket: Ticket, error: APIError) -> None:
         if ticket.run is not None:
             self._active.pop(id(ticket.run), None)
-            if ticket.run in self.batch.runs:
-                self.batch.remove(ticket.run)
+            self._stop_reading(ticket)
+            self.batch.remove(ticket.run)
         ticket.done = True
         ticket.put("error", error)
+
+    @staticmethod
+    def _stop_reading(ticket: Ticket) -> None:
+        if ticket.prompt_reading is not None:
+            ticket.prompt_reading.close()
+            ticket.prompt_reading = None

@@ -1,0 +1,97 @@
+"""The server's decode loop reads a long prompt a chunk a round, between steps of the sequences already decoding,
+so one long prompt cannot hold every other request up for its whole length (issue 42, the load test's cause);
+and what each request answers is what it answers alone.
+
+The loop is driven here round by round (``Scheduler.round``), without its thread, on a tiny model whose context
+(512) holds a prompt of two chunks (:data:`~fastforward.engine.PREFILL_CHUNK` = 256).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import fastforward as ff
+from fastforward.engine import PREFILL_CHUNK, BatchDecoder
+from fastforward.proposers import make_proposer
+from fastforward.server.scheduler import Scheduler
+from fastforward.server.schemas import Limits, parse
+from fastforward.testing import tiny_hf_folder
+
+MODEL = "tiny"
+LONG_PROMPT = "the cache keeps what was read; " * 14  # 434 byte tokens: two chunks
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return ff.load(str(tiny_hf_folder(tmp_path_factory.mktemp("prompt-chunks") / "tiny")))
+
+
+def completion(prompt, max_tokens, method="ar"):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "fastforward": {"method": method}}
+    return parse("completion", body, served=(MODEL,), default_method="ar", limits=Limits())
+
+
+def test_the_long_prompt_spans_chunks(target):
+    assert PREFILL_CHUNK < len(target.encode(LONG_PROMPT)) < 2 * PREFILL_CHUNK
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "jacobi"])
+def test_a_long_prompt_is_read_between_the_others_steps(target, method):
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(target, max_batch_tokens=64)
+        short = scheduler.submit(completion("Say something short.", 30, method), loop)
+        scheduler.round()  # the short prompt is read (one chunk) and decodes from the next round
+        long = scheduler.submit(completion(LONG_PROMPT, 8, method), loop)
+        decoded_while_reading = []
+        for _ in range(200):
+            if not (scheduler._active or scheduler._pending):
+                break
+            before = len(short.run.emitted)
+            scheduler.round()
+            if long.prompt_reading is not None:
+                decoded_while_reading.append(len(short.run.emitted) - before)
+        assert short.done and long.done
+    finally:
+        loop.close()
+    assert decoded_while_reading and all(n > 0 for n in decoded_while_reading)  # it stepped between the chunks
+    assert len(long.generation.prompt_ids) > PREFILL_CHUNK
+    for ticket, n in ((short, 30), (long, 8)):
+        alone = ff.generate(target, ticket.generation.prompt_ids, method, max_new_tokens=n)
+        assert ticket.run.emitted == alone.token_ids
+
+
+def test_a_short_prompt_behind_a_long_one_is_read_first(target):
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(target, max_batch_tokens=64)
+        long = scheduler.submit(completion(LONG_PROMPT, 4), loop)
+        short = scheduler.submit(completion("Hi.", 4), loop)
+        scheduler.round()
+        assert long.prompt_reading is not None  # one chunk of it read, the rest waits
+        assert short.prompt_reading is None and short.run.emitted  # read whole in the same round: it went first
+    finally:
+        loop.close()
+
+
+def test_prefill_in_chunks_beside_steps_changes_nothing(target):
+    """Engine level: a run's prompt read a chunk at a time while another run steps."""
+    prompts = [target.encode("Say something short."), target.encode(LONG_PROMPT)]
+    runs = [make_proposer("ar", target).new_run(target, p, max_new_tokens=12, sampling=ff.SamplingConfig(), seed=None)
+            for p in prompts]
+    batch = BatchDecoder(64)
+    batch.add(runs[0])
+    reading = batch.add_in_chunks(runs[1])
+    chunks = 0
+    for progress in reading:
+        chunks += 1
+        assert progress[0] < progress[1]
+        batch.step()
+    assert chunks == 1
+    while len(batch):
+        batch.step()
+    for run, prompt in zip(runs, prompts):
+        assert run.emitted == ff.generate(target, prompt, "ar", max_new_tokens=12).token_ids
