@@ -101,3 +101,27 @@ def test_profile_measures_the_arithmetic_and_cache_asked_for(capsys, monkeypatch
     assert code == 0, err
     info = json.loads(out)["info"]
     assert info["arithmetic"] == "exact" and info["kv_cache"] == "fp16"
+
+
+def test_profile_context_reads_long_prompts_and_decodes_after_them(tmp_path, capsys):
+    """--context N: a prefill tokens/s and a decode tokens/s per prompt length (ours; llama.cpp's with --llama-cpp)."""
+    folder = tiny_hf_folder(tmp_path / "tiny", max_positions=512)
+    argv = ["profile", "--model", folder, "--context", "300,400", "--repeats", "1", "--threads", "1"]
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    rows = json.loads(out)["context"]
+    assert [r["prompt_tokens"] for r in rows] == [300, 400]
+    for r in rows:
+        ours = r["fastforward"]
+        assert ours["prefill_tokens_per_s"] > 0 and ours["decode_tokens_per_s"] > 0
+        assert ours["prefill_tokens_per_s"] == pytest.approx(r["prompt_tokens"] / ours["prefill_s"], rel=0.05)
+        assert r["llama.cpp"] is None
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert "| 300 |" in out and "| 400 |" in out
+
+
+def test_profile_context_longer_than_the_model_is_one_line(tmp_path, capsys):
+    folder = tiny_hf_folder(tmp_path / "tiny", max_positions=128)
+    code, out, err = run_cli(capsys, "profile", "--model", folder, "--context", "120", "--threads", "1")
+    assert code == 2 and err.count("\n") == 1 and "exceeds the model's context 128" in err, err

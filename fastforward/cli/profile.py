@@ -25,6 +25,8 @@ DEFAULTS = {"q": ",".join(map(str, DEFAULT_QS)), "kv": 300, "repeats": 15}
 STREAM_DEFAULTS = {"stop": "<<never-in-the-text>>", "method": "ar",
                    "prompt": "Count from 1 to 2000, separated by commas: 1, 2, 3,"}
 CURVE_ONLY = {"--q": "q", "--kv": "kv", "--repeats": "repeats", "--no-hf": "no_hf", "--llama-cpp": "llama_cpp"}
+MAX_CONTEXT_LIST = 8  # prompt lengths per --context run
+MAX_CONTEXT_TOKENS = 131072  # the longest --context prompt (the longest context of the models users run)
 STREAM_ONLY = {"--stop": "stop", "--method": "method", "--prompt": "prompt"}
 
 
@@ -42,6 +44,10 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--stream", type=max_new_tokens, default=None, metavar="N",
                    help="instead: stream N tokens with a stop string (--stop) and print the time per step at tokens "
                         "100 and N-100: the work per step must not grow with the generation")
+    p.add_argument("--context", default=None, metavar="N[,N...]",
+                   help="instead: read a prompt of N random tokens and decode 32 tokens after it, for each N: prefill "
+                        "and decode tokens/s (with --llama-cpp, llama.cpp's on the same ids; --repeats runs each, "
+                        "default 2)")
     p.add_argument("--stop", default=None, help="with --stream: the stop string watched for")
     p.add_argument("--method", default=None, help="with --stream: the decoding method (default: ar)")
     p.add_argument("--prompt", default=None, help="with --stream: the prompt, fed without the chat template")
@@ -73,11 +79,17 @@ def parse_qs(text: str) -> list[int]:
 
 def run(args, name: str) -> int:
     if args.stream is not None:
-        wrong = _given(args, CURVE_ONLY)
+        wrong = _given(args, CURVE_ONLY | {"--context": "context"})
         if wrong:
             raise UsageError(f"{', '.join(wrong)} cannot be combined with --stream (it times streamed steps)")
         _fill(args, STREAM_DEFAULTS)
         return _run_stream(args)
+    if args.context is not None:
+        wrong = _given(args, {k: v for k, v in CURVE_ONLY.items() if k not in ("--llama-cpp", "--repeats")}
+                       | STREAM_ONLY)
+        if wrong:
+            raise UsageError(f"{', '.join(wrong)} cannot be combined with --context")
+        return _run_context(args)
     wrong = _given(args, STREAM_ONLY)
     if wrong:
         raise UsageError(f"{', '.join(wrong)} {'applies' if len(wrong) == 1 else 'apply'} to --stream only")
@@ -125,6 +137,65 @@ def run(args, name: str) -> int:
             f"{memory['weight_gb_per_s'][q]:.1f} ({100 * memory['weight_fraction_of_bandwidth'][q]:.0f}%)"
             for q in qs) + " |")
     print(describe_memory(memory))
+    if gguf is not None:
+        print(f"llama.cpp system_info: {info['llama_cpp_system_info'] or '(not available)'}")
+    return 0
+
+
+def parse_context(text: str) -> list[int]:
+    """``--context``: distinct comma-separated prompt lengths >= 1 (at most :data:`MAX_CONTEXT_LIST`)."""
+    try:
+        ns = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--context takes comma-separated integers, got '{text}'") from None
+    if not ns or min(ns) < 1 or max(ns) > MAX_CONTEXT_TOKENS:
+        raise UsageError(f"--context values must be in [1, {MAX_CONTEXT_TOKENS}]")
+    if len(ns) > MAX_CONTEXT_LIST or len(set(ns)) != len(ns):
+        raise UsageError(f"--context takes at most {MAX_CONTEXT_LIST} distinct lengths, got '{text}'")
+    return ns
+
+
+def _run_context(args) -> int:
+    """``--context``: prefill and decode speed at each prompt length, ours and (``--llama-cpp``) llama.cpp's."""
+    from ..bench.long_context import DECODE_TOKENS, llama_cpp_long_context, measure_long_context
+
+    ns = parse_context(args.context)
+    repeats = args.repeats or 2
+    gguf = None
+    if args.llama_cpp:
+        gguf = gguf_path(args.model)
+        require_llama_cpp()
+    target = ff.load(args.model, **model_load_kwargs(args))
+    too_long = [n for n in ns if n + DECODE_TOKENS + 1 > target.max_context]
+    if too_long:
+        raise UsageError(f"--context {too_long[0]}: with {DECODE_TOKENS} new tokens it exceeds the model's context "
+                         f"{target.max_context}")
+    rows = []
+    for n in ns:
+        ours = measure_long_context(target, n, repeats)
+        theirs = None if gguf is None else llama_cpp_long_context(gguf, n, repeats)
+        rows.append({"prompt_tokens": n, "fastforward": ours, "llama.cpp": theirs})
+    info = {"model": args.model, "backend": target.backend_name, "threads": torch.get_num_threads(),
+            "kv_cache": target.kv_precision, "arithmetic": target.arithmetic,
+            "llama_cpp_system_info": llama_cpp_system_info() if gguf is not None else None}
+    if args.json:
+        print(json.dumps({"info": info, "context": rows}))
+        return 0
+    print(f"long prompts: prefill of N random tokens, then {DECODE_TOKENS} greedy one-token forwards; median of "
+          f"{repeats} runs, {info['threads']} threads, arithmetic {target.arithmetic}, KV cache {target.kv_precision}")
+    print("| N | fastforward prefill tok/s | decode tok/s | llama.cpp prefill tok/s | decode tok/s | "
+          "prefill ratio | decode ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        ours, theirs = row["fastforward"], row["llama.cpp"]
+        cells = [str(row["prompt_tokens"]), f"{ours['prefill_tokens_per_s']:.0f}", f"{ours['decode_tokens_per_s']:.1f}"]
+        if theirs is None:
+            cells += ["–"] * 4
+        else:
+            cells += [f"{theirs['prefill_tokens_per_s']:.0f}", f"{theirs['decode_tokens_per_s']:.1f}",
+                      f"{ours['prefill_tokens_per_s'] / theirs['prefill_tokens_per_s']:.2f}×",
+                      f"{ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}×"]
+        print("| " + " | ".join(cells) + " |")
     if gguf is not None:
         print(f"llama.cpp system_info: {info['llama_cpp_system_info'] or '(not available)'}")
     return 0
