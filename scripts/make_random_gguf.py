@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write Llama-shaped GGUF files with random weights, for speed measurements at the sizes users run.
+"""Write Llama- (or Qwen3-) shaped GGUF files with random weights, for speed measurements at the sizes users run.
 
 The default model (SmolLM2-135M) is small; what a forward costs at 1B or 3B parameters, and whether fastforward keeps
 its lead over llama.cpp there, needs files of those shapes. Their weights need not be trained for timing: this script
@@ -44,9 +44,13 @@ LIMITS = {"layers": (1, 256), "hidden": (32, 32768), "intermediate": (32, 131072
           "kv_heads": (1, 256), "vocab": (49152, 262144), "context": (64, 1 << 20)}
 
 
+#: the architectures this script writes: llama.cpp's name, and whether q and k get a per-head RMSNorm (Qwen3)
+ARCHITECTURES = {"llama": False, "qwen3": True}
+
+
 @dataclass(frozen=True)
 class Shape:
-    """A Llama model's shape (head_dim = hidden / heads)."""
+    """A decoder's shape (head_dim = hidden / heads), Llama's or Qwen3's (Llama's plus q / k norms)."""
 
     layers: int
     hidden: int
@@ -58,6 +62,7 @@ class Shape:
     rope_base: float = 500000.0
     eps: float = 1e-5
     context: int = 8192
+    architecture: str = "llama"
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +73,8 @@ class Shape:
         kv = self.kv_heads * self.head_dim
         attn = self.hidden * (self.hidden + 2 * kv) + self.hidden * self.hidden
         layer = attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        if ARCHITECTURES[self.architecture]:
+            layer += 2 * self.head_dim
         return self.layers * layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
 
@@ -78,6 +85,8 @@ PRESETS = {
     "1b": Shape(16, 2048, 8192, 32, 8),  # Llama-3.2-1B
     "3b": Shape(28, 3072, 8192, 24, 8),  # Llama-3.2-3B
     "8b": Shape(32, 4096, 14336, 32, 8, tied=False),  # Llama-3.1-8B
+    "qwen3-1.7b": Shape(28, 2048, 6144, 16, 8, vocab=151936, rope_base=1000000.0, eps=1e-6, context=40960,
+                        architecture="qwen3"),  # Qwen3-1.7B: q / k norms, its 151,936-row vocabulary
 }
 
 
@@ -143,8 +152,10 @@ def tensor_plan(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(shape.layers):
         b = f"blk.{i}."
         plan += [(b + "attn_norm.weight", (d,)), (b + "attn_q.weight", (shape.heads * shape.head_dim, d)),
-                 (b + "attn_k.weight", (kv, d)), (b + "attn_v.weight", (kv, d)),
-                 (b + "attn_output.weight", (d, shape.heads * shape.head_dim)), (b + "ffn_norm.weight", (d,)),
+                 (b + "attn_k.weight", (kv, d)), (b + "attn_v.weight", (kv, d))]
+        if ARCHITECTURES[shape.architecture]:
+            plan += [(b + "attn_q_norm.weight", (shape.head_dim,)), (b + "attn_k_norm.weight", (shape.head_dim,))]
+        plan += [(b + "attn_output.weight", (d, shape.heads * shape.head_dim)), (b + "ffn_norm.weight", (d,)),
                  (b + "ffn_gate.weight", (shape.intermediate, d)), (b + "ffn_up.weight", (shape.intermediate, d)),
                  (b + "ffn_down.weight", (d, shape.intermediate))]
     plan.append(("output_norm.weight", (d,)))
@@ -169,7 +180,7 @@ def _tensor_dtype(dims) -> np.dtype:
 
 
 def write_metadata(writer, shape: Shape, name: str, tokenizer: list[tuple]) -> None:
-    """The ``general.*`` and ``llama.*`` keys llama.cpp reads, and the tokenizer's."""
+    """The ``general.*`` and ``<architecture>.*`` keys llama.cpp reads, and the tokenizer's."""
     writer.add_name(name)
     writer.add_file_type(FILE_TYPE_F16)
     writer.add_context_length(shape.context)
@@ -196,7 +207,7 @@ def write_random_gguf(path, shape: Shape, *, tokenizer: list[tuple], seed: int =
         raise ValueError(f"the tokenizer has {tokenizer_size(tokenizer)} tokens, the shape {shape.vocab}")
     path = Path(path)
     plan = tensor_plan(shape)
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), shape.architecture)
     write_metadata(writer, shape, name, tokenizer)
     for tensor_name, dims in plan:
         dtype = _tensor_dtype(dims)
@@ -398,8 +409,8 @@ def default_name(args, shape: Shape) -> str:
     if args.name:
         return args.name
     if args.preset and not any(getattr(args, k) is not None for k in SHAPE_FLAGS):
-        return f"random-llama-{args.preset}"
-    return f"random-llama-{shape.layers}x{shape.hidden}"
+        return f"random-{args.preset}" if shape.architecture != "llama" else f"random-llama-{args.preset}"
+    return f"random-{shape.architecture}-{shape.layers}x{shape.hidden}"
 
 
 def requantize_name(path: Path) -> str:

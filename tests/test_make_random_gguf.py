@@ -56,7 +56,11 @@ def test_presets_have_the_real_shapes(script):
     assert (eight.layers, eight.hidden, eight.intermediate, eight.head_dim, eight.tied) == (32, 4096, 14336, 128,
                                                                                           False)
     assert (small.layers, small.hidden, small.intermediate, small.heads, small.kv_heads) == (30, 576, 1536, 9, 3)
-    assert {s.vocab for s in script.PRESETS.values()} == {49152}
+    assert {s.vocab for k, s in script.PRESETS.items() if s.architecture == "llama"} == {49152}
+    qwen3 = script.PRESETS["qwen3-1.7b"]
+    assert (qwen3.architecture, qwen3.layers, qwen3.hidden, qwen3.intermediate, qwen3.heads, qwen3.kv_heads,
+            qwen3.head_dim, qwen3.vocab, qwen3.tied) == ("qwen3", 28, 2048, 6144, 16, 8, 128, 151936, True)
+    assert 1.7e9 < qwen3.parameters() < 1.75e9  # Qwen3-1.7B: 1.72 B with its tied embedding
     assert 1.05e9 < one.parameters() < 1.1e9  # 1.07 B: Llama-3.2-1B less the 128,256 - 49,152 vocabulary rows
 
 
@@ -92,6 +96,20 @@ def test_f16_file_has_llama_names_and_the_default_tokenizer(script, tokenizer, t
     model = ff.load(str(path))
     result = ff.generate(model, "Hello", max_new_tokens=3)
     assert len(result.token_ids) == 3 and all(0 <= t < 49152 for t in result.token_ids)
+
+
+def test_a_qwen3_file_has_q_and_k_norms(script, tokenizer, tmp_path, tokenizer_cache):
+    from gguf import GGUFReader
+
+    shape = script.Shape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, architecture="qwen3")
+    path = script.write_random_gguf(tmp_path / "tiny-qwen3.F16.gguf", shape, tokenizer=tokenizer, name="tiny")
+    reader = GGUFReader(str(path))
+    assert reader.fields["general.architecture"].contents() == "qwen3"
+    assert reader.fields["qwen3.block_count"].contents() == 2
+    tensors = {t.name: t for t in reader.tensors}
+    assert tuple(tensors["blk.1.attn_q_norm.weight"].shape) == (16,) and "blk.0.attn_k_norm.weight" in tensors
+    if importlib.util.find_spec("llama_cpp") is not None:
+        assert len(script.check_llama_cpp(path, tokens=3)) == 3
 
 
 @pytest.mark.slow
