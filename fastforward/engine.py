@@ -263,9 +263,10 @@ def to_the_end(steps: Generator):
 class Run:
     """One sequence being decoded: the protocol the engine drives, and what every run holds.
 
-    The engine calls :meth:`prefill` once (or drives :meth:`prefill_steps`, a chunk of the prompt at a time), then steps of three calls until :attr:`finished` -- :meth:`propose` (this
-    step's rows, anything with a ``size``), a target forward over :meth:`forward_request` (alone, or together with
-    other runs'), :meth:`complete` (the emitted tokens) -- and :meth:`cancel` at any time. In a shared forward a run
+    The engine calls :meth:`prefill` once (or drives :meth:`prefill_steps`, a chunk of the prompt at a time), then
+    steps of three calls until :attr:`finished` -- :meth:`propose` (this step's rows, anything with a ``size``), a
+    target forward over :meth:`forward_request` (alone, or together with other runs'), :meth:`complete` (the emitted
+    tokens) -- and :meth:`cancel` at any time. In a shared forward a run
     may let its drafts be cut to their worth there (:attr:`draft_negotiable`, :meth:`draft_levels`,
     :meth:`cut_draft`); the defaults here say no. A run's output does not depend on which other runs share its
     forwards: every row of a forward is computed as alone.
