@@ -93,5 +93,5 @@ def test_prefill_in_chunks_beside_steps_changes_nothing(target):
     assert chunks == 1
     while len(batch):
         batch.step()
-    for run, prompt in zip(runs, prompts):
+    for run, prompt in zip(runs, prompts, strict=True):
         assert run.emitted == ff.generate(target, prompt, "ar", max_new_tokens=12).token_ids
