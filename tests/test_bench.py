@@ -352,7 +352,8 @@ def _row(q, label, wall, tokens=10, cat="a", steps=None, repeat=0, lossless=True
             "repeat": repeat, "new_tokens": tokens, "wall_time": wall, "decoding_steps": steps or tokens,
             "depth_attempts": list(attempts), "depth_accepts": list(accepts), "lossless": lossless,
             "first_divergence": None if lossless else {"turn": 0, "index": 2, "near_tie": True},
-            "draft_time": 0.07, "verify_time": 0.2, "parameters": {"max_new_tokens": 10}, "timestamp": "t"}
+            "draft_time": 0.07, "verify_time": 0.2, "parameters": {"max_new_tokens": 10}, "timestamp": "t",
+            "proposal_rows": 3 * ((steps or tokens) - 1)}  # three rows a decoding step (one turn: one prefill)
 
 
 def test_aggregates_math():
@@ -383,6 +384,7 @@ def test_aggregates_math():
     assert (m["mismatches"], m["mismatches_near_tie"]) == (1, 1)
     assert m["draft_ms_per_step"] == pytest.approx(1e3 * 0.07 * 6 / 45)  # 0.07 s of drafting in each of 6 rows
     assert m["verify_ms_per_step"] == pytest.approx(1e3 * 0.2 * 6 / 45)
+    assert m["rows_per_step"] == pytest.approx(3.0)
     assert "| drafting ms / step | verify ms / step |" in render_markdown(s, [])
     b = m["categories"]["b"]
     assert b["questions"] == 3 and b["speedup_geomean"] == pytest.approx((0.5 * 3.0 * 1.0) ** (1 / 3))

@@ -178,6 +178,7 @@ class EngineRunner:
             accept_lengths=list(s.accept_lengths), depth_attempts=list(s.depth_attempts),
             depth_accepts=list(s.depth_accepts), prefill_time=s.prefill_time, draft_time=s.draft_time,
             verify_time=s.verify_time, finish_reason=s.finish_reason, method_stats=dict(s.method_stats),
+            proposal_rows=s.proposal_tokens,
         )
 
 

@@ -106,6 +106,8 @@ def _per_question(rows: list[dict]) -> dict[tuple[str, str], dict]:
             "tokens": sum(r["new_tokens"] for r in rs),
             "draft_time": sum(r.get("draft_time") or 0.0 for r in rs),
             "verify_time": sum(r.get("verify_time") or 0.0 for r in rs),
+            "proposal_rows": sum(r.get("proposal_rows") or 0 for r in rs),
+            "decode_steps": sum(r["decoding_steps"] - len(r.get("turns") or [None]) for r in rs),
             "attempts": [r.get("depth_attempts", []) for r in rs],
             "accepts": [r.get("depth_accepts", []) for r in rs],
             "checked": bool(checked),
@@ -116,6 +118,12 @@ def _per_question(rows: list[dict]) -> dict[tuple[str, str], dict]:
             "agreement": [r["agreement"] for r in rs if r.get("agreement")],
         }
     return out
+
+
+def _rows_per_step(per_question: list[dict]) -> float | None:
+    rows = sum(m.get("proposal_rows") or 0 for m in per_question)
+    steps = sum(max(0, m.get("decode_steps") or 0) for m in per_question)
+    return rows / steps if rows and steps else None
 
 
 def _ttft(rows: list[dict]) -> float | None:
@@ -167,6 +175,8 @@ def _stats(label: str, qids: list[str], pq: dict, ref_label: str | None = BASELI
         # per decoding step (one target forward), over every repeat: what drafting and verifying cost
         "draft_ms_per_step": 1e3 * sum(m["draft_time"] for m in mine) / steps if steps else None,
         "verify_ms_per_step": 1e3 * sum(m["verify_time"] for m in mine) / steps if steps else None,
+        # rows a decoding step's target forward scored, on average (1 for AR; None where not recorded)
+        "rows_per_step": _rows_per_step(mine),
         "acceptance_by_depth": [c / a if a else 0.0 for a, c in zip(attempts, accepts, strict=False)],
         "checked": sum(m["checked"] for m in mine),
         "mismatches": sum(m["mismatch"] for m in mine),
@@ -271,6 +281,8 @@ DEFINITIONS = {
     "tau": "new tokens per target forward, pooled over all forwards (prefill included; AR = 1)",
     "acceptance_by_depth": "[d-1]: of the decode steps whose draft reached depth d, the fraction that "
                            "accepted a token at depth d",
+    "rows_per_step": "rows a decoding step's target forward scored, on average over the steps after each "
+                     "turn's prefill (1 for AR): what a step costs on another model's cost curve",
     "mismatches": "questions whose output differs from AR's in at least one repeat (temperature 0 only)",
     "mismatches_near_tie": "mismatches whose first divergence is a floating-point near-tie",
     "speedup_vs_hf_generate_geomean": "geometric mean over questions of (method tokens/s) / (hf-generate "

@@ -228,6 +228,7 @@ def make_row(question: Question, spec: MethodSpec, repeat: int, lossless_claimed
         "prefill_time": sum(o.prefill_time for o in outs),
         "draft_time": sum(o.draft_time for o in outs),
         "verify_time": sum(o.verify_time for o in outs),
+        "proposal_rows": sum(o.proposal_rows for o in outs),
         "turns": [
             {"prompt_tokens": len(p), "new_tokens": len(o.token_ids), "wall_time": o.wall_time,
              "prefill_time": o.prefill_time, "decoding_steps": o.decoding_steps, "finish_reason": o.finish_reason,

@@ -25,6 +25,7 @@ class TurnOutcome:
     verify_time: float = 0.0
     finish_reason: str = ""
     method_stats: dict = field(default_factory=dict)
+    proposal_rows: int = 0  # rows the decoding steps' target forwards scored (drafts, roots, aux rows)
 
 
 @dataclass
