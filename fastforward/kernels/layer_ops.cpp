@@ -1,12 +1,18 @@
 // The non-matmul work of a Llama decoder layer in a few native calls: rms_norm, add_rms_norm (residual add fused
-// with the next norm), silu_mul, and attention (RoPE, KV-cache write, GQA attention over a prefix plus a tree of
-// new tokens).
+// with the next norm), silu_mul / gelu_tanh_mul, and attention (RoPE, KV-cache write, GQA attention over a prefix
+// plus a tree of new tokens; optionally a sliding window, logit soft-capping and a custom query scale).
 //
 // exp: every exp here (softmax, SiLU) is exp8 below, a deterministic vector function: x clamped to [-104, 89]
 // (NaN passes through), n = round-to-nearest(x * log2(e)), r = x - n*ln2_hi - n*ln2_lo (Cody-Waite, two fused
 // multiply-adds), e^r by Cephes' degree-7 polynomial (expf's coefficients, Horner with fused multiply-adds), then
 // two exact scalings by 2^(n>>1) and 2^(n - (n>>1)) so that results underflow to subnormals / overflow to inf
 // correctly. Within ~2 ulp of the correctly rounded e^x (tests/test_layer_ops.py measures it).
+//
+// tanh (attention's softcap): tanh8 below, a deterministic vector function of |x| with x's sign copied back: for
+// |x| < 0.625 Cephes' tanhf polynomial, x + x*(z*P(z)) with z = x*x (Horner with fused multiply-adds), else
+// 1 - 2/(exp8(2|x|) + 1) (rounded sum, division, difference). NaN passes through, +-inf gives +-1.
+// gelu_tanh_mul: gelu_tanh(g) * u with gelu_tanh(g) = 0.5*g*(1 + tanh(c*(g + 0.044715*g^3))), c = sqrt(2/pi),
+// computed as the equal g / (1 + exp8(-2*c*(g + 0.044715*g*g*g))) (no cancellation for negative g), then * u.
 //
 // attention: order of operations. Everything below depends only on the query row, its position, and the
 // sequence of keys/values it sees -- never on q, on the other rows, on where the prefix ends or on threads:
@@ -24,16 +30,32 @@
 //      written earlier that only some rows see (a slot pool: threads of one sequence, each seeing the shared prefix
 //      and its own slots). None = causal over the new tokens. The list is cut into chunks of kChunk (64)
 //      consecutive list positions.
-//   3. Per (row i, head h, chunk c):
+//      Sliding window (window > 0; 0 = none): a key at position k is in row i's window when
+//      positions[i] - k < window -- transformers' convention (masking_utils.sliding_window_overlay: visible iff
+//      kv_idx > q_idx - sliding_window), as Mistral, Phi-3 and Gemma 2/3's local layers use it. Key positions: a
+//      prefix slot s < start holds position s (slot == position: the prefix must be stored in order, not as a ring
+//      buffer), and the key of new token j written in this call has position positions[j]. A visible slot after
+//      `start` that this call does not write (a slot pool's earlier slots) has no known position: refused when
+//      window > 0. The window does not change the list nor its chunks: keys outside it are masked out of their
+//      chunk (3b-3c), and a chunk with no key in the window is skipped altogether (it has no partials, step 4
+//      leaves it out). So with a window, row i's arithmetic is that of the same row over the same list; when list
+//      position == key position (the prefix in order, a row seeing its ancestors in a tree), it depends only on
+//      the row, its position and the keys in its window.
+//   3. Per (row i, head h, chunk c) with a key in the window (every chunk without a window):
 //      a. score of list position t: acc = Σ over d in steps of one vector, ascending, fma(q, k, acc) (masked
 //         tail), then the vector's lanes are summed by a fixed tree (fold to 8 lanes -- AVX-512 adds lane l and
-//         l+8 -- then ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))), then multiplied by scale = 1/sqrt(d) (float).
+//         l+8 -- then ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))), then multiplied by scale (float: the `scale`
+//         argument rounded to float when > 0, else 1/sqrt(d) computed in float). With softcap > 0 (Gemma 2's
+//         logit soft-capping, 0 = none): s_t = softcap * tanh8(s_t / softcap) (a rounded division, tanh8, a
+//         rounded product; softcap rounded to float). With a window, s_t = -inf for a key outside it.
 //      b. m_c = max of the chunk's scores (exact, order-free).
-//      c. p_t = exp8(s_t - m_c); l_c = 8 lane sums (lane = t mod 8, t ascending), reduced by the same 8-lane tree.
+//      c. p_t = exp8(s_t - m_c), and with a window p_t = 0 exactly where s_t = -inf; l_c = 8 lane sums (lane =
+//         t mod 8, t ascending), reduced by the same 8-lane tree.
 //      d. o_c[e] = Σ_t p_t * v_t[e], t ascending, one fma per term, starting from 0.
-//   4. Per (row i, head h), over its ceil(L_i / 64) chunks in ascending order: M = max_c m_c; w_c = exp8(m_c - M);
-//      den = Σ_c w_c * l_c (rounded product, then rounded sum, from 0); num[e] = Σ_c fma(w_c, o_c[e], num[e]) from
-//      0; out[e] = num[e] / den. A row that sees no key at all gets zeros.
+//   4. Per (row i, head h), over its ceil(L_i / 64) chunks in ascending order, leaving out those step 3 skipped
+//      (no key in the window): M = max_c m_c; w_c = exp8(m_c - M); den = Σ_c w_c * l_c (rounded product, then
+//      rounded sum, from 0); num[e] = Σ_c fma(w_c, o_c[e], num[e]) from 0; out[e] = num[e] / den. A row that sees
+//      no key at all (none in its window) gets zeros.
 // A chunk's members are fixed by list positions, so row i computed among q tokens and row i computed alone on a
 // cache that holds its visible keys at slots 0..L_i-1 run exactly the same arithmetic: bitwise equal outputs.
 // Work split: step 3 runs as tasks (kv head, chunk) over at::parallel_for; a task does every row's queries of the
@@ -93,6 +115,28 @@ inline __m256 exp8(__m256 x) {
 }
 
 inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
+
+// tanh, lane by lane (see the header): Cephes' tanhf polynomial below |x| = 0.625, 1 - 2/(e^2|x| + 1) above, the
+// sign of x copied back. Within a few ulp of tanh; NaN passes through, +-inf gives +-1.
+inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 ax = _mm256_andnot_ps(sign, x);
+  const __m256 z = _mm256_mul_ps(ax, ax);
+  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), ax, ax);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 large = _mm256_sub_ps(
+      one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(exp8(_mm256_add_ps(ax, ax)), one)));
+  const __m256 r = _mm256_blendv_ps(large, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+  return _mm256_or_ps(r, _mm256_and_ps(sign, x));
+}
+
+// Gemma 2's attention logit soft-capping: cap * tanh(s / cap), cap > 0.
+inline __m256 softcap8(__m256 s, __m256 cap) { return _mm256_mul_ps(tanh8(_mm256_div_ps(s, cap)), cap); }
 
 // Lane j of the result: the 8 lanes of a[j] summed as ((0+1)+(2+3)) + ((4+5)+(6+7)). Lanes are independent.
 inline __m256 reduce8(const __m256 a[8]) {
@@ -259,6 +303,45 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
   return out;
 }
 
+// ---- gelu_tanh_mul ----------------------------------------------------------------------------------------------
+
+// gelu_tanh(g) * u (transformers' gelu_pytorch_tanh, torch's gelu(approximate='tanh')), as
+// g / (1 + exp8(-2 * sqrt(2/pi) * (g + 0.044715 * g*g*g))) * u: every product, sum and the division rounded.
+inline __m256 gelu_tanh_mul8(__m256 g, __m256 u) {
+  const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 inner = _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(0.044715f), g3));
+  const __m256 t = _mm256_mul_ps(_mm256_set1_ps(-2.0f * 0.7978845608028654f), inner);
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(t))), u);
+}
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
+  check_f32(gu_in, "gelu_tanh_mul", "gu", 2);
+  TORCH_CHECK(gu_in.size(1) % 2 == 0, "gelu_tanh_mul: gu must have an even number of columns [gate | up], got ",
+              gu_in.size(1));
+  const at::Tensor gu = gu_in.contiguous();
+  const int64_t Q = gu.size(0), I = gu.size(1) / 2;
+  at::Tensor out = at::empty({Q, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t full = I / 8 * 8;
+  const int rest = static_cast<int>(I - full);
+  at::parallel_for(0, Q, row_grain(I * 4), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gp + r * 2 * I;
+      const float* u = g + I;
+      float* o = op + r * I;
+      for (int64_t c = 0; c < full; c += 8)
+        _mm256_storeu_ps(o + c, gelu_tanh_mul8(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
+      if (rest) {
+        const __m256i m = _mm256_castps_si256(first8(rest));
+        _mm256_maskstore_ps(o + full, m,
+                            gelu_tanh_mul8(_mm256_maskload_ps(g + full, m), _mm256_maskload_ps(u + full, m)));
+      }
+    }
+  });
+  return out;
+}
+
 // ---- attention ---------------------------------------------------------------------------------------------------
 
 constexpr int kChunk = 64;           // list positions per partial softmax (a multiple of 8)
@@ -352,41 +435,50 @@ inline __m256 dot_1x8(const float* q, const T* const* k, int64_t d_) {
   return reduce8(f);
 }
 
-// Scaled scores of queries qs[0..nq) against keys k[0..n) into S[j * kStride + off + t]. k must hold 8 valid
-// pointers past n (padding; their scores land past the segment and are overwritten or ignored). DC: d known at
-// compile time (0: at run time) -- the same operations, only the loops unrolled.
+// Scaled (and, with softcap > 0, soft-capped) scores of queries qs[0..nq) against keys k[0..n) into
+// S[j * kStride + off + t]. k must hold 8 valid pointers past n (padding; their scores land past the segment and
+// are overwritten or ignored). DC: d known at compile time (0: at run time) -- the same operations, only the loops
+// unrolled. Both tile shapes apply the same lane-wise scale and cap to every score.
 template <int64_t DC, typename T>
-inline void scores_t(const float* const* qs, int nq, const T* const* k, int n, int64_t d, float scale, float* S,
-                     int off) {
-  const __m256 vs = _mm256_set1_ps(scale);
+inline void scores_t(const float* const* qs, int nq, const T* const* k, int n, int64_t d, float scale,
+                     float softcap, float* S, int off) {
+  const __m256 vs = _mm256_set1_ps(scale), vcap = _mm256_set1_ps(softcap);
+  const bool capped = softcap > 0.0f;
   int j = 0;
   for (; j + 2 <= nq; j += 2) {
     float* sa = S + j * kStride + off;
     float* sb = sa + kStride;
     for (int t = 0; t < n; t += 4) {
-      const __m256 r = _mm256_mul_ps(dot_2x4<DC>(qs[j], qs[j + 1], k + t, d), vs);
+      __m256 r = _mm256_mul_ps(dot_2x4<DC>(qs[j], qs[j + 1], k + t, d), vs);
+      if (capped) r = softcap8(r, vcap);
       _mm_storeu_ps(sa + t, _mm256_castps256_ps128(r));
       _mm_storeu_ps(sb + t, _mm256_extractf128_ps(r, 1));
     }
   }
   if (j < nq) {
     float* sa = S + j * kStride + off;
-    for (int t = 0; t < n; t += 8) _mm256_storeu_ps(sa + t, _mm256_mul_ps(dot_1x8<DC>(qs[j], k + t, d), vs));
+    for (int t = 0; t < n; t += 8) {
+      __m256 r = _mm256_mul_ps(dot_1x8<DC>(qs[j], k + t, d), vs);
+      if (capped) r = softcap8(r, vcap);
+      _mm256_storeu_ps(sa + t, r);
+    }
   }
 }
 
 template <typename T>
-inline void scores(const float* const* qs, int nq, const T* const* k, int n, int64_t d, float scale, float* S,
-                   int off) {
+inline void scores(const float* const* qs, int nq, const T* const* k, int n, int64_t d, float scale, float softcap,
+                   float* S, int off) {
   if (d == 64)
-    scores_t<64>(qs, nq, k, n, d, scale, S, off);
+    scores_t<64>(qs, nq, k, n, d, scale, softcap, S, off);
   else if (d == 128)
-    scores_t<128>(qs, nq, k, n, d, scale, S, off);
+    scores_t<128>(qs, nq, k, n, d, scale, softcap, S, off);
   else
-    scores_t<0>(qs, nq, k, n, d, scale, S, off);
+    scores_t<0>(qs, nq, k, n, d, scale, softcap, S, off);
 }
 
-// Steps 3b-3c on one score row of n entries: p in place, returns m and l.
+// Steps 3b-3c on one score row of n entries: p in place, returns m and l. Masked (a window): p = 0 exactly where
+// s = -inf (a key outside the window; exp8 alone would give e^-104 there).
+template <bool Masked>
 inline void softmax_row(float* s, int n, float* m_out, float* l_out) {
   const int full = n / 8 * 8, rest = n - full;
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -401,12 +493,16 @@ inline void softmax_row(float* s, int n, float* m_out, float* l_out) {
   const __m256 vm = _mm256_set1_ps(m);
   __m256 lsum = _mm256_setzero_ps();
   for (int b = 0; b < full; b += 8) {
-    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + b), vm));
+    const __m256 x = _mm256_loadu_ps(s + b);
+    __m256 p = exp8(_mm256_sub_ps(x, vm));
+    if (Masked) p = _mm256_and_ps(p, _mm256_cmp_ps(x, ninf, _CMP_NEQ_UQ));
     _mm256_storeu_ps(s + b, p);
     lsum = _mm256_add_ps(lsum, p);
   }
   if (rest) {
-    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + full), vm)), tail);
+    const __m256 x = _mm256_loadu_ps(s + full);
+    __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(x, vm)), tail);
+    if (Masked) p = _mm256_and_ps(p, _mm256_cmp_ps(x, ninf, _CMP_NEQ_UQ));
     _mm256_storeu_ps(s + full, p);
     lsum = _mm256_add_ps(lsum, p);
   }
@@ -487,15 +583,22 @@ inline void pv_queries(const float* const* ps, float* const* os, int nq, const T
   }
 }
 
-// Step 4 for one (row, head): nc >= 1 chunks' partials -> out[d] (out doubles as the accumulator).
-inline void combine(const float* m, const float* l, const float* o, int64_t nc, int64_t d, float* out) {
-  float M = m[0];
-  for (int64_t c = 1; c < nc; ++c) M = std::max(M, m[c]);
+// Step 4 for one (row, head): nc >= 1 chunks' partials -> out[d] (out doubles as the accumulator). present (a
+// window; nullptr: every chunk): the chunks to combine, at least one; the others have no partials.
+inline void combine(const float* m, const float* l, const float* o, int64_t nc, int64_t d, float* out,
+                    const uint8_t* present) {
+  int64_t c0 = 0;
+  if (present)
+    while (!present[c0]) ++c0;
+  float M = m[c0];
+  for (int64_t c = c0 + 1; c < nc; ++c)
+    if (!present || present[c]) M = std::max(M, m[c]);
   const int64_t full = d / kLanes * kLanes;
   const int rest = static_cast<int>(d - full);
   std::fill(out, out + d, 0.0f);
   float den = 0.0f;
-  for (int64_t c = 0; c < nc; ++c) {
+  for (int64_t c = c0; c < nc; ++c) {
+    if (present && !present[c]) continue;
     const float w = exp1(m[c] - M);
     const float t = w * l[c];
     den = den + t;
@@ -515,13 +618,24 @@ inline void combine(const float* m, const float* l, const float* o, int64_t nc, 
   }
 }
 
+// The sliding window of a call (window > 0), per row and per visible column; see the header.
+struct Window {
+  int64_t window = 0;                   // 0: none (the other fields unused)
+  const int64_t* lo = nullptr;          // per row: the lowest key position in its window, positions[i] - window + 1
+  const int64_t* col_pos = nullptr;     // per visible column j: the position of slot start+j's key
+  const int64_t* chunk_base = nullptr;  // per row: where its chunks' flags begin in `present`
+  const uint8_t* present = nullptr;     // per (row, chunk): the chunk has a key in the row's window
+  const int64_t* first = nullptr;       // per row: its first such chunk, -1 for none
+};
+
 // Steps 3 and 4 for rows [i0, i1): rotated queries qr [Q, nh, d], the caches (T: float or fp16 bits) already
 // written; out [Q, nh * d].
 template <typename T>
 void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t d, int64_t nh, int64_t nkv,
                  int64_t start, const int64_t* vis_off, const int64_t* vis_idx, int64_t i0, int64_t i1, float scale,
-                 float* op) {
+                 float softcap, const Window& win, float* op) {
   const int64_t G = nh / nkv, Q = i1 - i0;
+  const bool windowed = win.window > 0;
   // Step 3: partials per (row, head, chunk); tasks are (kv head, chunk), each doing all rows and the group's heads.
   int64_t max_len = 0, work = 0;
   for (int64_t i = i0; i < i1; ++i) {
@@ -530,13 +644,22 @@ void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t
     work += len;
   }
   const int64_t NC = (max_len + kChunk - 1) / kChunk;
-  if (NC == 0) {
+  // Chunks below c_lo have no key in any row's window (only with a window): neither tasks nor partials.
+  int64_t c_lo = 0;
+  if (windowed) {
+    c_lo = NC;
+    for (int64_t i = i0; i < i1; ++i)
+      if (win.first[i] >= 0) c_lo = std::min(c_lo, win.first[i]);
+  }
+  if (NC - c_lo <= 0) {
     std::fill(op + i0 * nh * d, op + i1 * nh * d, 0.0f);
     return;
   }
+  const int64_t NCw = NC - c_lo;  // chunks c_lo .. NC-1, partials indexed by c - c_lo
   // Partials (m, l, o) per (row - i0, head, chunk); uninitialised, only chunks a row has are written and read.
-  std::unique_ptr<float[]> pm(new float[Q * nh * NC]), pl(new float[Q * nh * NC]), po(new float[Q * nh * NC * d]);
-  const int64_t tasks = nkv * NC;
+  std::unique_ptr<float[]> pm(new float[Q * nh * NCw]), pl(new float[Q * nh * NCw]),
+      po(new float[Q * nh * NCw * d]);
+  const int64_t tasks = nkv * NCw;
   // Under ~100k multiply-adds a fork costs more than it saves (the split never changes the results).
   const int64_t grain = work * nh * d < (int64_t{1} << 17) ? tasks : 1;
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
@@ -552,14 +675,14 @@ void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t
     const T* sk[kChunk + 8];
     const T* sv[kChunk + 8];
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t g = task / NC, c = task % NC, p0 = c * kChunk;
+      const int64_t g = task / NCw, c = c_lo + task % NCw, cw = c - c_lo, p0 = c * kChunk;
       const T* kg = kc + g * cap * d;
       const T* vg = vc + g * cap * d;
       rows.clear();
       rn.clear();
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t len = start + vis_off[i + 1] - vis_off[i];
-        if (len > p0) {
+        if (len > p0 && (!windowed || win.present[win.chunk_base[i] + c])) {
           rows.push_back(i);
           rn.push_back(static_cast<int>(std::min<int64_t>(kChunk, len - p0)));
         }
@@ -578,7 +701,7 @@ void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t
           const int j = a * static_cast<int>(G) + static_cast<int>(hh);
           qs[j] = qr + (rows[a] * nh + h) * d;
           ps[j] = S.data() + static_cast<int64_t>(j) * kStride;
-          os[j] = po.get() + (r * NC + c) * d;
+          os[j] = po.get() + (r * NCw + cw) * d;
         }
       const int nsh = static_cast<int>(std::clamp<int64_t>(start - p0, 0, kChunk));
       if (nsh > 0) {
@@ -587,7 +710,7 @@ void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t
           sk[t] = kg + slot * d;
           sv[t] = vg + slot * d;
         }
-        scores(qs.data(), nq, sk, nsh, d, scale, S.data(), 0);
+        scores(qs.data(), nq, sk, nsh, d, scale, softcap, S.data(), 0);
       }
       for (int a = 0; a < nr; ++a) {
         const int n_own = rn[a] - nsh;
@@ -600,13 +723,33 @@ void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t
           k[t] = kg + slot * d;
           v[t] = vg + slot * d;
         }
-        scores(qs.data() + a * G, static_cast<int>(G), k, n_own, d, scale, S.data() + a * G * kStride, nsh);
+        scores(qs.data() + a * G, static_cast<int>(G), k, n_own, d, scale, softcap, S.data() + a * G * kStride,
+               nsh);
+      }
+      if (windowed) {  // keys outside a row's window: score -inf (the chunk has at least one inside)
+        constexpr float ninf = -std::numeric_limits<float>::infinity();
+        for (int a = 0; a < nr; ++a) {
+          const int64_t lo = win.lo[rows[a]];
+          const int cut = static_cast<int>(std::clamp<int64_t>(lo - p0, 0, nsh));  // shared slots p0.. below lo
+          const int n_own = rn[a] - nsh;
+          const int64_t* idx = n_own > 0 ? vis_idx + vis_off[rows[a]] + (p0 + nsh - start) : nullptr;
+          for (int64_t hh = 0; hh < G; ++hh) {
+            float* srow = S.data() + (a * G + hh) * kStride;
+            std::fill(srow, srow + cut, ninf);
+            for (int t = 0; t < n_own; ++t)
+              if (win.col_pos[idx[t]] < lo) srow[nsh + t] = ninf;
+          }
+        }
       }
       for (int a = 0; a < nr; ++a)
         for (int64_t hh = 0; hh < G; ++hh) {
           const int j = a * static_cast<int>(G) + static_cast<int>(hh);
-          const int64_t r = ((rows[a] - i0) * nh + g * G + hh) * NC + c;
-          softmax_row(S.data() + static_cast<int64_t>(j) * kStride, rn[a], &pm[r], &pl[r]);
+          const int64_t r = ((rows[a] - i0) * nh + g * G + hh) * NCw + cw;
+          float* srow = S.data() + static_cast<int64_t>(j) * kStride;
+          if (windowed)
+            softmax_row<true>(srow, rn[a], &pm[r], &pl[r]);
+          else
+            softmax_row<false>(srow, rn[a], &pm[r], &pl[r]);
         }
       if (nsh > 0) pv_queries(ps.data(), os.data(), nq, sv, nsh, d, true);
       for (int a = 0; a < nr; ++a) {
@@ -625,18 +768,19 @@ void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t
   });
 
   // Step 4: combine the chunks of every (row, head).
-  const int64_t grain2 = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, NC * d));
+  const int64_t grain2 = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, NCw * d));
   at::parallel_for(0, Q * nh, grain2, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t i = i0 + r / nh, h = r % nh;
       const int64_t len = start + vis_off[i + 1] - vis_off[i];
-      const int64_t nc = (len + kChunk - 1) / kChunk;
+      const int64_t nc = (len + kChunk - 1) / kChunk;  // the row's chunks; c_lo <= its first with a window
       float* o = op + i * nh * d + h * d;
-      if (nc == 0) {
+      if (nc == 0 || (windowed && win.first[i] < 0)) {
         std::fill(o, o + d, 0.0f);
         continue;
       }
-      combine(&pm[r * NC], &pl[r * NC], &po[r * NC * d], nc, d, o);
+      combine(&pm[r * NCw], &pl[r * NCw], &po[r * NCw * d], nc - c_lo, d, o,
+              windowed ? win.present + win.chunk_base[i] + c_lo : nullptr);
     }
   });
 }
@@ -644,8 +788,16 @@ void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& positions_in, at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,
                      const std::optional<at::Tensor>& visible_in, int64_t n_heads, int64_t n_kv_heads,
-                     const std::optional<at::Tensor>& write_slots_in) {
+                     const std::optional<at::Tensor>& write_slots_in, int64_t window, double softcap,
+                     double scale_in) {
   const char* fn = "attention";
+  TORCH_CHECK(window >= 0, fn, ": window must be >= 0 (0 = no sliding window), got ", window);
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, fn,
+              ": softcap must be finite and >= 0 (0 = no soft-capping), got ", softcap);
+  TORCH_CHECK(std::isfinite(scale_in) && scale_in >= 0.0, fn,
+              ": scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got ", scale_in);
+  TORCH_CHECK(softcap == 0.0 || static_cast<float>(softcap) > 0.0f, fn, ": softcap ", softcap,
+              " is 0 in float32");
   TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0, fn,
               ": n_heads must be a positive multiple of n_kv_heads, got n_heads=", n_heads,
               " n_kv_heads=", n_kv_heads);
@@ -749,7 +901,46 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
       dst[e] = a + b;
     }
   };
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float scale = scale_in > 0.0 ? static_cast<float>(scale_in) : 1.0f / std::sqrt(static_cast<float>(d));
+  const float cap_f = static_cast<float>(softcap);
+
+  // The sliding window (step 2): per row the lowest key position it sees, per visible column its key's position,
+  // per (row, chunk) whether the chunk has a key in the window.
+  Window win;
+  std::vector<int64_t> lo, col_pos, chunk_base, first;
+  std::vector<uint8_t> present;
+  if (window > 0) {
+    col_pos.assign(static_cast<size_t>(W), -1);
+    for (int64_t i = 0; i < Q; ++i)
+      if (wslot[i] - start < W) col_pos[wslot[i] - start] = pos[i];
+    lo.resize(Q);
+    chunk_base.resize(Q);
+    first.assign(Q, -1);
+    for (int64_t i = 0; i < Q; ++i) {
+      lo[i] = pos[i] - window + 1;
+      const int64_t len = start + vis_off[i + 1] - vis_off[i], nc = (len + kChunk - 1) / kChunk;
+      chunk_base[i] = static_cast<int64_t>(present.size());
+      present.resize(present.size() + nc, 0);
+      for (int64_t t = 0; t < len; ++t) {  // list position t: prefix slot t, or the row's new column
+        int64_t kpos = t;
+        if (t >= start) {
+          const int64_t j = vis_idx[vis_off[i] + t - start];
+          TORCH_CHECK(col_pos[j] >= 0, fn, ": with a window, row ", i, " sees slot ", start + j,
+                      ", which this call does not write, so its key's position is unknown (with window > 0 every "
+                      "visible slot after start must be a write slot of this call)");
+          kpos = col_pos[j];
+        } else if (t < lo[i]) {
+          t = std::min(start, lo[i]) - 1;  // prefix slots below the window: none is in it
+          continue;
+        }
+        if (kpos >= lo[i]) {
+          present[chunk_base[i] + t / kChunk] = 1;
+          if (first[i] < 0) first[i] = t / kChunk;
+        }
+      }
+    }
+    win = Window{window, lo.data(), col_pos.data(), chunk_base.data(), present.data(), first.data()};
+  }
   float* op = out.data_ptr<float>();
   // Steps 1 (the writes) and 3-4 over the caches' elements: float* (fp32 caches) or uint16_t* (fp16).
   auto write_and_attend = [&](auto* kc, auto* vc) {
@@ -768,7 +959,8 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
     // Steps 3 and 4 for blocks of at most kRowBlock rows (bounding the partials' memory in long prefills).
     for (int64_t i0 = 0; i0 < Q; i0 += kRowBlock) {
       const int64_t i1 = std::min(Q, i0 + kRowBlock);
-      attend_rows(qr.get(), kc, vc, cap, d, nh, nkv, start, vis_off.data(), vis_idx.data(), i0, i1, scale, op);
+      attend_rows(qr.get(), kc, vc, cap, d, nh, nkv, start, vis_off.data(), vis_idx.data(), i0, i1, scale, cap_f,
+                  win, op);
     }
   };
   if (k_cache.scalar_type() == at::kHalf)
@@ -789,7 +981,8 @@ at::Tensor attention_many(const at::Tensor& qkv, const std::vector<int64_t>& row
                           const std::vector<at::Tensor>& k_all, const std::vector<at::Tensor>& v_all, int64_t layer,
                           const std::vector<int64_t>& starts, const std::vector<std::optional<at::Tensor>>& visible,
                           int64_t n_heads, int64_t n_kv_heads,
-                          const std::vector<std::optional<at::Tensor>>& write_slots) {
+                          const std::vector<std::optional<at::Tensor>>& write_slots, int64_t window, double softcap,
+                          double scale) {
   const int64_t S = static_cast<int64_t>(positions.size());
   TORCH_CHECK(S > 0 && static_cast<int64_t>(row_starts.size()) == S + 1 && static_cast<int64_t>(k_all.size()) == S &&
                   static_cast<int64_t>(v_all.size()) == S && static_cast<int64_t>(starts.size()) == S &&
@@ -811,7 +1004,8 @@ at::Tensor attention_many(const at::Tensor& qkv, const std::vector<int64_t>& row
   auto one = [&](int64_t j) {
     at::Tensor k = k_all[j].select(0, layer), v = v_all[j].select(0, layer);
     outs[j] = attention(qkv.narrow(0, row_starts[j], row_starts[j + 1] - row_starts[j]).contiguous(), cos, sin,
-                        positions[j], k, v, starts[j], visible[j], n_heads, n_kv_heads, write_slots[j]);
+                        positions[j], k, v, starts[j], visible[j], n_heads, n_kv_heads, write_slots[j], window,
+                        softcap, scale);
   };
   if (shared) {
     for (int64_t j = 0; j < S; ++j) one(j);
@@ -826,6 +1020,7 @@ at::Tensor attention_many(const at::Tensor& qkv, const std::vector<int64_t>& row
 // One decoder layer of one sequence whose four linears are packed GGUF weights, in a single call: the same
 // calls the Python forward makes per layer (qkv, attention, o, add_rms_norm, gate|up, silu_mul, down,
 // add_rms_norm), so every value is bitwise the same, without ~8 Python-level calls and tensor views per layer.
+// window, softcap and scale go to `attention` as they are; the MLP is always silu(gate) * up.
 // x [q, hidden] is the residual stream (updated in place), h its normed input; returns the next normed input.
 at::Tensor packed_layer(at::Tensor& x, const at::Tensor& h, const at::Tensor& w_qkv, int64_t f_qkv,
                         const at::Tensor& w_o, int64_t f_o, const at::Tensor& w_gu, int64_t f_gu,
@@ -833,13 +1028,13 @@ at::Tensor packed_layer(at::Tensor& x, const at::Tensor& h, const at::Tensor& w_
                         const at::Tensor& next_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& positions, at::Tensor& k_all, at::Tensor& v_all, int64_t layer,
                         int64_t start, const std::optional<at::Tensor>& visible, int64_t n_heads, int64_t n_kv_heads,
-                        const std::optional<at::Tensor>& write_slots) {
+                        const std::optional<at::Tensor>& write_slots, int64_t window, double softcap, double scale) {
   TORCH_CHECK(k_all.dim() == 4 && v_all.dim() == 4 && layer >= 0 && layer < k_all.size(0),
               "packed_layer: k_all and v_all must be [layers, n_kv_heads, capacity, head_dim] and layer in range");
   at::Tensor k_cache = k_all.select(0, layer), v_cache = v_all.select(0, layer);
   const at::Tensor qkv = ff_quant_mm(h, w_qkv, f_qkv, h.size(1));
   const at::Tensor attn = attention(qkv, cos, sin, positions, k_cache, v_cache, start, visible, n_heads, n_kv_heads,
-                                    write_slots);
+                                    write_slots, window, softcap, scale);
   const at::Tensor o = ff_quant_mm(attn, w_o, f_o, attn.size(1));
   const at::Tensor h2 = add_rms_norm(x, o, post_norm, eps);
   const at::Tensor act = silu_mul(ff_quant_mm(h2, w_gu, f_gu, h2.size(1)));
@@ -855,6 +1050,10 @@ void register_layer_ops(pybind11::module& m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place), then return rms_norm(x, w, eps)", pybind11::arg("x"),
         pybind11::arg("delta"), pybind11::arg("w"), pybind11::arg("eps"));
   m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:] for gu [q, 2I] (fp32)", pybind11::arg("gu"));
+  m.def("gelu_tanh_mul", &gelu_tanh_mul,
+        "gelu_tanh(gu[:, :I]) * gu[:, I:] for gu [q, 2I] (fp32): torch's gelu(approximate='tanh'), transformers' "
+        "gelu_pytorch_tanh",
+        pybind11::arg("gu"));
   m.def("packed_layer", &packed_layer,
         "one decoder layer with packed weights: x += attention and MLP outputs in place, returns the next normed "
         "input", pybind11::arg("x"), pybind11::arg("h"), pybind11::arg("w_qkv"), pybind11::arg("f_qkv"),
@@ -863,7 +1062,8 @@ void register_layer_ops(pybind11::module& m) {
         pybind11::arg("eps"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"),
         pybind11::arg("k_all"), pybind11::arg("v_all"), pybind11::arg("layer"), pybind11::arg("start"),
         pybind11::arg("visible"), pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"),
-        pybind11::arg("write_slots"));
+        pybind11::arg("write_slots"), pybind11::kw_only(), pybind11::arg("window") = 0,
+        pybind11::arg("softcap") = 0.0, pybind11::arg("scale") = 0.0);
   m.def("attention_many", &attention_many,
         "attention for several sequences in one call: sequence j's rows qkv[row_starts[j]:row_starts[j+1]] over "
         "k_all[j][layer] / v_all[j][layer] with its positions, start, visible and write_slots, as `attention` "
@@ -871,15 +1071,21 @@ void register_layer_ops(pybind11::module& m) {
         pybind11::arg("qkv"), pybind11::arg("row_starts"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("positions"), pybind11::arg("k_all"), pybind11::arg("v_all"), pybind11::arg("layer"),
         pybind11::arg("starts"), pybind11::arg("visible"), pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"),
-        pybind11::arg("write_slots"));
+        pybind11::arg("write_slots"), pybind11::kw_only(), pybind11::arg("window") = 0,
+        pybind11::arg("softcap") = 0.0, pybind11::arg("scale") = 0.0);
   m.def("attention", &attention,
         "RoPE, KV-cache write and GQA attention of q new tokens over a prefix of `start` cached tokens plus the "
         "slots after it each row sees (visible [q, W] bool: row i sees slot start+j where visible[i, j]; None = "
         "causal); the new tokens' keys/values go to write_slots (default start..start+q-1); returns "
         "[q, n_heads * head_dim]. The caches [n_kv_heads, capacity, head_dim] are both float32 or both float16 "
         "(written rounded to nearest, read back exactly). Row i is bitwise what row i alone gives on a cache "
-        "holding exactly its visible keys in order.",
+        "holding exactly its visible keys in order. Keyword options (defaults: none, today's bits): window > 0, "
+        "a sliding window (row i sees a key at position k only if positions[i] - k < window; prefix slot s holds "
+        "position s, new token j's key positions[j]); softcap > 0, scores capped to softcap * tanh(s / softcap) "
+        "(Gemma 2); scale > 0, the query scale instead of 1/sqrt(head_dim).",
         pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("start"), pybind11::arg("visible"),
-        pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"), pybind11::arg("write_slots") = pybind11::none());
+        pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"), pybind11::arg("write_slots") = pybind11::none(),
+        pybind11::kw_only(), pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0,
+        pybind11::arg("scale") = 0.0);
 }
