@@ -18,7 +18,7 @@ from ..kernels import load_native
 from ..linear import FORMAT_IDS, DenseLinear, PackedLinear, concat_linears, format_names, packed_kernel_name, quantize
 from .forward import ForwardOutput, ForwardRequest, _full_mask, check_slots
 from .kv import KV_PRECISIONS, StaticKVCache
-from .layer_math import rms_norm, rope_cos_sin, rotary_heads
+from .layer_math import attend, rms_norm, rope_cos_sin, rotary_heads, window_mask
 
 
 @dataclass
@@ -33,6 +33,22 @@ class LlamaLayer:
     down: object  # [intermediate] -> [hidden]
     bqkv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
+    # Attention options (the native kernel's keywords, and layer_math.attend on the torch path); the defaults are
+    # plain Llama attention. window > 0: a sliding window (a key at position k is seen from position p only if
+    # p - k < window; the cache's committed slots must hold positions 0..length-1 in order); softcap > 0: scores
+    # capped to softcap * tanh(s / softcap) (Gemma 2); scale > 0: the query scale instead of 1/sqrt(head_dim).
+    window: int = 0
+    softcap: float = 0.0
+    scale: float = 0.0
+
+    def attention_options(self) -> dict:
+        """The keyword arguments of the native ``attention`` / ``attention_many`` / ``packed_layer`` calls."""
+        return {"window": int(self.window), "softcap": float(self.softcap), "scale": float(self.scale)}
+
+    @property
+    def plain_attention(self) -> bool:
+        """No attention option set: the layer's attention is Llama's."""
+        return not (self.window or self.softcap or self.scale)
 
     # The layer's two halves as reusable pieces (native layer ops ``ops``): a drafter built from the same parts
     # (an EAGLE-style decoder layer over its own KV cache) calls them as the target does.
@@ -274,9 +290,19 @@ class LeanLlama:
         x = self.embed.rows(ids)
         cos = self.cos[positions].unsqueeze(0)  # [1, q, d]
         sin = self.sin[positions].unsqueeze(0)
-        mask = None if q == 1 and tree_mask is None else _full_mask(q, start, tree_mask)  # [q, start + W]
+        windowed = any(layer.window for layer in self.layers)
+        mask = None if q == 1 and tree_mask is None and not windowed else _full_mask(q, start, tree_mask)
         if mask is not None and mask.shape[1] < end:  # write slots past the mask's width: nobody sees them
             mask = torch.cat([mask, torch.zeros(q, end - mask.shape[1], dtype=torch.bool)], dim=1)
+        if windowed:  # key positions: committed slot s holds position s, a write slot its token's position
+            key_positions = torch.arange(end)
+            key_positions[slots] = positions.to(torch.long)
+            unknown = torch.zeros(end, dtype=torch.bool)
+            unknown[start:] = True
+            unknown[slots] = False
+            if mask[:, unknown].any():
+                raise UsageError("a sliding window needs every visible slot after the committed ones written by "
+                                 "this forward (the positions of earlier-written pool slots are unknown)")
         wanted = set(hidden_layers)
         hidden = {}
         for i, layer in enumerate(self.layers):
@@ -291,14 +317,20 @@ class LeanLlama:
             keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
             if keys.dtype != qh.dtype:  # read back exactly, attention in the activations' dtype
                 keys, values = keys.to(qh.dtype), values.to(qh.dtype)
-            o = F.scaled_dot_product_attention(
-                qh.unsqueeze(0),
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
-                attn_mask=mask,
-                enable_gqa=nh != nkv,
-            )
-            o = layer.o(o[0].transpose(0, 1).reshape(q, nh * d))
+            if layer.plain_attention:
+                o = F.scaled_dot_product_attention(
+                    qh.unsqueeze(0),
+                    keys.unsqueeze(0),
+                    values.unsqueeze(0),
+                    attn_mask=mask,
+                    enable_gqa=nh != nkv,
+                )[0]
+            else:
+                seen = mask
+                if layer.window:
+                    seen = mask & window_mask(positions.to(torch.long), key_positions, layer.window)
+                o = attend(qh, keys, values, seen, layer.scale, layer.softcap)
+            o = layer.o(o.transpose(0, 1).reshape(q, nh * d))
             if layer.bo is not None:
                 o = o + layer.bo
             x = x + o
@@ -362,20 +394,21 @@ class LeanLlama:
         for i, layer in enumerate(self.layers):
             next_norm = self.norm if i + 1 == len(self.layers) else self.layers[i + 1].in_norm
             packed = layer.packed_weights() if fused else None
+            options = {} if layer.plain_attention else layer.attention_options()
             if packed is not None:  # the whole layer in one native call, bitwise the same as the calls below
                 r = requests[0]
                 h = ops.packed_layer(x, h, *packed, layer.post_norm, next_norm, eps, self.cos, self.sin, positions[0],
                                      r.cache.k, r.cache.v, i, starts[0], visible[0], self.n_heads, self.n_kv_heads,
-                                     r.write_slots)
+                                     r.write_slots, **options)
             else:
                 qkv = layer.project_qkv(h)  # [T, (nh + 2 nkv) d]
                 if many is not None:  # every sequence over its own cache, in one call: [T, nh d]
                     attn = ops.attention_many(qkv, many[0], self.cos, self.sin, positions, many[1], many[2], i,
-                                              starts, visible, self.n_heads, self.n_kv_heads, many[3])
+                                              starts, visible, self.n_heads, self.n_kv_heads, many[3], **options)
                 else:
                     parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
                                            requests[j].cache.v[i], starts[j], visible[j], self.n_heads,
-                                           self.n_kv_heads, requests[j].write_slots)
+                                           self.n_kv_heads, requests[j].write_slots, **options)
                              for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]: every sequence over its own cache
                     attn = parts[0] if len(parts) == 1 else torch.cat(parts)
                 o = layer.attention_output(attn)  # [T, hidden]
