@@ -110,7 +110,8 @@ def test_isa_choice_by_environment(monkeypatch, capsys):
     assert kernels.pick_isa(avx2 | {"avx512f"}) == "avx2"
 
 
-KERNEL_TESTS = ["tests/test_quant.py", "tests/test_layer_ops.py", "tests/test_kernels.py"]
+KERNEL_TESTS = ["tests/test_quant.py", "tests/test_layer_ops.py", "tests/test_attention_options.py",
+                "tests/test_kernels.py"]
 
 
 @pytest.mark.skipif("avx512f" in kernels.cpu_flags(), reason="this CPU runs the AVX-512 build natively")
