@@ -24,7 +24,9 @@ from .arithmetic import Q8_FORMATS
 from .errors import UsageError
 from .linear import PACKED_FORMATS, DenseLinear, PackedLinear, dequantize
 
-SUPPORTED_ARCHITECTURES = {"llama", "qwen2"}
+#: GGUF architectures the lean forward reads (Llama's layout; Qwen2's QKV biases; Qwen3's q/k norms; Phi-3's fused
+#: q|k|v and gate|up tensors)
+SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3"}
 
 
 class UnsupportedGGUF(UsageError):
@@ -73,7 +75,7 @@ def _field(reader, key, default=None):
         return default
 
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 
 
 def read_gguf(path: Path, index_file: Path | None = None) -> GGUFModel:
@@ -138,6 +140,7 @@ def _parse(path: Path) -> dict:
             "rope_theta": float(hp("rope.freq_base", 10000.0)),
             "rope_dim": int(hp("rope.dimension_count", hidden // n_heads)),
             "rope_scaling": str(hp("rope.scaling.type", "none") or "none"),
+            "rope_scale_factor": float(hp("rope.scaling.factor", 1.0) or 1.0),
             "max_positions": int(hp("context_length", 4096)),
             "sliding_window": hp("attention.sliding_window"),
         }

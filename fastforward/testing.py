@@ -330,3 +330,150 @@ def backoff_outcomes(target, method: str, drafter_dir, stat: str, prompt=(3, 1, 
         res = api.generate(target, list(prompt), prop, max_new_tokens=max_new_tokens)
         outs[backoff] = (res.token_ids, prop.stats()[stat])
     return outs
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# HF models written as llama.cpp's converter writes them (architecture-aware), for the architecture tests
+# ------------------------------------------------------------------------------------------------------------------
+
+#: HF model type -> GGUF architecture (Mistral converts as llama, as llama.cpp's converter does)
+GGUF_ARCH_OF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                "gemma2": "gemma2", "gemma3_text": "gemma3"}
+
+
+def _llama_cpp_permute(w, n_heads: int):
+    """llama.cpp's converter's Q/K row permutation (rotate-half pairs -> interleaved pairs)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_factors(params: dict, head_dim: int):
+    """The ``rope_freqs.weight`` factors llama.cpp's converter computes for a Llama 3 rope (float32)."""
+    import math
+
+    base = params.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor = params.get("factor", 8.0)
+    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    old = params.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old / low, old / high
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def write_hf_gguf(model, path, *, linear_type: str = "F32", vocab: bool = True) -> str:
+    """Write an HF model (fp32) as a GGUF file under llama.cpp's tensor and metadata names, laid out as llama.cpp's
+    converter lays it out per architecture (Llama's permuted Q/K rows and ``rope_freqs``; Qwen2's biases; Qwen3's
+    q/k norms; Phi-3's fused ``attn_qkv`` and gate|up ``ffn_up``). Matrices in ``linear_type`` (F32, F16, Q8_0,
+    Q4_0, ...), 1-D tensors in F32. ``vocab``: a minimal tokenizer (byte tokens, SentencePiece-style) so llama.cpp
+    loads the file. Returns the GGUF architecture."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
+
+    cfg = model.config
+    mt = cfg.model_type
+    arch = GGUF_ARCH_OF[mt]
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+    qtype = GGMLQuantizationType[linear_type]
+    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_key_length(d)
+    w.add_value_length(d)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    params = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(params.get("rope_theta", 10000.0)))
+    w.add_rope_dimension_count(d)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(1 if linear_type == "F16" else 0 if linear_type == "F32" else 7)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(params["factor"]))
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) is not False:
+        w.add_sliding_window(int(cfg.sliding_window))
+
+    def matrix(name, t):
+        t = t.contiguous().numpy().astype(np.float32)
+        if qtype == GGMLQuantizationType.F32 or t.shape[-1] % 32:
+            w.add_tensor(name, t)
+        elif qtype == GGMLQuantizationType.F16:
+            w.add_tensor(name, t.astype(np.float16))
+        else:
+            w.add_tensor(name, quants.quantize(t, qtype), raw_dtype=qtype)
+
+    def vec(name, t):
+        w.add_tensor(name, t.contiguous().numpy().astype(np.float32))
+
+    matrix("token_embd.weight", sd["model.embed_tokens.weight"])
+    if rope_type == "llama3":
+        vec("rope_freqs.weight", _llama3_rope_factors(params, d))
+    permute = arch == "llama"
+    for i in range(cfg.num_hidden_layers):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        vec(p + "attn_norm.weight", sd[h + "input_layernorm.weight"])
+        vec(p + "ffn_norm.weight", sd[h + "post_attention_layernorm.weight"])
+        if h + "self_attn.qkv_proj.weight" in sd:
+            matrix(p + "attn_qkv.weight", sd[h + "self_attn.qkv_proj.weight"])
+        else:
+            for x, n in (("q", nh), ("k", nkv), ("v", None)):
+                wx = sd[h + f"self_attn.{x}_proj.weight"]
+                matrix(p + f"attn_{x}.weight", _llama_cpp_permute(wx, n) if permute and n else wx)
+                if h + f"self_attn.{x}_proj.bias" in sd:
+                    bx = sd[h + f"self_attn.{x}_proj.bias"]
+                    vec(p + f"attn_{x}.bias", _llama_cpp_permute(bx, n) if permute and n else bx)
+        if h + "self_attn.q_norm.weight" in sd:
+            vec(p + "attn_q_norm.weight", sd[h + "self_attn.q_norm.weight"])
+            vec(p + "attn_k_norm.weight", sd[h + "self_attn.k_norm.weight"])
+        matrix(p + "attn_output.weight", sd[h + "self_attn.o_proj.weight"])
+        if h + "mlp.gate_up_proj.weight" in sd:
+            matrix(p + "ffn_up.weight", sd[h + "mlp.gate_up_proj.weight"])
+        else:
+            matrix(p + "ffn_gate.weight", sd[h + "mlp.gate_proj.weight"])
+            matrix(p + "ffn_up.weight", sd[h + "mlp.up_proj.weight"])
+        matrix(p + "ffn_down.weight", sd[h + "mlp.down_proj.weight"])
+    vec("output_norm.weight", sd["model.norm.weight"])
+    if not getattr(cfg, "tie_word_embeddings", False):
+        matrix("output.weight", sd["lm_head.weight"])
+    if vocab:
+        _add_byte_vocab(w, cfg.vocab_size)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return arch
+
+
+def _add_byte_vocab(w, vocab_size: int) -> None:
+    """A minimal SentencePiece-style vocabulary for llama.cpp: ``<unk>``, ``<s>``, ``</s>``, the 256 byte tokens,
+    then unused padding up to ``vocab_size``."""
+    from gguf import TokenType
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    while len(tokens) < vocab_size:
+        tokens.append(f"<unused{len(tokens)}>")
+        types.append(TokenType.UNUSED)
+    tokens, types = tokens[:vocab_size], types[:vocab_size]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)

@@ -1,4 +1,5 @@
-"""The lean forward: Llama-architecture decoders (Llama, SmolLM2, Qwen2, Mistral without sliding windows) over fused
+"""The lean forward: Llama-architecture decoders (Llama with linear / Llama 3 rope scaling, SmolLM2, Qwen2, Qwen3's
+q/k norms, Phi-3's fused projections, Mistral without sliding windows) over fused
 weights (:mod:`fastforward.linear`: fp32, or GGUF blocks kept packed) and a static KV cache, with the native layer
 ops (RMSNorm, RoPE + KV write + tree attention, SiLU*mul) or plain torch ops. Every row of a forward is computed
 exactly as alone, so a tree verification (and a forward shared by several sequences) gives each token the logits of
@@ -18,7 +19,7 @@ from ..kernels import load_native
 from ..linear import FORMAT_IDS, DenseLinear, PackedLinear, concat_linears, format_names, packed_kernel_name, quantize
 from .forward import ForwardOutput, ForwardRequest, _full_mask, check_slots
 from .kv import KV_PRECISIONS, StaticKVCache
-from .layer_math import attend, rms_norm, rope_cos_sin, rotary_heads, window_mask
+from .layer_math import attend, rms_norm, rope_cos_sin, rope_inv_freq, rotary_heads, window_mask
 
 
 @dataclass
@@ -49,14 +50,35 @@ class LlamaLayer:
     def plain_attention(self) -> bool:
         """No attention option set: the layer's attention is Llama's."""
         return not (self.window or self.softcap or self.scale)
+    #: Qwen3's per-head RMSNorm of q and k ([head_dim] each, applied before RoPE), with its epsilon and the head
+    #: counts that split the fused q|k|v rows
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_eps: float = 1e-6
+    heads: tuple[int, int, int] | None = None  # (n_heads, n_kv_heads, head_dim), with q_norm / k_norm
 
     # The layer's two halves as reusable pieces (native layer ops ``ops``): a drafter built from the same parts
     # (an EAGLE-style decoder layer over its own KV cache) calls them as the target does.
 
-    def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
-        """[T, hidden] normed states -> [T, (n_heads + 2 n_kv_heads) head_dim]."""
+    def project_qkv(self, h: torch.Tensor, ops=None) -> torch.Tensor:
+        """[T, hidden] normed states -> [T, (n_heads + 2 n_kv_heads) head_dim] (q and k per-head normed when the
+        layer has q/k norms: row-wise, by the native ``ops.rms_norm`` when given)."""
         qkv = self.qkv(h)
-        return qkv if self.bqkv is None else qkv + self.bqkv
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv
+        if self.q_norm is not None:
+            qkv = self.norm_qk(qkv, ops)
+        return qkv
+
+    def norm_qk(self, qkv: torch.Tensor, ops=None) -> torch.Tensor:
+        """The q and k parts of fused rows RMS-normed per head (Qwen3, Gemma 3), v as it is; every row alone."""
+        nh, nkv, d = self.heads
+        t = qkv.shape[0]
+        norm = rms_norm if ops is None else ops.rms_norm
+        q = norm(qkv[:, : nh * d].reshape(t * nh, d).contiguous(), self.q_norm, self.qk_eps).view(t, nh * d)
+        k = norm(qkv[:, nh * d : (nh + nkv) * d].reshape(t * nkv, d).contiguous(), self.k_norm,
+                 self.qk_eps).view(t, nkv * d)
+        return torch.cat([q, k, qkv[:, (nh + nkv) * d :]], dim=1)
 
     def attention_output(self, o: torch.Tensor) -> torch.Tensor:
         """[T, n_heads head_dim] attention values -> [T, hidden] (the o projection)."""
@@ -69,12 +91,12 @@ class LlamaLayer:
 
     def packed_weights(self) -> tuple | None:
         """(data, fmt) of qkv, o, gate|up and down, flattened, when all four are packed GGUF weights on the native
-        kernel and the layer has no biases (what ``ops.packed_layer`` runs in one call); else None."""
+        kernel and the layer has no biases and no q/k norms (what ``ops.packed_layer`` runs in one call); else None."""
         linears = (self.qkv, self.o, self.gate_up, self.down)
         cached = self.__dict__.get("_packed")
         if cached is not None and all(a is b for a, b in zip(cached[0], linears, strict=True)):
             return cached[1]
-        ok = self.bqkv is None and self.bo is None and all(
+        ok = self.bqkv is None and self.bo is None and self.q_norm is None and all(
             isinstance(lin, PackedLinear) and lin.data is not None and lin.native is not None and not lin.padded
             for lin in linears)
         args = tuple(v for lin in linears for v in (lin.data, lin.kernel_fmt)) if ok else None
@@ -82,11 +104,94 @@ class LlamaLayer:
         return args
 
 
-def rope_tables(head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ``[max_positions, head_dim]`` of the default (unscaled) rotary embedding at positions
-    0..max_positions-1 (:func:`~fastforward.model.layer_math.rope_cos_sin`)."""
-    cos, sin = rope_cos_sin(head_dim, theta, torch.arange(max_positions))
+def rope_tables(head_dim: int, theta: float, max_positions: int,
+                inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[max_positions, head_dim]`` of the rotary embedding at positions 0..max_positions-1
+    (:func:`~fastforward.model.layer_math.rope_cos_sin`): default frequencies, or ``inv_freq``."""
+    cos, sin = rope_cos_sin(head_dim, theta, torch.arange(max_positions), inv_freq)
     return cos.contiguous(), sin.contiguous()
+
+
+#: rope scaling types whose tables are fixed (not recomputed from the sequence length): HF folders take them from
+#: the model's own rotary module
+STATIC_HF_ROPE_TYPES = ("default", "linear", "llama3")
+#: GGUF files: llama.cpp's linear scaling (``rope.scaling.factor``); Llama 3's factors come as ``rope_freqs.weight``
+GGUF_ROPE_SCALING = ("none", "", "linear")
+
+
+def hf_rope_types(config) -> set[str]:
+    """The rope types of an HF config (transformers' ``rope_parameters``, per layer type for Gemma 3; or the older
+    ``rope_scaling``)."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = getattr(config, "rope_scaling", None)
+    if not params:
+        return {"default"}
+    groups = params.values() if all(isinstance(v, dict) for v in params.values()) else [params]
+    return {str(g.get("rope_type", g.get("type", "default")) or "default") for g in groups}
+
+
+def lean_gguf_problem(model) -> str | None:
+    """Why the lean forward cannot run a GGUF file exactly (a rope scaling it does not compute, a sliding window,
+    partial rotary dimensions), or None."""
+    hp, t = model.hparams, model.tensors
+    if hp["rope_scaling"] not in GGUF_ROPE_SCALING:
+        return f"rope scaling '{hp['rope_scaling']}'"
+    if any(name.startswith("rope_factors_") for name in t):
+        return "long/short rope factors (longrope)"
+    if hp.get("sliding_window"):
+        return f"a sliding window ({hp['sliding_window']})"
+    if hp.get("rope_dim", hp["head_dim"]) != hp["head_dim"]:
+        return f"partial rotary dimensions ({hp['rope_dim']} of {hp['head_dim']})"
+    return None
+
+
+def hf_lean_problem(config) -> str | None:
+    """Why the lean forward cannot run an HF config exactly (a rope type whose tables depend on the sequence
+    length, or that it does not know; partial rotary dimensions), or None."""
+    unknown = sorted(hf_rope_types(config) - set(STATIC_HF_ROPE_TYPES))
+    if unknown:
+        return f"rope type '{unknown[0]}'"
+    partial = getattr(config, "partial_rotary_factor", None)
+    params = getattr(config, "rope_parameters", None) or {}
+    partial = params.get("partial_rotary_factor", partial) if isinstance(params, dict) else partial
+    if partial not in (None, 1, 1.0):
+        return f"partial rotary factor {partial}"
+    return None
+
+
+def _hf_layer_parts(layer):
+    """(q|k|v weight, its bias or None, gate|up weight) of an HF decoder layer: separate projections (Llama, Qwen,
+    Mistral) or fused ones (Phi-3's ``qkv_proj`` and ``gate_up_proj``, gate first)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if hasattr(attn, "qkv_proj"):
+        wqkv, bqkv = attn.qkv_proj.weight, attn.qkv_proj.bias
+    else:
+        wqkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)
+        bqkv = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias,
+                                                                 attn.v_proj.bias], 0)
+    if hasattr(mlp, "gate_up_proj"):
+        wgu = mlp.gate_up_proj.weight
+    else:
+        wgu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
+    return wqkv, (None if bqkv is None else bqkv.detach()), wgu
+
+
+def gguf_inv_freq(model) -> torch.Tensor:
+    """A GGUF file's rotary inverse frequencies as llama.cpp computes them: the default ones divided by
+    ``rope_freqs.weight`` (Llama 3's frequency factors, which llama.cpp's converter writes) and by
+    ``rope.scaling.factor`` under linear scaling."""
+    hp, t = model.hparams, model.tensors
+    inv = rope_inv_freq(hp["head_dim"], hp["rope_theta"])
+    if "rope_freqs.weight" in t:
+        factors = vector(t["rope_freqs.weight"])
+        if factors.numel() != inv.numel():
+            raise UsageError(f"{model.path}: rope_freqs.weight has {factors.numel()} factors, the heads need "
+                             f"{inv.numel()}")
+        inv = inv / factors
+    if hp["rope_scaling"] == "linear":
+        inv = inv / hp.get("rope_scale_factor", 1.0)
+    return inv
 
 
 class LeanLlama:
@@ -143,22 +248,29 @@ class LeanLlama:
                                     owned=True)
             return DenseLinear(w.detach(), native=native, kernel_max_q=kernel_max_q, small_q_max=small_q_max)
 
+        problem = hf_lean_problem(cfg)
+        if problem is not None:
+            raise UsageError(f"the lean forward does not compute {problem} exactly; use the HF backend")
+        n_kv_heads = getattr(cfg, "num_key_value_heads", None) or n_heads
         layers = []
         with torch.no_grad():
             for layer in inner.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                bqkv = None
-                if attn.q_proj.bias is not None:
-                    bqkv = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], 0).detach()
+                wqkv, bqkv, wgu = _hf_layer_parts(layer)
+                q_norm = getattr(attn, "q_norm", None)
                 layers.append(LlamaLayer(
                     in_norm=layer.input_layernorm.weight.detach(),
                     post_norm=layer.post_attention_layernorm.weight.detach(),
-                    qkv=dense(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)),
+                    qkv=dense(wqkv),
                     o=dense(attn.o_proj.weight),
-                    gate_up=dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)),
+                    gate_up=dense(wgu),
                     down=dense(mlp.down_proj.weight),
                     bqkv=bqkv,
                     bo=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+                    q_norm=None if q_norm is None else q_norm.weight.detach(),
+                    k_norm=None if q_norm is None else attn.k_norm.weight.detach(),
+                    qk_eps=cfg.rms_norm_eps,
+                    heads=(n_heads, n_kv_heads, head_dim),
                 ))
             embed = dense(inner.embed_tokens.weight)
             head_w = hf_model.get_output_embeddings().weight
@@ -168,7 +280,7 @@ class LeanLlama:
             dummy = torch.zeros(1, 1, head_dim, dtype=dtype)
             cos, sin = inner.rotary_emb(dummy, torch.arange(max_pos).unsqueeze(0))
         return cls(
-            n_heads=n_heads, n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads, head_dim=head_dim,
+            n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
             hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps,
             embed=embed, head=head, norm=inner.norm.weight.detach(), layers=layers,
             cos=cos[0].contiguous(), sin=sin[0].contiguous(),
@@ -181,10 +293,12 @@ class LeanLlama:
         """From a :class:`~fastforward.gguf_file.GGUFModel`: quantised weights stay packed (``native`` given, or
         ``arithmetic='q8'``), multiplied in ``arithmetic`` ('exact' or 'q8')."""
         hp, t = model.hparams, model.tensors
-        if hp["rope_scaling"] not in ("none", ""):
-            raise UsageError(f"GGUF rope scaling '{hp['rope_scaling']}' is not supported by the direct GGUF path")
-        # llama.cpp permutes Q/K rows for llama only (qwen2 GGUFs keep HF's order).
+        problem = lean_gguf_problem(model)
+        if problem is not None:
+            raise UsageError(f"the direct GGUF path does not run {problem}")
+        # llama.cpp permutes Q/K rows for llama only (qwen2/qwen3/phi3 GGUFs keep HF's order: NeoX-style rope).
         pq, pk = (hp["n_heads"], hp["n_kv_heads"]) if model.architecture == "llama" else (None, None)
+        nh, nkv, d = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"]
 
         def lin(name, permute=None):
             return linear_from_tensor(t[name], native=native, permute_heads=permute, arithmetic=arithmetic)
@@ -195,24 +309,40 @@ class LeanLlama:
             v = vector(t[name])
             return v if permute is None else v[unpermute_rows(v.numel(), permute)]
 
+        def norm(name):
+            return vector(t[name]) if name in t else None
+
         layers = []
         for i in range(hp["n_layers"]):
             p = f"blk.{i}."
-            bq, bk, bv = bias(p + "attn_q.bias", pq), bias(p + "attn_k.bias", pk), bias(p + "attn_v.bias")
+            if p + "attn_qkv.weight" in t:  # Phi-3: q|k|v in one tensor, HF's row order
+                qkv, bqkv = lin(p + "attn_qkv.weight"), bias(p + "attn_qkv.bias")
+            else:
+                bq, bk, bv = bias(p + "attn_q.bias", pq), bias(p + "attn_k.bias", pk), bias(p + "attn_v.bias")
+                qkv = concat_linears([lin(p + "attn_q.weight", pq), lin(p + "attn_k.weight", pk),
+                                      lin(p + "attn_v.weight")])
+                bqkv = None if bq is None else torch.cat([bq, bk, bv])
+            if p + "ffn_gate.weight" in t:
+                gate_up = concat_linears([lin(p + "ffn_gate.weight"), lin(p + "ffn_up.weight")])
+            else:  # Phi-3: ffn_up holds gate|up (gate first, llama.cpp's fused SwiGLU)
+                gate_up = lin(p + "ffn_up.weight")
             layers.append(LlamaLayer(
                 in_norm=vector(t[p + "attn_norm.weight"]),
                 post_norm=vector(t[p + "ffn_norm.weight"]),
-                qkv=concat_linears([lin(p + "attn_q.weight", pq), lin(p + "attn_k.weight", pk),
-                                    lin(p + "attn_v.weight")]),
+                qkv=qkv,
                 o=lin(p + "attn_output.weight"),
-                gate_up=concat_linears([lin(p + "ffn_gate.weight"), lin(p + "ffn_up.weight")]),
+                gate_up=gate_up,
                 down=lin(p + "ffn_down.weight"),
-                bqkv=None if bq is None else torch.cat([bq, bk, bv]),
+                bqkv=bqkv,
                 bo=bias(p + "attn_output.bias"),
+                q_norm=norm(p + "attn_q_norm.weight"),  # Qwen3
+                k_norm=norm(p + "attn_k_norm.weight"),
+                qk_eps=hp["eps"],
+                heads=(nh, nkv, d),
             ))
         embed = lin("token_embd.weight")
         head = lin("output.weight") if "output.weight" in t else embed  # tied: the embedding, packed
-        cos, sin = rope_tables(hp["head_dim"], hp["rope_theta"], hp["max_positions"])
+        cos, sin = rope_tables(d, hp["rope_theta"], hp["max_positions"], gguf_inv_freq(model))
         kinds = sorted(set().union(*(format_names(x) for layer in layers for x in (layer.qkv, layer.o, layer.gate_up,
                                                                             layer.down)), format_names(head)))
         if arithmetic == "q8":
@@ -307,9 +437,7 @@ class LeanLlama:
         hidden = {}
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.in_norm, self.eps)
-            qkv = layer.qkv(h)
-            if layer.bqkv is not None:
-                qkv = qkv + layer.bqkv
+            qkv = layer.project_qkv(h)
             qh, kh, vh = rotary_heads(qkv, nh, nkv, d, cos, sin)
             # [nkv, q, d] into the write slots; an fp16 cache stores them rounded to nearest even
             cache.k[i][:, slots] = kh.to(cache.k.dtype)
@@ -401,7 +529,7 @@ class LeanLlama:
                                      r.cache.k, r.cache.v, i, starts[0], visible[0], self.n_heads, self.n_kv_heads,
                                      r.write_slots, **options)
             else:
-                qkv = layer.project_qkv(h)  # [T, (nh + 2 nkv) d]
+                qkv = layer.project_qkv(h, ops)  # [T, (nh + 2 nkv) d]
                 if many is not None:  # every sequence over its own cache, in one call: [T, nh d]
                     attn = ops.attention_many(qkv, many[0], self.cos, self.sin, positions, many[1], many[2], i,
                                               starts, visible, self.n_heads, self.n_kv_heads, many[3], **options)

@@ -23,6 +23,7 @@ from ..kernels import load_native
 from ..paths import cache_root
 from ..tokenizer import LightTokenizer
 from .kv import KV_PRECISIONS
+from .lean import lean_gguf_problem
 from .target import TargetModel
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -307,7 +308,9 @@ def _check_q8(kind: str, *, backend: str, dtype, weights: str, arithmetic: str) 
 
 def _lean_gguf(name, path, *, dtype, arithmetic: str) -> TargetModel | None:
     """The GGUF file run straight from its packed blocks on the lean forward, when the lean forward runs it (its
-    architecture, no rope scaling or sliding window) with the native kernels or the q8 arithmetic; else None."""
+    architecture, rope scaling, no sliding window: :func:`~fastforward.model.lean.lean_gguf_problem`) with the
+    native kernels or the q8 arithmetic; else None (with a one-line notice when the lean forward would run the
+    architecture but not this file's rope or window)."""
     native = load_native()
     try:
         converted = _gguf_cache_dir(path)
@@ -315,7 +318,11 @@ def _lean_gguf(name, path, *, dtype, arithmetic: str) -> TargetModel | None:
     except UnsupportedGGUF:
         gguf_model = None
     hp = gguf_model.hparams if gguf_model is not None else {}
-    lean_ok = bool(hp) and not hp["sliding_window"] and hp["rope_scaling"] in ("none", "")
+    problem = lean_gguf_problem(gguf_model) if hp else None
+    if problem is not None:
+        print(f"fastforward: {Path(path).name} runs on the HF backend (the lean forward does not run {problem})",
+              file=sys.stderr)
+    lean_ok = bool(hp) and problem is None
     chosen = (DEFAULT_GGUF_ARITHMETIC if native is not None else "exact") if arithmetic == "auto" else arithmetic
     if lean_ok and (native is not None or chosen == "q8"):
         tokenizer = _gguf_tokenizer(path)

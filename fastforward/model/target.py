@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..errors import UsageError
 from .forward import ForwardOutput, ForwardRequest
 from .hf import HFForward, sliding_window_of
-from .lean import LeanLlama
+from .lean import LeanLlama, hf_lean_problem
 from .slots import HasSlots
 
-LEAN_ARCHITECTURES = {"llama", "qwen2", "mistral"}
+LEAN_ARCHITECTURES = {"llama", "qwen2", "qwen3", "mistral", "phi3"}
 
 
 class TargetModel(HasSlots):
@@ -29,10 +31,18 @@ class TargetModel(HasSlots):
         self.config = hf_model.config
         model_type = getattr(self.config, "model_type", "")
         window, every_layer = sliding_window_of(self.config)
-        lean_ok = model_type in LEAN_ARCHITECTURES and window is None
+        problem = None
+        if model_type in LEAN_ARCHITECTURES:
+            problem = hf_lean_problem(self.config) or (None if window is None else f"a sliding window ({window})")
+        lean_ok = model_type in LEAN_ARCHITECTURES and problem is None
         if backend == "auto":
             backend = "lean" if lean_ok else "hf"
+            if problem is not None:
+                print(f"fastforward: {name} runs on the HF backend (the lean forward does not run {problem})",
+                      file=sys.stderr)
         if backend == "lean" and not lean_ok:
+            if problem is not None:
+                raise UsageError(f"the lean backend does not run {problem} ({model_type}); use the HF backend")
             raise UsageError(f"the lean backend supports {sorted(LEAN_ARCHITECTURES)}, not '{model_type}'")
         if backend not in ("lean", "hf"):
             raise UsageError(f"unknown backend '{backend}' (use auto, lean or hf)")
