@@ -25,8 +25,8 @@ from .errors import UsageError
 from .linear import PACKED_FORMATS, DenseLinear, PackedLinear, dequantize
 
 #: GGUF architectures the lean forward reads (Llama's layout; Qwen2's QKV biases; Qwen3's q/k norms; Phi-3's fused
-#: q|k|v and gate|up tensors)
-SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3"}
+#: q|k|v and gate|up tensors; Gemma 2 / 3's four norms per layer, soft-caps and local / global layers)
+SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"}
 
 
 class UnsupportedGGUF(UsageError):
@@ -75,7 +75,7 @@ def _field(reader, key, default=None):
         return default
 
 
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 
 
 def read_gguf(path: Path, index_file: Path | None = None) -> GGUFModel:
@@ -143,6 +143,10 @@ def _parse(path: Path) -> dict:
             "rope_scale_factor": float(hp("rope.scaling.factor", 1.0) or 1.0),
             "max_positions": int(hp("context_length", 4096)),
             "sliding_window": hp("attention.sliding_window"),
+            "sliding_window_pattern": _plain(hp("attention.sliding_window_pattern")),
+            "rope_theta_swa": hp("rope.freq_base_swa"),
+            "attn_softcap": hp("attn_logit_softcapping"),
+            "final_softcap": hp("final_logit_softcapping"),
         }
     except (TypeError, ValueError) as exc:
         raise UsageError(f"{path}: missing or malformed {arch} hyper-parameters ({exc})") from None
@@ -157,6 +161,13 @@ def _parse(path: Path) -> dict:
     if end > path.stat().st_size:
         raise UsageError(f"{path} is truncated: its tensors end at byte {end}, the file has {path.stat().st_size}")
     return index
+
+
+def _plain(value):
+    """A metadata value as JSON (a GGUF array as a list of plain values)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return [v.item() if hasattr(v, "item") else v for v in value]
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:

@@ -372,7 +372,8 @@ def _llama3_rope_factors(params: dict, head_dim: int):
 def write_hf_gguf(model, path, *, linear_type: str = "F32", vocab: bool = True) -> str:
     """Write an HF model (fp32) as a GGUF file under llama.cpp's tensor and metadata names, laid out as llama.cpp's
     converter lays it out per architecture (Llama's permuted Q/K rows and ``rope_freqs``; Qwen2's biases; Qwen3's
-    q/k norms; Phi-3's fused ``attn_qkv`` and gate|up ``ffn_up``). Matrices in ``linear_type`` (F32, F16, Q8_0,
+    q/k norms; Phi-3's fused ``attn_qkv`` and gate|up ``ffn_up``; Gemma's (1 + w) norms, four per layer, soft-caps
+    and local / global layers). Matrices in ``linear_type`` (F32, F16, Q8_0,
     Q4_0, ...), 1-D tensors in F32. ``vocab``: a minimal tokenizer (byte tokens, SentencePiece-style) so llama.cpp
     loads the file. Returns the GGUF architecture."""
     import numpy as np
@@ -396,6 +397,10 @@ def write_hf_gguf(model, path, *, linear_type: str = "F32", vocab: bool = True) 
     w.add_value_length(d)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     params = getattr(cfg, "rope_parameters", None) or {}
+    gemma = arch in ("gemma2", "gemma3")
+    if "full_attention" in params:  # Gemma 3: global layers' rope, and the local layers' base
+        w.add_rope_freq_base_swa(float(params["sliding_attention"]["rope_theta"]))
+        params = params["full_attention"]
     w.add_rope_freq_base(float(params.get("rope_theta", 10000.0)))
     w.add_rope_dimension_count(d)
     w.add_vocab_size(cfg.vocab_size)
@@ -406,6 +411,12 @@ def write_hf_gguf(model, path, *, linear_type: str = "F32", vocab: bool = True) 
         w.add_rope_scaling_factor(float(params["factor"]))
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) is not False:
         w.add_sliding_window(int(cfg.sliding_window))
+        if arch == "gemma3":
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if gemma and getattr(cfg, "attn_logit_softcapping", None):
+        w.add_attn_logit_softcapping(float(cfg.attn_logit_softcapping))
+    if gemma and getattr(cfg, "final_logit_softcapping", None):
+        w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
 
     def matrix(name, t):
         t = t.contiguous().numpy().astype(np.float32)
@@ -417,6 +428,8 @@ def write_hf_gguf(model, path, *, linear_type: str = "F32", vocab: bool = True) 
             w.add_tensor(name, quants.quantize(t, qtype), raw_dtype=qtype)
 
     def vec(name, t):
+        if gemma and name.endswith("norm.weight"):  # llama.cpp's converter stores Gemma's (1 + w)
+            t = t + 1
         w.add_tensor(name, t.contiguous().numpy().astype(np.float32))
 
     matrix("token_embd.weight", sd["model.embed_tokens.weight"])
@@ -426,7 +439,12 @@ def write_hf_gguf(model, path, *, linear_type: str = "F32", vocab: bool = True) 
     for i in range(cfg.num_hidden_layers):
         p, h = f"blk.{i}.", f"model.layers.{i}."
         vec(p + "attn_norm.weight", sd[h + "input_layernorm.weight"])
-        vec(p + "ffn_norm.weight", sd[h + "post_attention_layernorm.weight"])
+        if gemma:
+            vec(p + "post_attention_norm.weight", sd[h + "post_attention_layernorm.weight"])
+            vec(p + "ffn_norm.weight", sd[h + "pre_feedforward_layernorm.weight"])
+            vec(p + "post_ffw_norm.weight", sd[h + "post_feedforward_layernorm.weight"])
+        else:
+            vec(p + "ffn_norm.weight", sd[h + "post_attention_layernorm.weight"])
         if h + "self_attn.qkv_proj.weight" in sd:
             matrix(p + "attn_qkv.weight", sd[h + "self_attn.qkv_proj.weight"])
         else:
@@ -447,7 +465,7 @@ def write_hf_gguf(model, path, *, linear_type: str = "F32", vocab: bool = True) 
             matrix(p + "ffn_up.weight", sd[h + "mlp.up_proj.weight"])
         matrix(p + "ffn_down.weight", sd[h + "mlp.down_proj.weight"])
     vec("output_norm.weight", sd["model.norm.weight"])
-    if not getattr(cfg, "tie_word_embeddings", False):
+    if not getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" in sd:
         matrix("output.weight", sd["lm_head.weight"])
     if vocab:
         _add_byte_vocab(w, cfg.vocab_size)

@@ -36,8 +36,22 @@ ARCHS = {
     "qwen2": ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
     "qwen3": ("qwen3", {}),
     "phi3": ("phi3", {"sliding_window": None}),
-    "mistral": ("mistral", {"sliding_window": None}),
+    "phi3-window": ("phi3", {"sliding_window": 8}),
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    # Gemma: tied heads (llama.cpp's gemma2 has no output tensor); queries scaled by head_dim ** -0.5 (what llama.cpp
+    # uses below the 27B models, whose query_pre_attn_scalar is head_dim too)
+    "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0, "tie_word_embeddings": True}),
+    "gemma3": ("gemma3_text", {"sliding_window": 8, "query_pre_attn_scalar": 16, "tie_word_embeddings": True,
+                               "layer_types": ["sliding_attention", "full_attention"],
+                               "rope_parameters": {"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                                      "factor": 8.0},
+                                                   "sliding_attention": {"rope_type": "default",
+                                                                         "rope_theta": 10000.0}}}),
 }
+#: the sliding window (8) of the models that have one: llama.cpp applies Gemma's, not Mistral's or Phi-3's
+WINDOWS = {"phi3-window": 8, "mistral-window": 8, "gemma2": 8, "gemma3": 8}
+LLAMA_CPP_IGNORES_WINDOW = {"phi3-window", "mistral-window"}
 PROMPT = [(i * 37 + 5) % 259 for i in range(40)]  # longer than Llama 3's original context here (32)
 
 
@@ -48,10 +62,11 @@ def build(name: str, seed: int = 0):
 
     model_type, extra = ARCHS[name]
     torch.manual_seed(seed)
+    extra = {"tie_word_embeddings": False, **extra}
     config = AutoConfig.for_model(
         model_type, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=256, initializer_range=0.3,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra)
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -169,7 +184,7 @@ def test_gguf_loads_in_llama_cpp(made, name):
     import numpy as np
 
     model, _, f32, q8 = made(name)
-    ids = PROMPT[:12]
+    ids = PROMPT[: WINDOWS[name] if name in LLAMA_CPP_IGNORES_WINDOW else 12]
     for path in (f32, q8):
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False)
         llm.eval(ids)
@@ -221,6 +236,19 @@ def test_other_rope_types_run_on_hf_with_a_notice_or_are_refused_on_lean(rope, c
         TargetModel("scaled", model, TinyTokenizer(96), backend="lean")
 
 
+@pytest.mark.parametrize("name", sorted(WINDOWS))
+def test_windowed_models_run_on_the_lean_forward_past_their_window(made, name):
+    """Past the window the lean forward is the model's own (checked against transformers above); reading the files
+    without the window would differ, so the window is what the checks above test."""
+    model, _, f32, _ = made(name)
+    g = read_gguf(f32)
+    assert g.hparams["sliding_window"] == WINDOWS[name] and len(PROMPT) > WINDOWS[name]
+    g.hparams["sliding_window"] = None
+    plain = LeanLlama.from_gguf(g, native)
+    got = plain.forward(torch.tensor(PROMPT), torch.arange(len(PROMPT)), plain.new_cache(64)).logits
+    assert (got - hf_logits(model, PROMPT)).abs().max().item() > 1e-2
+
+
 def test_gguf_problems_are_named(made):
     g = read_gguf(made("llama-linear-rope")[2])
     assert g.hparams["rope_scaling"] == "linear" and g.hparams["rope_scale_factor"] == 4.0
@@ -230,5 +258,25 @@ def test_gguf_problems_are_named(made):
     with pytest.raises(ff.UsageError, match="yarn"):
         LeanLlama.from_gguf(g, native)
     g.hparams["rope_scaling"] = "none"
-    g.hparams["sliding_window"] = 8
-    assert "sliding window" in lean_gguf_problem(g)
+    g.hparams["rope_dim"] = 8
+    assert "partial rotary" in lean_gguf_problem(g)
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window"])
+def test_torch_path_rows_are_bitwise_the_rows_alone(made, name):
+    """Models with attention options run the torch path, its attention row by row over each row's visible keys: a
+    chunk of rows (past the window) gives every row the bits it gets decoded alone."""
+    target = q8_target(made, name)
+    assert target.backend.torch_only and target.backend.ops is None
+    ids = torch.tensor(PROMPT[:20])
+    cache = target.new_cache(32)
+    target.forward(ids[:10], torch.arange(10), cache)
+    cache.keep(range(10))
+    chunk = target.forward(ids[10:], torch.arange(10, 20), cache).logits
+    alone = []
+    cache.crop(10)
+    for i in range(10, 20):
+        alone.append(target.forward(ids[i : i + 1], torch.tensor([i]), cache).logits[0])
+        cache.keep([0])
+    assert torch.equal(chunk, torch.stack(alone))

@@ -423,6 +423,9 @@ def test_lean_window_field_gives_hf_mistral_logits(path):
     ids = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids.unsqueeze(0)).logits[0]
+    assert [layer.window for layer in lean.layers] == [8, 8]  # from_hf reads the model's window
+    for layer in lean.layers:
+        layer.window = 0
     plain = _lean_steps(lean, ids)
     assert (plain - ref).abs().max() > 1e-3  # without the window the logits past it differ: the check can fail
     for layer in lean.layers:

@@ -285,8 +285,8 @@ def test_backend_choice_errors():
     with pytest.raises(UsageError, match="unknown backend"):
         TargetModel("x", hf, tok, backend="gpu")
     assert TargetModel("x", hf, tok).backend_name == "lean"
-    hf.config.sliding_window = 8  # the lean forward has no sliding window: auto falls back to HF
-    assert TargetModel("x", hf, tok).backend_name == "hf"
+    hf.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    assert TargetModel("x", hf, tok).backend_name == "hf"  # tables that depend on the length: auto falls back to HF
     with pytest.raises(UsageError, match="lean backend"):
         TargetModel("x", hf, tok, backend="lean")
 

@@ -27,12 +27,13 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("backend", ["lean", "hf"])
 @pytest.mark.parametrize("method", ["ar", "pld", "tr-jacobi", "lookahead"])
-def test_mistral_window_past_the_window_equals_hf_generate(method):
+def test_mistral_window_past_the_window_equals_hf_generate(method, backend):
     model = _tiny("mistral", sliding_window=8)
     assert sliding_window_of(model.config) == (8, True)
-    target = TargetModel("tiny-mistral", model, TinyTokenizer(96))
-    assert target.backend_name == "hf" and target.max_context == 256
+    target = TargetModel("tiny-mistral", model, TinyTokenizer(96), backend=backend)
+    assert target.backend_name == backend and target.max_context == 256
     prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10]  # already longer than the window
     expected = _hf_greedy(model, prompt, 30)
     assert ff.generate(target, prompt, method, max_new_tokens=30).token_ids == expected
@@ -42,7 +43,7 @@ def test_window_ignored_would_differ():
     """The check above can fail: without the window the same model decodes differently."""
     model = _tiny("mistral", sliding_window=8)
     prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10]
-    full = TargetModel("full", model, TinyTokenizer(96))
+    full = TargetModel("full", model, TinyTokenizer(96), backend="hf")
     full.backend.sliding_window = None
     assert ff.generate(full, prompt, max_new_tokens=30).token_ids != _hf_greedy(model, prompt, 30)
 
@@ -54,12 +55,23 @@ def test_configs_without_an_active_window():
     assert target.backend_name == "lean"  # no window in force: the lean forward is exact
 
 
-def test_some_layers_sliding_is_capped_at_the_window():
-    """Layers that slide beside layers that do not: exact only inside the window, so the context stops there."""
+def test_some_layers_sliding_run_past_the_window_on_the_lean_forward():
+    """Layers that slide beside layers that do not: the lean forward applies each layer's own window."""
+    model = _tiny("qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=1)
+    target = TargetModel("tiny-qwen2-swa", model, TinyTokenizer(96))
+    assert target.backend_name == "lean" and target.max_context == 256
+    assert [layer.window for layer in target.backend.layers] == [0, 8]
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10]
+    assert ff.generate(target, prompt, "pld", max_new_tokens=20).token_ids == _hf_greedy(model, prompt, 20)
+
+
+def test_some_layers_sliding_is_capped_at_the_window_on_hf():
+    """On the HF backend, layers that slide beside layers that do not are exact only inside the window, so the
+    context stops there."""
     model = _tiny("qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=1)
     window, every_layer = sliding_window_of(model.config)
     assert window == 8 and not every_layer
-    target = TargetModel("tiny-qwen2-swa", model, TinyTokenizer(96))
+    target = TargetModel("tiny-qwen2-swa", model, TinyTokenizer(96), backend="hf")
     assert target.max_context == 8
     result = ff.generate(target, [1, 2, 3], max_new_tokens=20)
     assert result.finish_reason == "context" and len(result.token_ids) < 8

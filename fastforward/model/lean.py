@@ -1,12 +1,14 @@
 """The lean forward: Llama-architecture decoders (Llama with linear / Llama 3 rope scaling, SmolLM2, Qwen2, Qwen3's
-q/k norms, Phi-3's fused projections, Mistral without sliding windows) over fused
-weights (:mod:`fastforward.linear`: fp32, or GGUF blocks kept packed) and a static KV cache, with the native layer
-ops (RMSNorm, RoPE + KV write + tree attention, SiLU*mul) or plain torch ops. Every row of a forward is computed
-exactly as alone, so a tree verification (and a forward shared by several sequences) gives each token the logits of
-decoding it on its own."""
+q/k norms, Phi-3's fused projections, Mistral's sliding window, Gemma 2 / 3) over fused weights
+(:mod:`fastforward.linear`: fp32, or GGUF blocks kept packed) and a static KV cache, with the native layer ops
+(RMSNorm, RoPE + KV write + tree attention, SiLU*mul) or plain torch ops. Every row of a forward is computed exactly
+as alone, so a tree verification (and a forward shared by several sequences) gives each token the logits of decoding
+it on its own. Layers with options the native ops do not take yet (sliding windows, soft-caps, Gemma's norms and
+GeGLU) run on the torch path, attention row by row over each row's visible keys (:func:`rowwise_attention`)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -19,7 +21,7 @@ from ..kernels import load_native
 from ..linear import FORMAT_IDS, DenseLinear, PackedLinear, concat_linears, format_names, packed_kernel_name, quantize
 from .forward import ForwardOutput, ForwardRequest, _full_mask, check_slots
 from .kv import KV_PRECISIONS, StaticKVCache
-from .layer_math import attend, rms_norm, rope_cos_sin, rope_inv_freq, rotary_heads, window_mask
+from .layer_math import rms_norm, rope_cos_sin, rope_inv_freq, rotary_heads
 
 
 @dataclass
@@ -34,13 +36,26 @@ class LlamaLayer:
     down: object  # [intermediate] -> [hidden]
     bqkv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
-    # Attention options (the native kernel's keywords, and layer_math.attend on the torch path); the defaults are
+    # Attention options (the native kernel's keywords, and rowwise_attention on the torch path); the defaults are
     # plain Llama attention. window > 0: a sliding window (a key at position k is seen from position p only if
     # p - k < window; the cache's committed slots must hold positions 0..length-1 in order); softcap > 0: scores
     # capped to softcap * tanh(s / softcap) (Gemma 2); scale > 0: the query scale instead of 1/sqrt(head_dim).
     window: int = 0
     softcap: float = 0.0
     scale: float = 0.0
+    #: Qwen3's per-head RMSNorm of q and k ([head_dim] each, applied before RoPE), with its epsilon and the head
+    #: counts that split the fused q|k|v rows
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_eps: float = 1e-6
+    heads: tuple[int, int, int] | None = None  # (n_heads, n_kv_heads, head_dim), with q_norm / k_norm
+    #: Gemma's norms of the attention and MLP outputs (before their residual adds)
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    #: the MLP's activation: 'silu' (SwiGLU) or 'gelu_tanh' (Gemma's GeGLU)
+    act: str = "silu"
+    #: the layer's own rope tables (Gemma 3's local layers), else the model's
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attention_options(self) -> dict:
         """The keyword arguments of the native ``attention`` / ``attention_many`` / ``packed_layer`` calls."""
@@ -50,12 +65,12 @@ class LlamaLayer:
     def plain_attention(self) -> bool:
         """No attention option set: the layer's attention is Llama's."""
         return not (self.window or self.softcap or self.scale)
-    #: Qwen3's per-head RMSNorm of q and k ([head_dim] each, applied before RoPE), with its epsilon and the head
-    #: counts that split the fused q|k|v rows
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    qk_eps: float = 1e-6
-    heads: tuple[int, int, int] | None = None  # (n_heads, n_kv_heads, head_dim), with q_norm / k_norm
+
+    @property
+    def plain(self) -> bool:
+        """A Llama layer as the native layer ops run it (none of the options above)."""
+        return (not (self.window or self.softcap or self.scale) and self.attn_out_norm is None
+                and self.mlp_out_norm is None and self.act == "silu" and self.rope is None)
 
     # The layer's two halves as reusable pieces (native layer ops ``ops``): a drafter built from the same parts
     # (an EAGLE-style decoder layer over its own KV cache) calls them as the target does.
@@ -132,15 +147,13 @@ def hf_rope_types(config) -> set[str]:
 
 
 def lean_gguf_problem(model) -> str | None:
-    """Why the lean forward cannot run a GGUF file exactly (a rope scaling it does not compute, a sliding window,
-    partial rotary dimensions), or None."""
+    """Why the lean forward cannot run a GGUF file exactly (a rope scaling it does not compute, partial rotary
+    dimensions), or None."""
     hp, t = model.hparams, model.tensors
     if hp["rope_scaling"] not in GGUF_ROPE_SCALING:
         return f"rope scaling '{hp['rope_scaling']}'"
     if any(name.startswith("rope_factors_") for name in t):
         return "long/short rope factors (longrope)"
-    if hp.get("sliding_window"):
-        return f"a sliding window ({hp['sliding_window']})"
     if hp.get("rope_dim", hp["head_dim"]) != hp["head_dim"]:
         return f"partial rotary dimensions ({hp['rope_dim']} of {hp['head_dim']})"
     return None
@@ -152,12 +165,30 @@ def hf_lean_problem(config) -> str | None:
     unknown = sorted(hf_rope_types(config) - set(STATIC_HF_ROPE_TYPES))
     if unknown:
         return f"rope type '{unknown[0]}'"
+    if _hf_activation(config) not in ("silu", "gelu_tanh"):
+        return f"activation '{_hf_activation(config)}'"
     partial = getattr(config, "partial_rotary_factor", None)
     params = getattr(config, "rope_parameters", None) or {}
     partial = params.get("partial_rotary_factor", partial) if isinstance(params, dict) else partial
     if partial not in (None, 1, 1.0):
         return f"partial rotary factor {partial}"
     return None
+
+
+#: HF model types with Gemma's layer: (1 + w) norms, four per layer, GeGLU, scaled embeddings
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+
+
+def _hf_window(config) -> tuple[int | None, bool]:
+    from .hf import sliding_window_of
+
+    return sliding_window_of(config)
+
+
+def _hf_activation(config) -> str:
+    """'silu' or 'gelu_tanh' (Gemma's ``gelu_pytorch_tanh``); another activation is a problem."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    return {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, act)
 
 
 def _hf_layer_parts(layer):
@@ -194,6 +225,53 @@ def gguf_inv_freq(model) -> torch.Tensor:
     return inv
 
 
+def rowwise_attention(qh, keys, values, mask, q_pos, key_pos, layer: LlamaLayer) -> torch.Tensor:
+    """Attention of each query row over exactly the keys it sees (its mask, and the layer's window: key positions
+    within ``window`` of the query's), scores scaled by ``layer.scale`` (default ``head_dim ** -0.5``) and
+    soft-capped by ``layer.softcap`` as transformers' eager attention does; ``qh`` [nh, q, d], ``keys``/``values``
+    [nkv, K, d], ``mask`` [q, K] or None (all K), ``q_pos`` [q], ``key_pos`` [K]. Each row is computed on its own
+    visible keys in slot order, so it is bitwise the same alone, in a tree or beside other rows. -> [nh, q, d]"""
+    nh, q, d = qh.shape
+    groups = nh // keys.shape[0]
+    scale = layer.scale or d ** -0.5
+    out = torch.empty_like(qh)
+    for i in range(q):
+        seen = torch.ones(keys.shape[1], dtype=torch.bool) if mask is None else mask[i]
+        if layer.window:
+            seen = seen & (q_pos[i] - key_pos < layer.window)
+        idx = seen.nonzero().squeeze(1)
+        k = keys.index_select(1, idx).repeat_interleave(groups, 0)  # [nh, n, d]
+        v = values.index_select(1, idx).repeat_interleave(groups, 0)
+        scores = torch.matmul(qh[:, i : i + 1], k.transpose(1, 2)) * scale  # [nh, 1, n]
+        if layer.softcap:
+            scores = torch.tanh(scores / layer.softcap) * layer.softcap
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qh.dtype)
+        out[:, i : i + 1] = torch.matmul(probs, v)
+    return out
+
+
+def gguf_sliding_layers(model) -> list[bool]:
+    """Which layers of a GGUF file attend over ``attention.sliding_window`` only, as llama.cpp decides: every layer
+    (Mistral-style, Phi-3) unless Gemma's local / global alternation applies -- Gemma 2 every other layer from the
+    first, Gemma 3 by ``attention.sliding_window_pattern`` (a period n: n - 1 local layers then a global one; or a
+    list of booleans), by default 6."""
+    hp = model.hparams
+    n = hp["n_layers"]
+    if not hp.get("sliding_window"):
+        return [False] * n
+    pattern = hp.get("sliding_window_pattern")
+    if model.architecture == "gemma2" and pattern is None:
+        pattern = 2
+    elif model.architecture == "gemma3" and pattern is None:
+        pattern = 6
+    if pattern is None:
+        return [True] * n
+    if isinstance(pattern, list):
+        return [bool(pattern[i % len(pattern)]) for i in range(n)]
+    pattern = int(pattern)
+    return [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+
+
 class LeanLlama:
     """A compact forward for Llama-architecture decoders over fused weights and a :class:`StaticKVCache`.
 
@@ -204,7 +282,8 @@ class LeanLlama:
 
     def __init__(self, *, n_heads, n_kv_heads, head_dim, hidden_size, intermediate_size, eps, embed, head, norm,
                  layers: list[LlamaLayer], cos, sin, matmul_kernel: str, dtype=torch.float32,
-                 arithmetic: str = "exact", kv_precision: str = "fp32"):
+                 arithmetic: str = "exact", kv_precision: str = "fp32", embed_scale: float | None = None,
+                 final_softcap: float | None = None):
         self.n_layers = len(layers)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.hidden_size, self.intermediate_size, self.eps = hidden_size, intermediate_size, eps
@@ -220,7 +299,16 @@ class LeanLlama:
         # The native layer ops (RMSNorm, RoPE + KV write + tree attention, SiLU*mul) for fp32: a few calls per
         # layer instead of ~25 small torch ops, and every row computed exactly as alone (see kernels/layer_ops.cpp).
         self.ops = None
-        if dtype == torch.float32 and os.environ.get("FASTFORWARD_TORCH_OPS", "") in ("", "0"):
+        #: Gemma: the embeddings times sqrt(hidden) (in the activations' dtype, as HF casts it), the logits
+        #: soft-capped as ``cap * tanh(logits / cap)``
+        self.embed_scale = None if embed_scale is None else torch.tensor(embed_scale, dtype=dtype)
+        self.final_softcap = final_softcap
+        #: layers or model options the native layer ops do not run (windows, soft-caps, Gemma's norms and GeGLU):
+        #: then every forward takes the torch path, its attention row by row over each row's visible keys
+        self.torch_only = not all(layer.plain for layer in layers) or embed_scale is not None or \
+            final_softcap is not None
+        if dtype == torch.float32 and os.environ.get("FASTFORWARD_TORCH_OPS", "") in ("", "0") and \
+                not self.torch_only:
             native = load_native()
             self.ops = native if native is not None and hasattr(native, "attention") else None
 
@@ -252,23 +340,49 @@ class LeanLlama:
         if problem is not None:
             raise UsageError(f"the lean forward does not compute {problem} exactly; use the HF backend")
         n_kv_heads = getattr(cfg, "num_key_value_heads", None) or n_heads
+        gemma = cfg.model_type in GEMMA_TYPES
+        max_pos = int(getattr(cfg, "max_position_embeddings", 4096))
+        dummy = torch.zeros(1, 1, head_dim, dtype=dtype)
+        positions = torch.arange(max_pos).unsqueeze(0)
+        layer_types = getattr(cfg, "layer_types", None) or []
+        per_type_rope = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
+
+        def norm(module):  # Gemma's RMSNorm multiplies by (1 + w), in fp32
+            w = module.weight.detach()
+            return 1.0 + w.float() if gemma else w
+
+        window, every_layer = _hf_window(cfg)
         layers = []
         with torch.no_grad():
-            for layer in inner.layers:
+            tables = {}
+            if per_type_rope:  # Gemma 3: local and global layers rotate with their own frequencies
+                for kind in sorted(set(layer_types)):
+                    c, s_ = inner.rotary_emb(dummy, positions, kind)
+                    tables[kind] = (c[0].contiguous(), s_[0].contiguous())
+            for i, layer in enumerate(inner.layers):
                 attn, mlp = layer.self_attn, layer.mlp
                 wqkv, bqkv, wgu = _hf_layer_parts(layer)
                 q_norm = getattr(attn, "q_norm", None)
+                kind = layer_types[i] if i < len(layer_types) else None
+                slides = window is not None and (every_layer or kind == "sliding_attention")
                 layers.append(LlamaLayer(
-                    in_norm=layer.input_layernorm.weight.detach(),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    in_norm=norm(layer.input_layernorm),
+                    post_norm=norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
+                    attn_out_norm=norm(layer.post_attention_layernorm) if gemma else None,
+                    mlp_out_norm=norm(layer.post_feedforward_layernorm) if gemma else None,
+                    act=_hf_activation(cfg),
+                    window=window if slides else 0,
+                    softcap=(getattr(cfg, "attn_logit_softcapping", None) or 0.0) if gemma else 0.0,
+                    scale=cfg.query_pre_attn_scalar ** -0.5 if gemma else 0.0,
+                    rope=tables.get(kind) if per_type_rope else None,
                     qkv=dense(wqkv),
                     o=dense(attn.o_proj.weight),
                     gate_up=dense(wgu),
                     down=dense(mlp.down_proj.weight),
                     bqkv=bqkv,
                     bo=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
-                    q_norm=None if q_norm is None else q_norm.weight.detach(),
-                    k_norm=None if q_norm is None else attn.k_norm.weight.detach(),
+                    q_norm=None if q_norm is None else norm(q_norm),
+                    k_norm=None if q_norm is None else norm(attn.k_norm),
                     qk_eps=cfg.rms_norm_eps,
                     heads=(n_heads, n_kv_heads, head_dim),
                 ))
@@ -276,14 +390,16 @@ class LeanLlama:
             head_w = hf_model.get_output_embeddings().weight
             head = embed if head_w is inner.embed_tokens.weight else dense(head_w)  # tied: one copy
             # RoPE tables from the model's own rotary module, so every rope variant (scaling types) is honoured.
-            max_pos = int(getattr(cfg, "max_position_embeddings", 4096))
-            dummy = torch.zeros(1, 1, head_dim, dtype=dtype)
-            cos, sin = inner.rotary_emb(dummy, torch.arange(max_pos).unsqueeze(0))
+            if per_type_rope:
+                cos, sin = tables.get("full_attention", next(iter(tables.values())))
+            else:
+                cos, sin = (c[0].contiguous() for c in inner.rotary_emb(dummy, positions))
         return cls(
             n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
             hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, eps=cfg.rms_norm_eps,
-            embed=embed, head=head, norm=inner.norm.weight.detach(), layers=layers,
-            cos=cos[0].contiguous(), sin=sin[0].contiguous(),
+            embed=embed, head=head, norm=norm(inner.norm), layers=layers, cos=cos, sin=sin,
+            embed_scale=cfg.hidden_size ** 0.5 if gemma else None,
+            final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
             matmul_kernel=(f"quant-{packed_kernel_name(native)} ({packed_format})" if packed_format else
                            f"skinny-{native.isa}" if native is not None else "mkl"), dtype=dtype,
         )
@@ -299,6 +415,17 @@ class LeanLlama:
         # llama.cpp permutes Q/K rows for llama only (qwen2/qwen3/phi3 GGUFs keep HF's order: NeoX-style rope).
         pq, pk = (hp["n_heads"], hp["n_kv_heads"]) if model.architecture == "llama" else (None, None)
         nh, nkv, d = hp["n_heads"], hp["n_kv_heads"], hp["head_dim"]
+        arch, n_layers = model.architecture, hp["n_layers"]
+        gemma = arch in ("gemma2", "gemma3")
+        sliding = gguf_sliding_layers(model)
+        cos, sin = rope_tables(d, hp["rope_theta"], hp["max_positions"], gguf_inv_freq(model))
+        local_rope = None
+        if arch == "gemma3":  # local layers: their own base, unscaled (llama.cpp's rope.freq_base_swa, else 10000)
+            local_rope = rope_tables(d, float(hp.get("rope_theta_swa") or 10000.0), hp["max_positions"])
+        scale = 0.0
+        if gemma:  # llama.cpp scales queries by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 27B models
+            big = (arch == "gemma2" and n_layers == 46) or (arch == "gemma3" and n_layers == 62)
+            scale = (hp["hidden_size"] / nh if big else d) ** -0.5
 
         def lin(name, permute=None):
             return linear_from_tensor(t[name], native=native, permute_heads=permute, arithmetic=arithmetic)
@@ -327,8 +454,15 @@ class LeanLlama:
             else:  # Phi-3: ffn_up holds gate|up (gate first, llama.cpp's fused SwiGLU)
                 gate_up = lin(p + "ffn_up.weight")
             layers.append(LlamaLayer(
-                in_norm=vector(t[p + "attn_norm.weight"]),
+                in_norm=vector(t[p + "attn_norm.weight"]),  # Gemma's (1 + w): the converter wrote 1 + w
                 post_norm=vector(t[p + "ffn_norm.weight"]),
+                attn_out_norm=norm(p + "post_attention_norm.weight"),  # Gemma
+                mlp_out_norm=norm(p + "post_ffw_norm.weight"),
+                act="gelu_tanh" if gemma else "silu",
+                window=int(hp["sliding_window"]) if sliding[i] else 0,
+                softcap=float(hp["attn_softcap"]) if gemma and hp.get("attn_softcap") else 0.0,
+                scale=scale,
+                rope=local_rope if sliding[i] and local_rope is not None else None,
                 qkv=qkv,
                 o=lin(p + "attn_output.weight"),
                 gate_up=gate_up,
@@ -342,7 +476,6 @@ class LeanLlama:
             ))
         embed = lin("token_embd.weight")
         head = lin("output.weight") if "output.weight" in t else embed  # tied: the embedding, packed
-        cos, sin = rope_tables(d, hp["rope_theta"], hp["max_positions"], gguf_inv_freq(model))
         kinds = sorted(set().union(*(format_names(x) for layer in layers for x in (layer.qkv, layer.o, layer.gate_up,
                                                                             layer.down)), format_names(head)))
         if arithmetic == "q8":
@@ -353,6 +486,8 @@ class LeanLlama:
             n_heads=hp["n_heads"], n_kv_heads=hp["n_kv_heads"], head_dim=hp["head_dim"],
             hidden_size=hp["hidden_size"], intermediate_size=hp["intermediate_size"], eps=hp["eps"],
             embed=embed, head=head, norm=vector(t["output_norm.weight"]), layers=layers, cos=cos, sin=sin,
+            embed_scale=hp["hidden_size"] ** 0.5 if gemma else None,
+            final_softcap=float(hp["final_softcap"]) if gemma and hp.get("final_softcap") else None,
             matmul_kernel=kernel if native is None and arithmetic != "q8" else f"{kernel} ({'/'.join(kinds)})",
             arithmetic=arithmetic,
         )
@@ -418,34 +553,47 @@ class LeanLlama:
         slots = torch.arange(start, start + q) if write_slots is None else write_slots.to(torch.long)
         nh, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         x = self.embed.rows(ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         cos = self.cos[positions].unsqueeze(0)  # [1, q, d]
         sin = self.sin[positions].unsqueeze(0)
         windowed = any(layer.window for layer in self.layers)
         mask = None if q == 1 and tree_mask is None and not windowed else _full_mask(q, start, tree_mask)
         if mask is not None and mask.shape[1] < end:  # write slots past the mask's width: nobody sees them
             mask = torch.cat([mask, torch.zeros(q, end - mask.shape[1], dtype=torch.bool)], dim=1)
-        if windowed:  # key positions: committed slot s holds position s, a write slot its token's position
-            key_positions = torch.arange(end)
-            key_positions[slots] = positions.to(torch.long)
-            unknown = torch.zeros(end, dtype=torch.bool)
-            unknown[start:] = True
-            unknown[slots] = False
-            if mask[:, unknown].any():
-                raise UsageError("a sliding window needs every visible slot after the committed ones written by "
-                                 "this forward (the positions of earlier-written pool slots are unknown)")
+        options = self.torch_only or not all(layer.plain_attention for layer in self.layers)
+        key_pos = None
+        if options:  # each key slot's position: the committed ones' own, this forward's from ``positions``
+            key_pos = torch.arange(end)
+            key_pos[slots] = positions.to(torch.long)
+            written = torch.zeros(end, dtype=torch.bool)
+            written[:start] = True
+            written[slots] = True
+            visible = torch.ones(q, end, dtype=torch.bool) if mask is None else mask
+            windows = [layer.window for layer in self.layers if layer.window]
+            if windows and bool((visible & ~written).any()) and \
+                    int(positions.max()) - start >= min(windows):
+                raise UsageError("a sliding window over slots written by earlier forwards (a slot pool wider than "
+                                 "the window) is not supported")
         wanted = set(hidden_layers)
         hidden = {}
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.in_norm, self.eps)
             qkv = layer.project_qkv(h)
-            qh, kh, vh = rotary_heads(qkv, nh, nkv, d, cos, sin)
+            if layer.rope is not None:
+                qh, kh, vh = rotary_heads(qkv, nh, nkv, d, layer.rope[0][positions].unsqueeze(0),
+                                          layer.rope[1][positions].unsqueeze(0))
+            else:
+                qh, kh, vh = rotary_heads(qkv, nh, nkv, d, cos, sin)
             # [nkv, q, d] into the write slots; an fp16 cache stores them rounded to nearest even
             cache.k[i][:, slots] = kh.to(cache.k.dtype)
             cache.v[i][:, slots] = vh.to(cache.v.dtype)
             keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
             if keys.dtype != qh.dtype:  # read back exactly, attention in the activations' dtype
                 keys, values = keys.to(qh.dtype), values.to(qh.dtype)
-            if layer.plain_attention:
+            if self.torch_only or not layer.plain_attention:
+                o = rowwise_attention(qh, keys, values, mask, positions.to(torch.long), key_pos, layer)
+            else:
                 o = F.scaled_dot_product_attention(
                     qh.unsqueeze(0),
                     keys.unsqueeze(0),
@@ -453,18 +601,19 @@ class LeanLlama:
                     attn_mask=mask,
                     enable_gqa=nh != nkv,
                 )[0]
-            else:
-                seen = mask
-                if layer.window:
-                    seen = mask & window_mask(positions.to(torch.long), key_positions, layer.window)
-                o = attend(qh, keys, values, seen, layer.scale, layer.softcap)
             o = layer.o(o.transpose(0, 1).reshape(q, nh * d))
             if layer.bo is not None:
                 o = o + layer.bo
+            if layer.attn_out_norm is not None:
+                o = rms_norm(o, layer.attn_out_norm, self.eps)
             x = x + o
             h = rms_norm(x, layer.post_norm, self.eps)
             gate, up = layer.gate_up(h).split(self.intermediate_size, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            act = F.silu(gate) if layer.act == "silu" else F.gelu(gate, approximate="tanh")
+            m = layer.down(act * up)
+            if layer.mlp_out_norm is not None:
+                m = rms_norm(m, layer.mlp_out_norm, self.eps)
+            x = x + m
             if i in wanted:
                 hidden[i] = x.clone()
         if -1 in wanted:  # the final normed states of every new token, like the other layers' (and HF's)
@@ -476,7 +625,10 @@ class LeanLlama:
             if last_only:
                 x = x[-1:]
             x = rms_norm(x, self.norm, self.eps)
-        return ForwardOutput(self.head(x), hidden)
+        logits = self.head(x)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return ForwardOutput(logits, hidden)
 
     def batch_rows_limit(self) -> int:
         """Up to how many rows one forward may carry with every row still computed exactly as alone: packed

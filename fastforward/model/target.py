@@ -12,7 +12,7 @@ from .hf import HFForward, sliding_window_of
 from .lean import LeanLlama, hf_lean_problem
 from .slots import HasSlots
 
-LEAN_ARCHITECTURES = {"llama", "qwen2", "qwen3", "mistral", "phi3"}
+LEAN_ARCHITECTURES = {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"}
 
 
 class TargetModel(HasSlots):
@@ -33,7 +33,7 @@ class TargetModel(HasSlots):
         window, every_layer = sliding_window_of(self.config)
         problem = None
         if model_type in LEAN_ARCHITECTURES:
-            problem = hf_lean_problem(self.config) or (None if window is None else f"a sliding window ({window})")
+            problem = hf_lean_problem(self.config)
         lean_ok = model_type in LEAN_ARCHITECTURES and problem is None
         if backend == "auto":
             backend = "lean" if lean_ok else "hf"
@@ -53,7 +53,7 @@ class TargetModel(HasSlots):
                         else HFForward(hf_model, sliding_window=window if every_layer else None))
         self.vocab_size = hf_model.get_output_embeddings().weight.shape[0]
         self.max_context = self.backend.max_positions
-        if window is not None and not every_layer:
+        if backend == "hf" and window is not None and not every_layer:
             # Some layers slide, others do not: exact only while the whole context fits the window.
             self.max_context = min(self.max_context, window)
         self.eos_token_ids = _eos_ids(hf_model, tokenizer)
