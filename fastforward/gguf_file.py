@@ -129,16 +129,17 @@ def _parse(path: Path) -> dict:
     try:
         n_heads = int(hp("attention.head_count"))
         hidden = int(hp("embedding_length"))
+        head_dim = int(hp("attention.key_length", hidden // n_heads))  # Gemma's and Qwen3's differ from hidden / heads
         index["hparams"] = {
             "n_layers": int(hp("block_count")),
             "hidden_size": hidden,
             "intermediate_size": int(hp("feed_forward_length")),
             "n_heads": n_heads,
             "n_kv_heads": int(hp("attention.head_count_kv", n_heads)),
-            "head_dim": int(hp("attention.key_length", hidden // n_heads)),
+            "head_dim": head_dim,
             "eps": float(hp("attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_theta": float(hp("rope.freq_base", 10000.0)),
-            "rope_dim": int(hp("rope.dimension_count", hidden // n_heads)),
+            "rope_dim": int(hp("rope.dimension_count", head_dim)),
             "rope_scaling": str(hp("rope.scaling.type", "none") or "none"),
             "rope_scale_factor": float(hp("rope.scaling.factor", 1.0) or 1.0),
             "max_positions": int(hp("context_length", 4096)),

@@ -19,7 +19,7 @@ import fastforward as ff
 from fastforward.gguf_file import read_gguf
 from fastforward.kernels import load_native
 from fastforward.model import TargetModel
-from fastforward.model.lean import LeanLlama, lean_gguf_problem
+from fastforward.model.lean import LeanLlama, lean_gguf_problem, native_options
 from fastforward.testing import TinyTokenizer, tiny_tokenizer_hf, write_hf_gguf
 
 VOCAB = 260
@@ -263,20 +263,30 @@ def test_gguf_problems_are_named(made):
 
 
 @needs_native
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window"])
-def test_torch_path_rows_are_bitwise_the_rows_alone(made, name):
-    """Models with attention options run the torch path, its attention row by row over each row's visible keys: a
-    chunk of rows (past the window) gives every row the bits it gets decoded alone."""
+def test_rows_with_attention_options_are_bitwise_the_rows_alone(made, name, path):
+    """Models with attention options (windows, soft-caps, Gemma's layer) run the native ops where the kernel takes
+    the options, else the torch path, its attention row by row over each row's visible keys: on both, a chunk of
+    rows past the window gives every row the bits it gets decoded alone."""
     target = q8_target(made, name)
-    assert target.backend.torch_only and target.backend.ops is None
-    ids = torch.tensor(PROMPT[:20])
-    cache = target.new_cache(32)
-    target.forward(ids[:10], torch.arange(10), cache)
-    cache.keep(range(10))
-    chunk = target.forward(ids[10:], torch.arange(10, 20), cache).logits
-    alone = []
-    cache.crop(10)
-    for i in range(10, 20):
-        alone.append(target.forward(ids[i : i + 1], torch.tensor([i]), cache).logits[0])
-        cache.keep([0])
-    assert torch.equal(chunk, torch.stack(alone))
+    backend = target.backend
+    assert backend.has_options
+    assert backend.ops is None or native_options(backend.ops)
+    ops = backend.ops
+    if path == "torch":
+        backend.ops = None
+    try:
+        ids = torch.tensor(PROMPT[:20])
+        cache = target.new_cache(32)
+        target.forward(ids[:10], torch.arange(10), cache)
+        cache.keep(range(10))
+        chunk = target.forward(ids[10:], torch.arange(10, 20), cache).logits
+        alone = []
+        cache.crop(10)
+        for i in range(10, 20):
+            alone.append(target.forward(ids[i : i + 1], torch.tensor([i]), cache).logits[0])
+            cache.keep([0])
+        assert torch.equal(chunk, torch.stack(alone))
+    finally:
+        backend.ops = ops

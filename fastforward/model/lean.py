@@ -57,9 +57,10 @@ class LlamaLayer:
     #: the layer's own rope tables (Gemma 3's local layers), else the model's
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def attention_options(self) -> dict:
-        """The keyword arguments of the native ``attention`` / ``attention_many`` / ``packed_layer`` calls."""
-        return {"window": int(self.window), "softcap": float(self.softcap), "scale": float(self.scale)}
+    @property
+    def plain(self) -> bool:
+        """A Llama layer as the native layer ops have always run it (none of the options above)."""
+        return self.plain_attention and self.llama_shaped
 
     @property
     def plain_attention(self) -> bool:
@@ -67,10 +68,13 @@ class LlamaLayer:
         return not (self.window or self.softcap or self.scale)
 
     @property
-    def plain(self) -> bool:
-        """A Llama layer as the native layer ops run it (none of the options above)."""
-        return (not (self.window or self.softcap or self.scale) and self.attn_out_norm is None
-                and self.mlp_out_norm is None and self.act == "silu" and self.rope is None)
+    def llama_shaped(self) -> bool:
+        """Llama's layer around the attention: no output norms, SwiGLU, the model's rope tables."""
+        return self.attn_out_norm is None and self.mlp_out_norm is None and self.act == "silu" and self.rope is None
+
+    def attention_options(self) -> dict:
+        """The keyword arguments of the native ``attention`` / ``attention_many`` / ``packed_layer`` calls."""
+        return {"window": int(self.window), "softcap": float(self.softcap), "scale": float(self.scale)}
 
     # The layer's two halves as reusable pieces (native layer ops ``ops``): a drafter built from the same parts
     # (an EAGLE-style decoder layer over its own KV cache) calls them as the target does.
@@ -101,8 +105,9 @@ class LlamaLayer:
         return o if self.bo is None else o + self.bo
 
     def mlp(self, h: torch.Tensor, ops) -> torch.Tensor:
-        """[T, hidden] normed states -> [T, hidden]: down(silu(gate) * up)."""
-        return self.down(ops.silu_mul(self.gate_up(h)))
+        """[T, hidden] normed states -> [T, hidden]: down(silu(gate) * up), or down(gelu_tanh(gate) * up)."""
+        gu = self.gate_up(h)
+        return self.down(ops.silu_mul(gu) if self.act == "silu" else ops.gelu_tanh_mul(gu))
 
     def packed_weights(self) -> tuple | None:
         """(data, fmt) of qkv, o, gate|up and down, flattened, when all four are packed GGUF weights on the native
@@ -111,7 +116,7 @@ class LlamaLayer:
         cached = self.__dict__.get("_packed")
         if cached is not None and all(a is b for a, b in zip(cached[0], linears, strict=True)):
             return cached[1]
-        ok = self.bqkv is None and self.bo is None and self.q_norm is None and all(
+        ok = self.bqkv is None and self.bo is None and self.q_norm is None and self.llama_shaped and all(
             isinstance(lin, PackedLinear) and lin.data is not None and lin.native is not None and not lin.padded
             for lin in linears)
         args = tuple(v for lin in linears for v in (lin.data, lin.kernel_fmt)) if ok else None
@@ -272,6 +277,11 @@ def gguf_sliding_layers(model) -> list[bool]:
     return [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
 
 
+def native_options(ops) -> bool:
+    """Whether the native layer ops take the attention options (window, softcap, scale) and GeGLU."""
+    return hasattr(ops, "gelu_tanh_mul")
+
+
 class LeanLlama:
     """A compact forward for Llama-architecture decoders over fused weights and a :class:`StaticKVCache`.
 
@@ -303,14 +313,17 @@ class LeanLlama:
         #: soft-capped as ``cap * tanh(logits / cap)``
         self.embed_scale = None if embed_scale is None else torch.tensor(embed_scale, dtype=dtype)
         self.final_softcap = final_softcap
-        #: layers or model options the native layer ops do not run (windows, soft-caps, Gemma's norms and GeGLU):
-        #: then every forward takes the torch path, its attention row by row over each row's visible keys
-        self.torch_only = not all(layer.plain for layer in layers) or embed_scale is not None or \
+        #: options beyond Llama's layer (windows, soft-caps, query scales, Gemma's norms, GeGLU, per-layer rope):
+        #: the native layer ops run them when the kernel takes the attention options, else every forward takes the
+        #: torch path; there attention goes row by row over each row's visible keys (:func:`rowwise_attention`)
+        self.has_options = not all(layer.plain for layer in layers) or embed_scale is not None or \
             final_softcap is not None
-        if dtype == torch.float32 and os.environ.get("FASTFORWARD_TORCH_OPS", "") in ("", "0") and \
-                not self.torch_only:
+        if dtype == torch.float32 and os.environ.get("FASTFORWARD_TORCH_OPS", "") in ("", "0"):
             native = load_native()
             self.ops = native if native is not None and hasattr(native, "attention") else None
+            # the options need the native attention's window / softcap / scale and gelu_tanh_mul
+            if self.ops is not None and self.has_options and not native_options(self.ops):
+                self.ops = None
 
     @classmethod
     def from_hf(cls, hf_model, small_q_max: int = 4, kernel_max_q: int = 128, weights: str = "fp32") -> LeanLlama:
@@ -561,7 +574,7 @@ class LeanLlama:
         mask = None if q == 1 and tree_mask is None and not windowed else _full_mask(q, start, tree_mask)
         if mask is not None and mask.shape[1] < end:  # write slots past the mask's width: nobody sees them
             mask = torch.cat([mask, torch.zeros(q, end - mask.shape[1], dtype=torch.bool)], dim=1)
-        options = self.torch_only or not all(layer.plain_attention for layer in self.layers)
+        options = self.has_options or not all(layer.plain_attention for layer in self.layers)
         key_pos = None
         if options:  # each key slot's position: the committed ones' own, this forward's from ``positions``
             key_pos = torch.arange(end)
@@ -591,7 +604,7 @@ class LeanLlama:
             keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
             if keys.dtype != qh.dtype:  # read back exactly, attention in the activations' dtype
                 keys, values = keys.to(qh.dtype), values.to(qh.dtype)
-            if self.torch_only or not layer.plain_attention:
+            if self.has_options or not layer.plain_attention:
                 o = rowwise_attention(qh, keys, values, mask, positions.to(torch.long), key_pos, layer)
             else:
                 o = F.scaled_dot_product_attention(
@@ -666,6 +679,8 @@ class LeanLlama:
         hidden = {}
         ids = requests[0].ids if len(requests) == 1 else torch.cat([r.ids for r in requests])
         x = self.embed.rows(ids)  # [T, hidden], the residual stream (updated in place by add_rms_norm)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         h = ops.rms_norm(x, self.layers[0].in_norm, eps)
         fused = len(requests) == 1 and hasattr(ops, "packed_layer")
         # Several sequences: their attention in one native call per layer (row starts, k and v caches, write slots).
@@ -675,25 +690,30 @@ class LeanLlama:
             next_norm = self.norm if i + 1 == len(self.layers) else self.layers[i + 1].in_norm
             packed = layer.packed_weights() if fused else None
             options = {} if layer.plain_attention else layer.attention_options()
+            cos, sin = layer.rope if layer.rope is not None else (self.cos, self.sin)
             if packed is not None:  # the whole layer in one native call, bitwise the same as the calls below
                 r = requests[0]
-                h = ops.packed_layer(x, h, *packed, layer.post_norm, next_norm, eps, self.cos, self.sin, positions[0],
+                h = ops.packed_layer(x, h, *packed, layer.post_norm, next_norm, eps, cos, sin, positions[0],
                                      r.cache.k, r.cache.v, i, starts[0], visible[0], self.n_heads, self.n_kv_heads,
                                      r.write_slots, **options)
             else:
                 qkv = layer.project_qkv(h, ops)  # [T, (nh + 2 nkv) d]
                 if many is not None:  # every sequence over its own cache, in one call: [T, nh d]
-                    attn = ops.attention_many(qkv, many[0], self.cos, self.sin, positions, many[1], many[2], i,
+                    attn = ops.attention_many(qkv, many[0], cos, sin, positions, many[1], many[2], i,
                                               starts, visible, self.n_heads, self.n_kv_heads, many[3], **options)
                 else:
-                    parts = [ops.attention(qkv[a:b], self.cos, self.sin, positions[j], requests[j].cache.k[i],
+                    parts = [ops.attention(qkv[a:b], cos, sin, positions[j], requests[j].cache.k[i],
                                            requests[j].cache.v[i], starts[j], visible[j], self.n_heads,
                                            self.n_kv_heads, requests[j].write_slots, **options)
                              for j, (a, b) in enumerate(bounds)]  # each [q_j, nh d]: every sequence over its own cache
                     attn = parts[0] if len(parts) == 1 else torch.cat(parts)
                 o = layer.attention_output(attn)  # [T, hidden]
+                if layer.attn_out_norm is not None:  # Gemma: the attention output normed before the residual add
+                    o = ops.rms_norm(o, layer.attn_out_norm, eps)
                 h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # x += attention output
                 down = layer.mlp(h, ops)  # [T, hidden]
+                if layer.mlp_out_norm is not None:
+                    down = ops.rms_norm(down, layer.mlp_out_norm, eps)
                 h = ops.add_rms_norm(x, down, next_norm, eps)  # x += mlp output
             if i in wanted:
                 hidden[i] = x.clone()
@@ -702,6 +722,8 @@ class LeanLlama:
         if last_only:
             h = h[-1:]
         logits = self.head(h.contiguous())
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         if len(requests) == 1:
             return [ForwardOutput(logits, hidden)]
         return [ForwardOutput(logits[a:b], {k: v[a:b] for k, v in hidden.items()}) for a, b in bounds]
