@@ -3,8 +3,9 @@ q/k norms, Phi-3's fused projections, Mistral's sliding window, Gemma 2 / 3) ove
 (:mod:`fastforward.linear`: fp32, or GGUF blocks kept packed) and a static KV cache, with the native layer ops
 (RMSNorm, RoPE + KV write + tree attention, SiLU*mul) or plain torch ops. Every row of a forward is computed exactly
 as alone, so a tree verification (and a forward shared by several sequences) gives each token the logits of decoding
-it on its own. Layers with options the native ops do not take yet (sliding windows, soft-caps, Gemma's norms and
-GeGLU) run on the torch path, attention row by row over each row's visible keys (:func:`rowwise_attention`)."""
+it on its own. Layers with options beyond Llama's (sliding windows, soft-caps, query scales, Gemma's norms and GeGLU)
+run on the native ops where the kernel takes them, else on the torch path, whose attention goes row by row over
+each row's visible keys (:func:`rowwise_attention`)."""
 
 from __future__ import annotations
 
@@ -164,9 +165,11 @@ def lean_gguf_problem(model) -> str | None:
     return None
 
 
-def hf_lean_problem(config) -> str | None:
+def hf_lean_problem(config, dtype=torch.float32) -> str | None:
     """Why the lean forward cannot run an HF config exactly (a rope type whose tables depend on the sequence
-    length, or that it does not know; partial rotary dimensions), or None."""
+    length, or that it does not know; partial rotary dimensions; Gemma in a dtype other than fp32), or None."""
+    if getattr(config, "model_type", "") in GEMMA_TYPES and dtype != torch.float32:
+        return f"Gemma in {dtype} (its norms compute in fp32)"
     unknown = sorted(hf_rope_types(config) - set(STATIC_HF_ROPE_TYPES))
     if unknown:
         return f"rope type '{unknown[0]}'"
@@ -349,7 +352,7 @@ class LeanLlama:
                                     owned=True)
             return DenseLinear(w.detach(), native=native, kernel_max_q=kernel_max_q, small_q_max=small_q_max)
 
-        problem = hf_lean_problem(cfg)
+        problem = hf_lean_problem(cfg, dtype)
         if problem is not None:
             raise UsageError(f"the lean forward does not compute {problem} exactly; use the HF backend")
         n_kv_heads = getattr(cfg, "num_key_value_heads", None) or n_heads

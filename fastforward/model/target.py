@@ -33,7 +33,7 @@ class TargetModel(HasSlots):
         window, every_layer = sliding_window_of(self.config)
         problem = None
         if model_type in LEAN_ARCHITECTURES:
-            problem = hf_lean_problem(self.config)
+            problem = hf_lean_problem(self.config, hf_model.dtype)
         lean_ok = model_type in LEAN_ARCHITECTURES and problem is None
         if backend == "auto":
             backend = "lean" if lean_ok else "hf"
