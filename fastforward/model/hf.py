@@ -13,8 +13,8 @@ from .kv import HFDynamicKVCache
 def sliding_window_of(config) -> tuple[int | None, bool]:
     """(window, every layer slides) of an HF config; ``(None, False)`` when attention is global everywhere.
 
-    Mistral-style ``sliding_window`` (Mistral, Phi-3: every layer); Qwen2's only with ``use_sliding_window``; per-layer ``layer_types`` (Gemma2/3,
-    Qwen2's ``max_window_layers``) say which layers slide."""
+    Mistral-style ``sliding_window`` (Mistral, Phi-3: every layer); Qwen2's only with ``use_sliding_window``;
+    per-layer ``layer_types`` (Gemma2/3, Qwen2's ``max_window_layers``) say which layers slide."""
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
         return None, False
