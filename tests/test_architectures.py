@@ -91,7 +91,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """name -> (HF model, HF folder, F32 GGUF, Q8_0 GGUF), built on first use."""
+    """name -> (HF model, HF folder, F32 GGUF, Q8_0 GGUF, F16 GGUF, Q4_0 GGUF), built on first use."""
     cache = {}
 
     def get(name):
@@ -101,10 +101,10 @@ def made(tmp_path_factory):
             folder = root / "hf"
             model.save_pretrained(folder)
             tiny_tokenizer_hf().save_pretrained(folder)
-            f32, q8 = root / "f32.gguf", root / "q8.gguf"
-            write_hf_gguf(model, f32, linear_type="F32")
-            write_hf_gguf(model, q8, linear_type="Q8_0")
-            cache[name] = (model, folder, f32, q8)
+            files = {t: root / f"{t}.gguf" for t in ("F32", "Q8_0", "F16", "Q4_0")}
+            for t, path in files.items():
+                write_hf_gguf(model, path, linear_type=t)
+            cache[name] = (model, folder, *files.values())
         return cache[name]
 
     return get
@@ -112,7 +112,7 @@ def made(tmp_path_factory):
 
 def lean_target(made, name: str, source: str, path: str = "native"):
     """The exact lean target of ``name`` from its HF folder or F32 GGUF, on the native ops or the torch path."""
-    model, folder, f32, _ = made(name)
+    model, folder, f32 = made(name)[:3]
     target = ff.load(str(folder)) if source == "hf" else ff.load(str(f32), arithmetic="exact")
     assert target.backend_name == "lean"
     target.eos_token_ids = set()  # decode the full length, as generate(min_new_tokens=n) does
@@ -155,25 +155,44 @@ def test_greedy_equals_transformers_generate(made, name, source):
         assert ff.generate(target, prompt, method, max_new_tokens=24).token_ids == expected, method
 
 
+@needs_native
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_f16_gguf_is_the_model_with_fp16_weights(made, name):
+    """An F16 file in the exact arithmetic: transformers' forward over the weights rounded to fp16 (norms and
+    biases stay fp32, as llama.cpp's converter writes them)."""
+    import copy
+
+    model, f16 = made(name)[0], made(name)[4]
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if p.dim() == 2:
+                p.copy_(p.half().float())
+    target = ff.load(str(f16), arithmetic="exact")
+    got = target.forward(torch.tensor(PROMPT), torch.arange(len(PROMPT)), target.new_cache(64)).logits
+    assert (got - hf_logits(rounded, PROMPT)).abs().max().item() < 1e-4
+
+
 _q8_targets: dict = {}
 
 
-def q8_target(made, name):
-    if name not in _q8_targets:
-        target = ff.load(str(made(name)[3]), arithmetic="q8")
+def q8_target(made, name, fmt="Q8_0"):
+    if (name, fmt) not in _q8_targets:
+        target = ff.load(str(made(name)[3 if fmt == "Q8_0" else 5]), arithmetic="q8")
         assert target.backend_name == "lean" and target.arithmetic == "q8"
         target.eos_token_ids = set()
-        _q8_targets[name] = target
-    return _q8_targets[name]
+        _q8_targets[name, fmt] = target
+    return _q8_targets[name, fmt]
 
 
 @needs_native
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
 @pytest.mark.parametrize("name", sorted(ARCHS))
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=16), max_new=st.integers(1, 30),
        method=st.sampled_from(["jacobi", "pld", "lookahead", "tr-jacobi"]))
-def test_q8_every_method_equals_its_ar(made, name, prompt, max_new, method):
-    target = q8_target(made, name)
+def test_q8_every_method_equals_its_ar(made, name, fmt, prompt, max_new, method):
+    target = q8_target(made, name, fmt)
     ar = ff.generate(target, prompt, "ar", max_new_tokens=max_new).token_ids
     assert ff.generate(target, prompt, method, max_new_tokens=max_new).token_ids == ar
 
@@ -183,7 +202,7 @@ def test_gguf_loads_in_llama_cpp(made, name):
     llama_cpp = pytest.importorskip("llama_cpp")
     import numpy as np
 
-    model, _, f32, q8 = made(name)
+    model, _, f32, q8 = made(name)[:4]
     ids = PROMPT[: WINDOWS[name] if name in LLAMA_CPP_IGNORES_WINDOW else 12]
     for path in (f32, q8):
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False)
@@ -208,7 +227,7 @@ def test_qwen3_layers_skip_the_fused_packed_layer(made):
 @needs_native
 def test_without_rope_freqs_the_llama3_gguf_would_differ(made, tmp_path):
     """The Llama 3 check can fail: the same file read without its frequency factors gives other logits."""
-    model, _, f32, _ = made("llama3-rope")
+    model, _, f32 = made("llama3-rope")[:3]
     g = read_gguf(f32)
     del g.tensors["rope_freqs.weight"]
     plain = LeanLlama.from_gguf(g, native)
@@ -240,7 +259,7 @@ def test_other_rope_types_run_on_hf_with_a_notice_or_are_refused_on_lean(rope, c
 def test_windowed_models_run_on_the_lean_forward_past_their_window(made, name):
     """Past the window the lean forward is the model's own (checked against transformers above); reading the files
     without the window would differ, so the window is what the checks above test."""
-    model, _, f32, _ = made(name)
+    model, _, f32 = made(name)[:3]
     g = read_gguf(f32)
     assert g.hparams["sliding_window"] == WINDOWS[name] and len(PROMPT) > WINDOWS[name]
     g.hparams["sliding_window"] = None
