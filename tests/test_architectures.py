@@ -188,7 +188,7 @@ def q8_target(made, name, fmt="Q8_0"):
 @needs_native
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
 @pytest.mark.parametrize("name", sorted(ARCHS))
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=16), max_new=st.integers(1, 30),
        method=st.sampled_from(["jacobi", "pld", "lookahead", "tr-jacobi"]))
 def test_q8_every_method_equals_its_ar(made, name, fmt, prompt, max_new, method):
