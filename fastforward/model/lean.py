@@ -578,8 +578,11 @@ class LeanLlama:
         if mask is not None and mask.shape[1] < end:  # write slots past the mask's width: nobody sees them
             mask = torch.cat([mask, torch.zeros(q, end - mask.shape[1], dtype=torch.bool)], dim=1)
         options = self.has_options or not all(layer.plain_attention for layer in self.layers)
+        # A forward whose every row's logits are read (a decoding step: AR's one row, a draft tree's rows) attends
+        # row by row, so that each row is bitwise what it gives alone; a prefill chunk (last_only) may batch.
+        every_row_alone = options or not last_only
         key_pos = None
-        if options:  # each key slot's position: the committed ones' own, this forward's from ``positions``
+        if every_row_alone:  # each key slot's position: the committed ones' own, this forward's from ``positions``
             key_pos = torch.arange(end)
             key_pos[slots] = positions.to(torch.long)
             written = torch.zeros(end, dtype=torch.bool)
@@ -607,7 +610,7 @@ class LeanLlama:
             keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
             if keys.dtype != qh.dtype:  # read back exactly, attention in the activations' dtype
                 keys, values = keys.to(qh.dtype), values.to(qh.dtype)
-            if self.has_options or not layer.plain_attention:
+            if every_row_alone or not layer.plain_attention:
                 o = rowwise_attention(qh, keys, values, mask, positions.to(torch.long), key_pos, layer)
             else:
                 o = F.scaled_dot_product_attention(
