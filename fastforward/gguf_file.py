@@ -48,12 +48,19 @@ class GGUFTensor:
         Reading rather than memory-mapping keeps the file's pages out of the process's resident memory: the
         weights take their packed size once."""
         rows = self.shape[0] if len(self.shape) == 2 else 1
-        buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        return self.read_rows(0, rows)
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of the tensor's bytes (``[stop - start, row_bytes]`` uint8), read into fresh
+        memory."""
+        rows = self.shape[0] if len(self.shape) == 2 else 1
+        row_bytes = self.nbytes // rows
+        buf = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
         with open(self.path, "rb") as f:
-            f.seek(self.offset)
+            f.seek(self.offset + start * row_bytes)
             if f.readinto(memoryview(buf.numpy())) != buf.numel():
                 raise UsageError(f"{self.path} is truncated (tensor {self.name})")
-        return buf.view(rows, -1)
+        return buf.view(stop - start, row_bytes)
 
 
 @dataclass
@@ -189,6 +196,10 @@ def linear_from_tensor(t: GGUFTensor, *, native, permute_heads: int | None = Non
     q8 = arithmetic == "q8" and t.type_id in Q8_FORMATS
     if (t.type_id in PACKED_FORMATS and (native is not None or q8)
             and in_features % PACKED_FORMATS[t.type_id][1] == 0):
+        if q8 and native is not None and order is None and out_features > Q8_PACK_ROWS:
+            return PackedLinear(_q8_packed_in_slices(t, native, in_features), t.type_id, in_features, native=native,
+                                kernel_layout=True, kernel_fmt=native.Q8_FORMAT_BASE + t.type_id, arithmetic="q8",
+                                out_features=out_features)
         data = t.read()
         data = data.index_select(0, order) if order is not None else data
         return PackedLinear(data, t.type_id, in_features, native=native, owned=True,
@@ -202,6 +213,25 @@ def linear_from_tensor(t: GGUFTensor, *, native, permute_heads: int | None = Non
     if order is not None:
         dense = dense.index_select(0, order)
     return DenseLinear(dense, native=native)
+
+
+#: rows of a weight read and packed for the integer kernel at a time (a multiple of its 8-row panels): a large
+#: weight (an embedding of 150 K rows) is never held in the file's layout and the kernel's at once while loading
+Q8_PACK_ROWS = 4096
+
+
+def _q8_packed_in_slices(t: GGUFTensor, native, in_features: int) -> torch.Tensor:
+    """``native.q8_pack`` of the whole tensor, read and packed :data:`Q8_PACK_ROWS` rows at a time into one buffer
+    (the panels of 8 rows are independent, so the slices' packings laid end to end are the whole's)."""
+    rows = t.shape[0]
+    out = None
+    for start in range(0, rows, Q8_PACK_ROWS):
+        stop = min(rows, start + Q8_PACK_ROWS)
+        packed = native.q8_pack(t.read_rows(start, stop).contiguous(), t.type_id, in_features)
+        if out is None:
+            out = torch.empty((rows + 7) // 8 * 8, packed.shape[1], dtype=torch.uint8)
+        out[start : start + packed.shape[0]] = packed
+    return out
 
 
 _noticed: set[str] = set()

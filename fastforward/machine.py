@@ -9,6 +9,7 @@ and the benchmarks can say how close t(1) is to the machine's limit.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -136,3 +137,24 @@ def forward_read_bytes(backend, q: int = 1, kv: int = 0) -> dict | None:
 def achieved_bandwidth(read_bytes: int, ms: float) -> float:
     """GB/s that reading ``read_bytes`` in ``ms`` milliseconds amounts to."""
     return read_bytes / (ms / 1e3) / 1e9
+
+
+_libc_trim = None
+
+
+def release_freed_memory() -> None:
+    """Give the memory the C allocator holds free back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+    Loading a model reads each weight into a buffer that is freed once packed; glibc keeps such freed heap memory
+    resident, so without this a load's peak and resident memory grow by the fragments (~15% of a 1.7 B file)."""
+    global _libc_trim
+    if _libc_trim is None:
+        _libc_trim = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                _libc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                pass
+    if _libc_trim:
+        _libc_trim(0)

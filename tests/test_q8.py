@@ -271,3 +271,25 @@ def test_reference_handles_every_format_without_native():
         y = q8_matmul(x, data, fmt, width(fmt))
         ref = x.double() @ dequantize(data, fmt, width(fmt)).double().T
         assert (y.double() - ref).abs().max().item() < 0.05 * ref.abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("embed_type", ["Q8_0", "Q6_K"])
+def test_large_weights_packed_in_slices_are_the_same_model(tmp_path, monkeypatch, embed_type):
+    """A weight with more rows than Q8_PACK_ROWS is read and packed a slice at a time (never held in two layouts at
+    once while loading): the packed bytes and every logit are those of packing it whole."""
+    from fastforward import gguf_file
+
+    if kernels.load_native() is None:
+        pytest.skip("needs the native kernels")
+    kw = dict(vocab_size=256 if embed_type == "Q6_K" else 96, hidden_size=256 if embed_type == "Q6_K" else 64,
+              intermediate_size=512, embed_type=embed_type, linear_type="Q4_0")
+    whole, _ = tiny_gguf_target(tmp_path / "whole.gguf", arithmetic="q8", **kw)
+    monkeypatch.setattr(gguf_file, "Q8_PACK_ROWS", 16)
+    sliced, _ = tiny_gguf_target(tmp_path / "sliced.gguf", arithmetic="q8", **kw)
+    a, b = whole.backend, sliced.backend
+    assert torch.equal(a.embed.data, b.embed.data) and a.embed.kernel_fmt == b.embed.kernel_fmt
+    assert torch.equal(a.layers[0].down.data, b.layers[0].down.data)
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    out_a = whole.forward(ids, torch.arange(8), whole.new_cache(16)).logits
+    out_b = sliced.forward(ids, torch.arange(8), sliced.new_cache(16)).logits
+    assert torch.equal(out_a, out_b)

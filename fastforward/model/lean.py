@@ -20,6 +20,7 @@ from ..errors import UsageError
 from ..gguf_file import linear_from_tensor, unpermute_rows, vector
 from ..kernels import load_native
 from ..linear import FORMAT_IDS, DenseLinear, PackedLinear, concat_linears, format_names, packed_kernel_name, quantize
+from ..machine import release_freed_memory
 from .forward import ForwardOutput, ForwardRequest, _full_mask, check_slots
 from .kv import KV_PRECISIONS, StaticKVCache
 from .layer_math import rms_norm, rope_cos_sin, rope_inv_freq, rotary_heads
@@ -490,8 +491,10 @@ class LeanLlama:
                 qk_eps=hp["eps"],
                 heads=(nh, nkv, d),
             ))
+            release_freed_memory()  # the layer's read buffers: back to the system, not kept by the allocator
         embed = lin("token_embd.weight")
         head = lin("output.weight") if "output.weight" in t else embed  # tied: the embedding, packed
+        release_freed_memory()
         kinds = sorted(set().union(*(format_names(x) for layer in layers for x in (layer.qkv, layer.o, layer.gate_up,
                                                                             layer.down)), format_names(head)))
         if arithmetic == "q8":
