@@ -276,9 +276,11 @@ inline __m256 silu_mul8(__m256 g, __m256 u) {
   return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(neg))), u);
 }
 
-at::Tensor silu_mul(const at::Tensor& gu_in) {
-  check_f32(gu_in, "silu_mul", "gu", 2);
-  TORCH_CHECK(gu_in.size(1) % 2 == 0, "silu_mul: gu must have an even number of columns [gate | up], got ",
+// act(gu[:, :I]) * gu[:, I:] for gu [q, 2I], 8 lanes at a time (``Mul8``: the vector function), masked tail.
+template <__m256 (*Mul8)(__m256, __m256)>
+at::Tensor gated_mul(const at::Tensor& gu_in, const char* fn) {
+  check_f32(gu_in, fn, "gu", 2);
+  TORCH_CHECK(gu_in.size(1) % 2 == 0, fn, ": gu must have an even number of columns [gate | up], got ",
               gu_in.size(1));
   const at::Tensor gu = gu_in.contiguous();
   const int64_t Q = gu.size(0), I = gu.size(1) / 2;
@@ -293,15 +295,17 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
       const float* u = g + I;
       float* o = op + r * I;
       for (int64_t c = 0; c < full; c += 8)
-        _mm256_storeu_ps(o + c, silu_mul8(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
+        _mm256_storeu_ps(o + c, Mul8(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
       if (rest) {
         const __m256i m = _mm256_castps_si256(first8(rest));
-        _mm256_maskstore_ps(o + full, m, silu_mul8(_mm256_maskload_ps(g + full, m), _mm256_maskload_ps(u + full, m)));
+        _mm256_maskstore_ps(o + full, m, Mul8(_mm256_maskload_ps(g + full, m), _mm256_maskload_ps(u + full, m)));
       }
     }
   });
   return out;
 }
+
+at::Tensor silu_mul(const at::Tensor& gu) { return gated_mul<silu_mul8>(gu, "silu_mul"); }
 
 // ---- gelu_tanh_mul ----------------------------------------------------------------------------------------------
 
@@ -314,33 +318,7 @@ inline __m256 gelu_tanh_mul8(__m256 g, __m256 u) {
   return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(t))), u);
 }
 
-at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
-  check_f32(gu_in, "gelu_tanh_mul", "gu", 2);
-  TORCH_CHECK(gu_in.size(1) % 2 == 0, "gelu_tanh_mul: gu must have an even number of columns [gate | up], got ",
-              gu_in.size(1));
-  const at::Tensor gu = gu_in.contiguous();
-  const int64_t Q = gu.size(0), I = gu.size(1) / 2;
-  at::Tensor out = at::empty({Q, I}, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t full = I / 8 * 8;
-  const int rest = static_cast<int>(I - full);
-  at::parallel_for(0, Q, row_grain(I * 4), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = gp + r * 2 * I;
-      const float* u = g + I;
-      float* o = op + r * I;
-      for (int64_t c = 0; c < full; c += 8)
-        _mm256_storeu_ps(o + c, gelu_tanh_mul8(_mm256_loadu_ps(g + c), _mm256_loadu_ps(u + c)));
-      if (rest) {
-        const __m256i m = _mm256_castps_si256(first8(rest));
-        _mm256_maskstore_ps(o + full, m,
-                            gelu_tanh_mul8(_mm256_maskload_ps(g + full, m), _mm256_maskload_ps(u + full, m)));
-      }
-    }
-  });
-  return out;
-}
+at::Tensor gelu_tanh_mul(const at::Tensor& gu) { return gated_mul<gelu_tanh_mul8>(gu, "gelu_tanh_mul"); }
 
 // ---- attention ---------------------------------------------------------------------------------------------------
 
