@@ -254,7 +254,8 @@ def rowwise_attention(qh, keys, values, mask, q_pos, key_pos, layer: LlamaLayer)
         scores = torch.matmul(qh[:, i : i + 1], k.transpose(1, 2)) * scale  # [nh, 1, n]
         if layer.softcap:
             scores = torch.tanh(scores / layer.softcap) * layer.softcap
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qh.dtype)
+        # in fp32 at least (as transformers' eager attention; float64 models keep float64)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(qh.dtype, torch.float32)).to(qh.dtype)
         out[:, i : i + 1] = torch.matmul(probs, v)
     return out
 
