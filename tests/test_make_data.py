@@ -26,7 +26,9 @@ from fastforward.train.make_data import (
     BENCHMARK_FILES,
     MANIFEST,
     RESPONSES,
+    SUMMARY_REQUEST,
     Prompt,
+    category_of,
     make_data,
     read_prompts,
     read_records,
@@ -240,6 +242,27 @@ def test_read_prompts_dedups_and_mixes_every_source(sources, tmp_path):
     assert [p.text for p in read_prompts(sources + "," + again)] == [p.text for p in prompts]
 
 
+def test_summaries_and_sql_questions_become_prompts(tmp_path):
+    """XSum's articles ask for a one-sentence summary; Spider's questions carry their database's tables (from the
+    tables.json beside them) and are categorised as 'summary' and 'sql'."""
+    xsum = tmp_path / "XSum-test.jsonl"
+    xsum.write_text(json.dumps({"id": "1", "document": " An article. ", "summary": "s"}) + "\n")
+    spider = tmp_path / "spider"
+    spider.mkdir()
+    (spider / "dev.json").write_text(json.dumps([{"db_id": "music", "question": "How many singers?", "query": "q"},
+                                                 {"db_id": "unknown", "question": "Which one?", "query": "q"}]))
+    (spider / "tables.json").write_text(json.dumps([{
+        "db_id": "music", "table_names_original": ["singer", "concert"],
+        "column_names_original": [[-1, "*"], [0, "id"], [0, "name"], [1, "year"]]}]))
+    prompts = {p.text: p.source for p in read_prompts(f"{xsum},{spider / 'dev.json'}")}
+    assert prompts == {
+        SUMMARY_REQUEST + "An article.": "XSum-test.jsonl",
+        "Write an SQL query for this question.\nTables: singer(id, name); concert(year)\nQuestion: How many singers?":
+            "dev.json",
+        "Write an SQL query for this question.\nDatabase: unknown\nQuestion: Which one?": "dev.json"}
+    assert {category_of(s) for s in prompts.values()} == {"summary", "sql"}
+
+
 # --------------------------------------------------------------------------------------------------------------
 # (4) Refusals
 # --------------------------------------------------------------------------------------------------------------
@@ -374,6 +397,9 @@ CASES = [
     (MD + ["--max-new-tokens", "0"], "--max-new-tokens"),
     (MD + ["--max-new-tokens", "1e3"], "--max-new-tokens"),
     (MD + ["--max-active", "0"], "--max-active"),
+    (MD + ["--max-active", "1025"], "--max-active"),
+    (MD + ["--max-batch-tokens", "0"], "--max-batch-tokens"),
+    (MD + ["--max-batch-tokens", "4097"], "--max-batch-tokens"),
     (MD + ["--seed", HUGE], "--seed"),
     (MD + ["--seed", "-1"], "--seed"),
     (MD + ["--heldout", "nan"], "--heldout"),

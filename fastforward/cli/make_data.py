@@ -12,7 +12,7 @@ from ..train.make_data import (
     make_data,
     write_heldout_prompts,
 )
-from .options import add_model_arguments, max_new_tokens, model_load_kwargs, positive_int, seed
+from .options import add_model_arguments, int_between, max_new_tokens, model_load_kwargs, positive_int, seed
 
 
 def add_arguments(p, name: str) -> None:
@@ -27,14 +27,17 @@ def add_arguments(p, name: str) -> None:
                    help="response budget per prompt (default: %(default)s)")
     p.add_argument("--heldout", type=float, default=DEFAULT_HELDOUT,
                    help="fraction of prompts marked held out, by a hash of the prompt (default: %(default)s)")
-    p.add_argument("--max-active", type=positive_int, default=8,
+    p.add_argument("--max-active", type=int_between(1, 1024), default=8,
                    help="sequences decoding together (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int_between(1, 4096), default=None,
+                   help="rows of one shared forward (default: from this machine's cost curve); a large one (64) "
+                        "makes more tokens per second when the forward's cost per row still falls there")
     p.add_argument("--features", action="store_true",
                    help="also store the target's features per token (bf16, OUT/features/) for drafter training")
     p.add_argument("--seed", type=seed, default=0, help="order of the mixed prompts (default: 0)")
     p.add_argument("--write-heldout", metavar="FILE", default=None,
                    help="only write the held-out prompts (never trained on) as a 'fastforward bench --questions' "
-                        "file, by category (chat = ShareGPT, alpaca, code, gsm8k_train), and stop")
+                        "file, by category (chat = ShareGPT, alpaca, code, gsm8k_train, summary, sql), and stop")
 
 
 def run(args, name: str) -> int:
@@ -50,7 +53,8 @@ def run(args, name: str) -> int:
     target = ff.load(args.model, **model_load_kwargs(args))
     out = args.out or default_out(target.name)
     summary = make_data(target, out, sources=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                        heldout=args.heldout, seed=args.seed, max_active=args.max_active, features=args.features)
+                        heldout=args.heldout, seed=args.seed, max_active=args.max_active, features=args.features,
+                        max_batch_tokens=args.max_batch_tokens)
     print(f"saved {out}/{RESPONSES}: {summary['records']} records ({summary['new_tokens']} new tokens in "
           f"{summary['seconds']} s)")
     return 0

@@ -28,6 +28,7 @@ __all__ = [
     "max_new_tokens",
     "nonnegative_int",
     "parse_options",
+    "int_between",
     "positive_float",
     "positive_int",
     "seed",
@@ -49,6 +50,19 @@ def _int_at_least(low: int, words: str):
             raise argparse.ArgumentTypeError(f"invalid int value: '{text}'") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be {words}, got {value}")
+        return value
+
+    return parse
+
+
+def int_between(low: int, high: int):
+    """argparse ``type=``: an integer from ``low`` to ``high``."""
+    at_least = _int_at_least(low, f"an integer from {low} to {high}")
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {value}")
         return value
 
     return parse

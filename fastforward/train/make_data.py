@@ -3,7 +3,8 @@
 FastEagle's recipe: drafters learn from the target's *own* greedy responses, not from a fixed dataset's answers, so
 what they learn to predict is exactly what verification will accept. This module
 
-* reads prompts from instruction/chat files (ShareGPT first turns, Alpaca-style, GSM8K; benchmark files refused),
+* reads prompts from instruction/chat files (ShareGPT first turns, Alpaca-style, GSM8K, XSum articles to summarise,
+  Spider questions with their tables; benchmark files refused),
   deduplicates them by text, interleaves the sources in a seeded order and marks a held-out split by a hash of the
   prompt (the same prompt is held out whatever it is mixed with);
 * generates the target's greedy response to each with many sequences per forward
@@ -51,6 +52,8 @@ DEFAULT_SOURCES = (
     "alpaca/alpaca_en_demo.json",
     "codealpaca/code_alpaca_2k.json",
     "gsm8k/train.jsonl",
+    "xsum/XSum-test.jsonl",
+    "spider/dev.json",
 )
 # Files whose prompts the benchmark or the evaluation uses: training on them would flatter every result.
 BENCHMARK_FILES = ("question.jsonl", "test.jsonl", "HumanEval.jsonl.gz", "eagle_alpaca_question.jsonl")
@@ -77,11 +80,42 @@ def default_sources() -> list[Path]:
     return [root / s for s in DEFAULT_SOURCES]
 
 
-def prompt_of(rec: dict, where: str) -> str | None:
-    """The user prompt of one record: ShareGPT's first human turn, Alpaca's instruction (+ input), GSM8K's
+SUMMARY_REQUEST = "Summarize the following article in one sentence.\n\n"
+
+
+def spider_schemas(path: Path) -> dict[str, str]:
+    """Spider's schemas by database (``tables.json`` beside a Spider question file), one line per database:
+    ``table(column, ...); ...``; empty when there is no such file."""
+    tables = Path(path).with_name("tables.json")
+    if not tables.is_file():
+        return {}
+    out = {}
+    for where, db in located_records(tables):
+        if not isinstance(db, dict) or not isinstance(db.get("db_id"), str):
+            raise UsageError(f"{where}: a Spider schema needs a 'db_id'")
+        names = db.get("table_names_original") or []
+        cols: list[list[str]] = [[] for _ in names]
+        for t, c in db.get("column_names_original") or []:
+            if isinstance(t, int) and 0 <= t < len(cols):
+                cols[t].append(str(c))
+        out[db["db_id"]] = "; ".join(f"{n}({', '.join(c)})" for n, c in zip(names, cols))
+    return out
+
+
+def prompt_of(rec: dict, where: str, schemas: dict | None = None) -> str | None:
+    """The user prompt of one record: ShareGPT's first human turn, Alpaca's instruction (+ input), an XSum
+    ``document`` to summarise, a Spider ``question`` with its database's schema (``schemas``, by ``db_id``), GSM8K's
     question, or a generic ``prompt``; a field that is not text is a one-line :class:`UsageError` naming ``where``."""
     if not isinstance(rec, dict):
         raise UsageError(f"{where}: records must be JSON objects")
+    if "document" in rec:
+        text = text_field(rec, "document", where).strip()
+        return SUMMARY_REQUEST + text if text else None
+    if "db_id" in rec and "question" in rec:
+        question = text_field(rec, "question", where).strip()
+        schema = (schemas or {}).get(rec["db_id"])
+        tables = f"Tables: {schema}\n" if schema else f"Database: {rec['db_id']}\n"
+        return f"Write an SQL query for this question.\n{tables}Question: {question}" if question else None
     if "conversations" in rec:
         turns = rec["conversations"] or []
         if not isinstance(turns, list):
@@ -108,7 +142,8 @@ def read_prompts(sources=None, *, seed: int = 0) -> list[Prompt]:
             raise UsageError(f"{p} is a benchmark/evaluation file; drafters must not train on its prompts")
     per_source = []
     for p in paths:
-        items = [t for t in (prompt_of(rec, where) for where, rec in located_records(p)) if t]
+        schemas = spider_schemas(p)
+        items = [t for t in (prompt_of(rec, where, schemas) for where, rec in located_records(p)) if t]
         random.Random(f"{seed}:{p.name}").shuffle(items)
         per_source.append([Prompt(t, p.name) for t in items])
     seen, out = set(), []
@@ -122,7 +157,8 @@ def read_prompts(sources=None, *, seed: int = 0) -> list[Prompt]:
     return out
 
 
-SOURCE_CATEGORIES = {"ShareGPT": "chat", "alpaca": "alpaca", "code_alpaca": "code", "train.jsonl": "gsm8k_train"}
+SOURCE_CATEGORIES = {"ShareGPT": "chat", "alpaca": "alpaca", "code_alpaca": "code", "train.jsonl": "gsm8k_train",
+                     "XSum": "summary", "dev.json": "sql"}
 
 
 def category_of(source: str) -> str:
@@ -291,7 +327,7 @@ def _lock(out: Path):
 
 def make_data(target, out, *, sources=None, limit: int | None = None, max_new_tokens: int = 256,
               heldout: float = DEFAULT_HELDOUT, seed: int = 0, max_active: int = 8, features: bool = False,
-              method: str = "pld", log: Callable[[str], None] = print) -> dict:
+              method: str = "pld", max_batch_tokens: int | None = None, log: Callable[[str], None] = print) -> dict:
     """Generate (or resume generating) the target's greedy responses into ``out``; returns a summary."""
     out = Path(out).expanduser()
     prompts = check_make_data(out, sources=sources, limit=limit, heldout=heldout, seed=seed)
@@ -346,6 +382,7 @@ def make_data(target, out, *, sources=None, limit: int | None = None, max_new_to
                 try:
                     generate_batch(target, [ids[p.key] for p in part], recorders or method,
                                    max_new_tokens=max_new_tokens, max_active=max_active, on_result=save,
+                                   max_batch_tokens=max_batch_tokens,
                                    observers=[(r,) for r in recorders] if recorders else None)
                 except KeyboardInterrupt:  # every finished record is on disk; say so in one line
                     kept = len(read_records(out))
