@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..costs import cost_model
@@ -151,12 +152,14 @@ class FeatureDrafterProposer(Proposer):
             self._commit(taps, tokens, positions)
 
     # -- sizing -------------------------------------------------------------------------------------------------
-    def _curve_ms(self) -> torch.Tensor | None:
-        """t(1..max_proposal_size) from the live cost model (None for a fixed size)."""
-        return None if self.costs is None else self.costs.table(self.max_proposal_size())
+    def _curve_ms(self, numpy: bool = False) -> torch.Tensor | np.ndarray | None:
+        """t(1..max_proposal_size) from the live cost model (None for a fixed size); a numpy array with ``numpy``."""
+        return None if self.costs is None else self.costs.table(self.max_proposal_size(), numpy=numpy)
 
-    def _tree_size(self, ranked_probs: torch.Tensor, state: DecodeState) -> int:
-        """The rerank's tree size n (root included) for candidates' path probabilities, ranked: ``nodes`` when
-        fixed, else the n the cost model prices best (:func:`._rerank.best_size`)."""
-        limit = min(self.max_proposal_size(), ranked_probs.numel() + 1, state.remaining + 1)
-        return best_size(ranked_probs, self._curve_ms(), limit, self.nodes)
+    def _tree_size(self, ranked_probs: torch.Tensor | np.ndarray, state: DecodeState) -> int:
+        """The rerank's tree size n (root included) for candidates' path probabilities, ranked (a torch tensor or a
+        numpy array): ``nodes`` when fixed, else the n the cost model prices best (:func:`._rerank.best_size`)."""
+        numpy = isinstance(ranked_probs, np.ndarray)
+        limit = min(self.max_proposal_size(), (ranked_probs.size if numpy else ranked_probs.numel()) + 1,
+                    state.remaining + 1)
+        return best_size(ranked_probs, self._curve_ms(numpy), limit, self.nodes)
