@@ -38,7 +38,7 @@ from .stats import totals
 from .train.data import encode_examples, located_records, read_examples, split_examples, text_field
 from .train.msn import apply_ahead_noise, random_starts
 
-TASKS = ("nll", "gsm8k", "humaneval")
+TASKS = ("nll", "gsm8k", "humaneval", "agreement")
 DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 256, "humaneval": 512}
 DEFAULT_FILES = {"gsm8k": "gsm8k/test.jsonl", "humaneval": "humaneval/HumanEval.jsonl.gz"}
 
@@ -471,12 +471,17 @@ def summary_line(s: dict) -> str:
             head += (f"; from ahead-noised inputs (L={a['noise_length']}, {a['predictions']} predictions): top-1 "
                      f"{a['noisy_accuracy']:.3f} (clean {a['clean_accuracy']:.3f}), nll {a['noisy_nll']:.3f} "
                      f"(clean {a['clean_nll']:.3f})")
+    elif s["task"] == "agreement":
+        head = (f"{s['kind']} drafter {s['drafter']}: held-out top-1 agreement by depth "
+                + " / ".join(f"{v:.3f}" for v in s["top1"])
+                + (", chain " + " / ".join(f"{v:.3f}" for v in s["chain"]) if s.get("chain") else "")
+                + f" ({s['positions']} response positions of {s['records']} held-out records)")
     elif s["task"] == "gsm8k":
         head = f"gsm8k accuracy {s['accuracy']:.3f} ({s['correct']}/{s['n']})"
     else:
         head = f"humaneval pass@1 {s['pass@1']:.3f} ({s['passed']}/{s['n']})"
     tail = f"; model {s['model']}"
-    if s["task"] != "nll":
+    if s["task"] not in ("nll", "agreement"):
         tail += f", method {s['method']} (tau {s['tau']:.2f}, {s['tokens_per_s']:.1f} tok/s)"
     agree = ""
     if s.get("agreement"):

@@ -1,5 +1,6 @@
-"""``fastforward eval``: the task quality of a model (held-out NLL, GSM8K accuracy, HumanEval pass@1); the tasks
-themselves are :mod:`fastforward.evaluate`'s."""
+"""``fastforward eval``: the task quality of a model (held-out NLL, GSM8K accuracy, HumanEval pass@1) and a trained
+drafter's held-out agreement with it by depth; the tasks themselves are :mod:`fastforward.evaluate`'s and
+:mod:`fastforward.train.agreement`'s."""
 
 from __future__ import annotations
 
@@ -50,8 +51,11 @@ GENERATION_FLAGS = {"--method": "method", "-o": "option", "--max-new-tokens": "m
 def add_arguments(p, name: str) -> None:
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure")
     add_model_arguments(p)
+    p.add_argument("--drafter", default=None,
+                   help="agreement: the drafter folder to score (EAGLE-3, FastEagle, Falcon or draft model)")
     p.add_argument("--data", default=None,
-                   help="nll: the training data file(s) whose held-out split to score (required); gsm8k/humaneval: "
+                   help="nll: the training data file(s) whose held-out split to score (required); agreement: the "
+                        "'fastforward make-data' folder whose held-out records to score (required); gsm8k/humaneval: "
                         "the test file (default: shared/data/gsm8k/test.jsonl, "
                         "shared/data/humaneval/HumanEval.jsonl.gz)")
     p.add_argument("--limit", type=positive_int, default=None, help="only the first N items")
@@ -105,6 +109,17 @@ def _check_nll(args) -> list:
     return heldout_examples(args.data, args.heldout, args.limit)
 
 
+def _check_agreement(args) -> None:
+    """The agreement options checked, before the model loads."""
+    from ..train.agreement import drafter_kind, heldout_records
+
+    _only_for(args, {**GENERATION_FLAGS, **NLL_FLAGS}, "gsm8k, humaneval or nll")
+    if not args.drafter or not args.data:
+        raise UsageError("--task agreement needs --drafter FOLDER and --data MAKE_DATA_FOLDER")
+    drafter_kind(args.drafter)
+    heldout_records(args.data, args.limit)
+
+
 def _check_generation(args, options: dict) -> tuple[Path, list]:
     """The generation options filled in and checked, and the task's records read, before the model loads."""
     _only_for(args, NLL_FLAGS, "nll")
@@ -127,8 +142,12 @@ def _check_generation(args, options: dict) -> tuple[Path, list]:
 def run(args, name: str) -> int:
     options = parse_options(args.option)
     rows = held = None
+    if args.task != "agreement" and args.drafter is not None:
+        raise UsageError(f"--drafter applies to --task agreement, not {args.task}")
     if args.task == "nll":
         held = _check_nll(args)
+    elif args.task == "agreement":
+        _check_agreement(args)
     else:
         path, rows = _check_generation(args, options)
     reference = None
@@ -149,7 +168,11 @@ def run(args, name: str) -> int:
 
     interrupted = False
     try:
-        if args.task == "nll":
+        if args.task == "agreement":
+            from ..train.agreement import drafter_agreement
+
+            result = drafter_agreement(args.drafter, target, args.data, limit=args.limit)
+        elif args.task == "nll":
             result = eval_nll(target, args.data, heldout=args.heldout, max_length=args.max_length, limit=args.limit,
                               noise_length=args.noise_length, held=held)
         elif args.task == "gsm8k":
@@ -162,17 +185,19 @@ def run(args, name: str) -> int:
         result, interrupted = exc.result, True
     seconds = time.perf_counter() - t0
     summary = {"task": args.task, "model": args.model, "seconds": round(seconds, 2)}
-    if args.task != "nll":
+    if args.task not in ("nll", "agreement"):
         summary.update(method=args.method, max_new_tokens=args.max_new_tokens, data=str(path))
     else:
         summary["data"] = args.data
+    if args.task == "agreement":
+        summary["drafter"] = args.drafter
     summary.update({k: v for k, v in result.items() if k != "samples"})
     if interrupted:
         summary["interrupted"] = f"{result['n']} of {len(rows)} items"
     if reference is not None:
         summary["agreement"] = compare_samples(args.task, result["samples"], reference)
     if args.save:
-        Path(args.save).expanduser().write_text(json.dumps({**summary, "samples": result["samples"]}, indent=1))
+        Path(args.save).expanduser().write_text(json.dumps({**summary, "samples": result.get("samples", [])}, indent=1))
     if args.json:
         print(json.dumps(summary))
     else:
