@@ -161,3 +161,31 @@ def test_sigterm_stops_training_with_a_checkpoint(setup, tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, steps[-1] + 2))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "fasteagle", "falcon"])
+def test_the_final_scoring_reads_the_training_store_not_the_target(setup, tmp_path, capsys, monkeypatch, kind):
+    """The held-out records' features were computed (and stored) when training first read them; the scoring at the
+    end reads them there instead of running the target over every held-out record again."""
+    import fastforward.drafters.features as features
+
+    model, data = setup
+    data_copy = tmp_path / "data"
+    data_copy.mkdir()
+    (data_copy / "responses.jsonl").write_text((data / "responses.jsonl").read_text())
+    args = ["train", kind, "--model", model, "--data", data_copy, "--batch-size", 2, "--threads", 1, "--quiet",
+            "--max-steps", 1, "--draft-vocab", 40]
+    args += ["--ttt-steps", 2] if kind == "eagle" else ["--layers", 2] if kind == "fasteagle" else []
+    code, _, err = run_cli(capsys, *args, "--out", tmp_path / "first")
+    assert code == 0, err  # the first run stored the features it read: its batch's and the held-out records'
+    stored = {p.name for p in (data_copy / "features").iterdir()}
+    assert {"k0.safetensors", "k5.safetensors", "k10.safetensors"} <= stored
+
+    def no_target(*a, **k):
+        raise AssertionError("features computed again")
+
+    monkeypatch.setattr(features, "compute_features", no_target)
+    code, stdout, err = run_cli(capsys, *args, "--out", tmp_path / "second")
+    assert code == 0, err
+    summary = json.loads((tmp_path / "second" / "fastforward_train.json").read_text())
+    assert summary["heldout"]["positions"] > 0

@@ -94,7 +94,8 @@ def drafter_agreement(folder, target, data, *, limit: int | None = None, steps: 
             from ..drafters.falcon import load_falcon
             from .falcon import heldout_agreement
 
-            result = heldout_agreement(target, load_falcon(folder, target).float().eval(), held)
+            result = heldout_agreement(target, load_falcon(folder, target).float().eval(), held,
+                                       store=FeatureStore(data, target, write=False))
         else:
             result = _draft_model_agreement(folder, target, held)
     out = {"kind": kind, "records": len(held), "positions": result.get("positions"),

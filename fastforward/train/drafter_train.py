@@ -110,17 +110,19 @@ class DrafterMethod:
     #: whether the held-out run's greedy calibration is saved with the drafter (:mod:`fastforward.drafters.calibration`)
     calibrates = False
 
-    def heldout(self, drafter, target, records: list[dict]) -> dict | None:
-        """Optional: this kind of drafter's agreement with the target on held-out records."""
+    def heldout(self, drafter, target, records: list[dict], store=None) -> dict | None:
+        """Optional: this kind of drafter's agreement with the target on held-out records (their features from
+        ``store``, a :class:`~fastforward.drafters.features.FeatureStore`, when given)."""
         return None
 
-    def evaluate(self, drafter, target, records: list[dict]) -> dict | None:
+    def evaluate(self, drafter, target, records: list[dict], store=None) -> dict | None:
         """The trained drafter scored on held-out records (in the run's summary and printed), and with
-        :attr:`calibrates` its greedy calibration kept in its config to be saved with it."""
+        :attr:`calibrates` its greedy calibration kept in its config to be saved with it. ``store``: where the
+        records' features are (the training's own store: computed once, not again at every scoring)."""
         if not records:
             return None
         drafter.eval()
-        held = self.heldout(drafter, target, records)
+        held = self.heldout(drafter, target, records, store)
         if held is not None and self.calibrates:
             from ..drafters.calibration import CONFIG_KEY
 
@@ -305,7 +307,7 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
         if done.step == run.start_step and run.summary_file.is_file():  # a finished run re-run: keep it, re-score
             summary = json.loads(run.summary_file.read_text())
         # scored before it is saved: a method may keep what the scoring fits with the drafter (eagle's calibration)
-        held = method.evaluate(run.accelerator.unwrap_model(drafter), target, held_recs)
+        held = method.evaluate(run.accelerator.unwrap_model(drafter), target, held_recs, store)
         if held is not None:
             summary["heldout"] = held
         method.save(run.accelerator.unwrap_model(drafter), run.out)

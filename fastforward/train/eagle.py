@@ -76,8 +76,8 @@ class EagleTraining(DrafterMethod):
 
     calibrates = True
 
-    def heldout(self, drafter, target, records):
-        return heldout_agreement(target, drafter, records, self.ttt_steps)
+    def heldout(self, drafter, target, records, store=None):
+        return heldout_agreement(target, drafter, records, self.ttt_steps, store=store)
 
 
 def heldout_agreement(target, drafter: Eagle3Drafter, records: list[dict], steps: int = 3, *, store=None,

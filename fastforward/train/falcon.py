@@ -169,8 +169,8 @@ class FalconTraining(DrafterMethod):
     def save(self, drafter, folder: Path) -> None:
         save_falcon(drafter, folder, dtype="float16")
 
-    def heldout(self, drafter, target, records):
-        return heldout_agreement(target, drafter, records)
+    def heldout(self, drafter, target, records, store=None):
+        return heldout_agreement(target, drafter, records, store=store)
 
 
 def chain_mask(T: int, k: int) -> torch.Tensor:
@@ -186,7 +186,8 @@ def chain_mask(T: int, k: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def heldout_agreement(target, drafter: FalconDrafter, records: list[dict], max_length: int = 768) -> dict:
+def heldout_agreement(target, drafter: FalconDrafter, records: list[dict], max_length: int = 768, *,
+                      store=None) -> dict:
     """Teacher-forced agreement of a drafter with the target on ``records`` (e.g. the held-out split of ``make-data``),
     as a decode-time two-pass chain sees it: for every block b (rows bk .. bk + k - 1, true inputs), its outputs
     draft depths 1..k after position bk + k; the second pass (block b + 1 fed the first pass's features and tokens,
@@ -201,7 +202,7 @@ def heldout_agreement(target, drafter: FalconDrafter, records: list[dict], max_l
     for r in records:
         ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]))[:max_length]
         P, T = len(r["prompt_ids"]), ids.numel()
-        final = compute_features(target, ids)["final"].float()
+        final = (store.get(r) if store is not None else compute_features(target, ids))["final"][:T].float()
         nxt = torch.zeros_like(ids)
         nxt[:-1] = ids[1:]
         emb = F.embedding(nxt, embed)

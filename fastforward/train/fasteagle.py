@@ -79,8 +79,8 @@ class FastEagleTraining(DrafterMethod):
 
     calibrates = True
 
-    def heldout(self, drafter, target, records):
-        return heldout_agreement(target, drafter, records)
+    def heldout(self, drafter, target, records, store=None):
+        return heldout_agreement(target, drafter, records, store=store)
 
     def load_weights(self, drafter, folder: Path) -> None:
         from safetensors.torch import load_file
