@@ -9,6 +9,7 @@ held-out split depends on the prompt text only; bad command lines fail in one li
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,34 @@ def test_records_are_the_targets_greedy_responses(target, reference):
     assert manifest["max_new_tokens"] == MAX_NEW and manifest["model"] == target.name
     assert [Path(s).name for s in manifest["sources"]] == ["sharegpt.json", "alpaca.json", "train.jsonl"]
     assert json.loads((out / RUN_MARKER).read_text())["command"] == "make-data"
+
+
+def test_sampled_responses_sit_beside_the_greedy_ones_and_resume_to_the_same_samples(target, reference, sources,
+                                                                                     tmp_path):
+    """--temperature adds one sampled response per prompt under its own key (the greedy records stay); each is
+    what generate() samples for that prompt alone with the record's seed, and the seed depends on the prompt, not on
+    the batch: a run cut short and resumed draws the same responses."""
+    out = tmp_path / "data"
+    shutil.copytree(reference[0], out)
+    greedy = by_key(reference[1])
+    run(target, out, sources, temperature=0.8, max_active=2)
+    records = by_key(read_records(out))
+    sampled = {k: r for k, r in records.items() if k not in greedy}
+    assert {k: r for k, r in records.items() if k in greedy} == greedy
+    assert len(sampled) == len(greedy)
+    for key, r in sampled.items():
+        assert key == f"{Prompt(r['prompt'], 'any').key}-t0.8-s0" and r["temperature"] == 0.8
+        assert r["split"] == greedy[Prompt(r["prompt"], "any").key]["split"]  # the prompt's split
+        alone = ff.generate(target, r["prompt"], "ar", max_new_tokens=MAX_NEW, temperature=0.8, seed=r["seed"])
+        assert r["response_ids"] == alone.token_ids
+    assert sum(r["response_ids"] != greedy[k.split("-t")[0]]["response_ids"] for k, r in sampled.items()) >= 3
+    # cut short, then resumed with another batch size: the same samples
+    again = tmp_path / "again"
+    shutil.copytree(reference[0], again)
+    run(target, again, sources, temperature=0.8, limit=4)
+    run(target, again, sources, temperature=0.8, max_active=5)
+    assert by_key(read_records(again)) == records
+    assert run(target, again, sources, temperature=0.8)["new_tokens"] == 0  # nothing left to do
 
 
 def test_a_finished_run_resumes_to_a_no_op(target, reference, sources):
@@ -402,6 +431,8 @@ CASES = [
     (MD + ["--max-batch-tokens", "4097"], "--max-batch-tokens"),
     (MD + ["--seed", HUGE], "--seed"),
     (MD + ["--seed", "-1"], "--seed"),
+    (MD + ["--temperature", "-1"], "--temperature"),
+    (MD + ["--temperature", "nan"], "--temperature"),
     (MD + ["--heldout", "nan"], "--heldout"),
     (MD + ["--heldout", "1"], "--heldout"),
     (MD + ["--heldout", "-0.1"], "--heldout"),

@@ -12,7 +12,8 @@ from ..train.make_data import (
     make_data,
     write_heldout_prompts,
 )
-from .options import add_model_arguments, int_between, max_new_tokens, model_load_kwargs, positive_int, seed
+from .options import add_model_arguments, int_between, max_new_tokens, model_load_kwargs, positive_int, seed, \
+    temperature
 
 
 def add_arguments(p, name: str) -> None:
@@ -34,7 +35,11 @@ def add_arguments(p, name: str) -> None:
                         "makes more tokens per second when the forward's cost per row still falls there")
     p.add_argument("--features", action="store_true",
                    help="also store the target's features per token (bf16, OUT/features/) for drafter training")
-    p.add_argument("--seed", type=seed, default=0, help="order of the mixed prompts (default: 0)")
+    p.add_argument("--temperature", type=temperature, default=0.0,
+                   help="0: greedy responses (default); above 0: one sampled response per prompt, seeded by the "
+                        "prompt and --seed, kept beside the greedy ones in the same folder")
+    p.add_argument("--seed", type=seed, default=0,
+                   help="order of the mixed prompts, and the samples with --temperature (default: 0)")
     p.add_argument("--write-heldout", metavar="FILE", default=None,
                    help="only write the held-out prompts (never trained on) as a 'fastforward bench --questions' "
                         "file, by category (chat = ShareGPT, alpaca, code, gsm8k_train, summary, sql), and stop")
@@ -54,7 +59,7 @@ def run(args, name: str) -> int:
     out = args.out or default_out(target.name)
     summary = make_data(target, out, sources=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens,
                         heldout=args.heldout, seed=args.seed, max_active=args.max_active, features=args.features,
-                        max_batch_tokens=args.max_batch_tokens)
+                        max_batch_tokens=args.max_batch_tokens, temperature=args.temperature)
     print(f"saved {out}/{RESPONSES}: {summary['records']} records ({summary['new_tokens']} new tokens in "
           f"{summary['seconds']} s)")
     return 0

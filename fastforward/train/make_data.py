@@ -7,7 +7,8 @@ what they learn to predict is exactly what verification will accept. This module
   Spider questions with their tables; benchmark files refused),
   deduplicates them by text, interleaves the sources in a seeded order and marks a held-out split by a hash of the
   prompt (the same prompt is held out whatever it is mixed with);
-* generates the target's greedy response to each with many sequences per forward
+* generates the target's greedy response to each (or, with a temperature, one sampled response, kept beside the
+  greedy one under its own key) with many sequences per forward
   (:func:`fastforward.api.generate_batch`), appending every finished record to ``OUT/responses.jsonl`` at once
   (flushed), so a run killed midway loses only the sequences still decoding; re-running the same command skips
   every prompt already in the file (a torn last line is dropped first) -- nothing lost, nothing duplicated;
@@ -38,7 +39,7 @@ from ..engine import Proposer
 from ..errors import UsageError
 from ..jsonl import jsonl_records
 from ..paths import check_output_dir, check_output_file, data_root, made_data_dir, mark_output_dir, owned_jsonl
-from ..validation import token_ids_problem
+from ..validation import check_sampling, token_ids_problem
 from .data import check_heldout, located_records, parse_paths, text_field
 
 RESPONSES = "responses.jsonl"
@@ -312,6 +313,18 @@ class FeatureRecorder(Proposer):
         return out
 
 
+def record_key(prompt: Prompt, temperature: float, seed: int) -> str:
+    """A record's key (and its features file's name): the prompt's for its greedy response, with the temperature
+    and seed appended for a sampled one (``<key>-t1-s0``), so one folder holds both."""
+    return prompt.key if temperature == 0 else f"{prompt.key}-t{temperature:g}-s{seed}"
+
+
+def sample_seed(prompt: Prompt, seed: int) -> int:
+    """The sampling seed of ``prompt``'s sampled response: from the prompt and ``seed`` only (not its place in a
+    batch), so a resumed run draws the same response."""
+    return int(hashlib.sha256(f"{seed}:{prompt.key}".encode()).hexdigest()[:15], 16)
+
+
 def _lock(out: Path):
     """An exclusive lock on ``out`` held while this process writes there (released when the process ends)."""
     import fcntl
@@ -327,9 +340,13 @@ def _lock(out: Path):
 
 def make_data(target, out, *, sources=None, limit: int | None = None, max_new_tokens: int = 256,
               heldout: float = DEFAULT_HELDOUT, seed: int = 0, max_active: int = 8, features: bool = False,
-              method: str = "pld", max_batch_tokens: int | None = None, log: Callable[[str], None] = print) -> dict:
-    """Generate (or resume generating) the target's greedy responses into ``out``; returns a summary."""
+              method: str = "pld", max_batch_tokens: int | None = None, temperature: float = 0.0,
+              log: Callable[[str], None] = print) -> dict:
+    """Generate (or resume generating) the target's responses into ``out``: greedy, or with ``temperature`` > 0 one
+    sampled response per prompt (seeded by the prompt and ``seed``, so a resumed or re-batched run draws the same
+    samples), kept beside the greedy ones under their own keys; returns a summary."""
     out = Path(out).expanduser()
+    sampling = check_sampling(temperature, 0, 1.0)
     prompts = check_make_data(out, sources=sources, limit=limit, heldout=heldout, seed=seed)
     mark_output_dir(out, COMMAND)
     lock = _lock(out)  # one writer per folder: two would both generate the prompts neither had finished
@@ -338,14 +355,15 @@ def make_data(target, out, *, sources=None, limit: int | None = None, max_new_to
         _check_manifest(out, {"model": target.name, "max_new_tokens": max_new_tokens, "heldout": heldout,
                               "method": "greedy", "sources": [str(s) for s in names]})
         done = {r["key"] for r in read_records(out, repair=True)}
-        todo = [p for p in prompts if p.key not in done]
+        todo = [p for p in prompts if record_key(p, sampling.temperature, seed) not in done]
         ids = {}
         for p in todo:
             pid = target.encode(p.text)
             if len(pid) <= MAX_PROMPT_TOKENS:
                 ids[p.key] = pid
         todo = [p for p in todo if p.key in ids]
-        log(f"make-data: {len(done)} records already in {out / RESPONSES}, {len(todo)} prompts to go")
+        what = "greedy" if sampling.greedy else f"sampled at temperature {sampling.temperature:g} (seed {seed})"
+        log(f"make-data: {len(done)} records already in {out / RESPONSES}, {len(todo)} prompts to go, {what}")
         t0 = time.perf_counter()
         new_tokens = 0
         store = None
@@ -366,12 +384,15 @@ def make_data(target, out, *, sources=None, limit: int | None = None, max_new_to
                 def save(i, result, part=part, recorders=recorders):
                     nonlocal new_tokens
                     p = part[i]
+                    key = record_key(p, sampling.temperature, seed)
                     if recorders is not None:  # the features first: a record in the file always has its features
-                        store.put(p.key, recorders[i].features(len(ids[p.key]) + len(result.token_ids)))
+                        store.put(key, recorders[i].features(len(ids[p.key]) + len(result.token_ids)))
                         recorders[i].parts = []
-                    rec = {"key": p.key, "source": p.source, "split": "heldout" if p.heldout(heldout) else "train",
+                    rec = {"key": key, "source": p.source, "split": "heldout" if p.heldout(heldout) else "train",
                            "prompt": p.text, "prompt_ids": ids[p.key], "response_ids": result.token_ids,
                            "finish_reason": result.finish_reason}
+                    if not sampling.greedy:
+                        rec.update(temperature=sampling.temperature, seed=sample_seed(p, seed))
                     f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
@@ -382,6 +403,8 @@ def make_data(target, out, *, sources=None, limit: int | None = None, max_new_to
                 try:
                     generate_batch(target, [ids[p.key] for p in part], recorders or method,
                                    max_new_tokens=max_new_tokens, max_active=max_active, on_result=save,
+                                   temperature=sampling.temperature,
+                                   seed=None if sampling.greedy else [sample_seed(p, seed) for p in part],
                                    max_batch_tokens=max_batch_tokens,
                                    observers=[(r,) for r in recorders] if recorders else None)
                 except KeyboardInterrupt:  # every finished record is on disk; say so in one line
