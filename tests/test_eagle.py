@@ -302,3 +302,36 @@ def test_native_layer_ops_give_the_torch_rows(target):
     for a, b in zip(native.out, plain.out, strict=True):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
     assert torch.allclose(native.k[:, :16], plain.k[:, :16], atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), depth=st.integers(1, 6),
+       nodes=st.sampled_from([0, 0, 2, 4]))
+def test_a_chain_proposes_what_the_rerank_would(target, drafter_dir, pin_costs, prompt, depth, nodes):
+    """topk=1 skips the rerank (a chain's candidates are already in rank order); every step's draft is the tree the
+    rerank builds from the same candidates."""
+    from fastforward.proposers import make_proposer
+    from fastforward.proposers.eagle import EagleProposer
+
+    pin_costs(target, CostCurve({1: 1.0, 2: 1.05, 4: 1.2, 8: 1.6, 64: 10.0}))
+    chain = make_proposer("eagle", target, drafter=str(drafter_dir), topk=1, depth=depth, nodes=nodes, min_prob=0.0,
+                          backoff=0)
+    seen = []
+
+    def both(self, cand_tok, cand_score, cand_parent, cand_depth, state):
+        fast = EagleProposer._chain_proposal(self, cand_tok, cand_score, state)
+        self.topk = 2  # the general path, on the same candidates
+        general = original(self, cand_tok, cand_score, cand_parent, cand_depth, state)
+        self.topk = 1
+        seen.append(fast is None)
+        assert (fast is None) == (general is None)
+        if fast is not None:
+            assert torch.equal(fast.tree.tokens, general.tree.tokens)
+            assert torch.equal(fast.tree.shape.parents, general.tree.shape.parents)
+        return fast
+
+    original = EagleProposer._tree_proposal
+    chain._tree_proposal = both.__get__(chain)
+    out = ff.generate(target, prompt, chain, max_new_tokens=16)
+    assert out.token_ids == ff.generate(target, prompt, "ar", max_new_tokens=16).token_ids
+    assert seen

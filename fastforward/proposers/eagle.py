@@ -52,6 +52,7 @@ from ..drafters.calibration import FLOOR
 from ..drafters.checkpoint import load_eagle3
 from ..drafters.eagle import Eagle3Runner
 from ..engine import DecodeState, Proposal, Proposer
+from ..tree import DraftTree
 from . import register
 from ._call_cost import DrafterCallCost
 from ._feature_drafter import FeatureDrafterProposer, calibrated_option, drafter_options, load_runner
@@ -163,6 +164,8 @@ class EagleProposer(FeatureDrafterProposer):
                        state: DecodeState) -> Proposal | None:
         """The step's tree from the candidates of every depth (draft ids, path scores, parents, depths): the
         best-ranked candidates, as many as :meth:`_tree_size` chooses (None when that is the root alone)."""
+        if self.topk == 1:  # a chain: already ranked (a path's probability only falls with depth), no rerank
+            return self._chain_proposal(cand_tok, cand_score, state)
         # a step's candidates are tens of numbers: numpy does the rerank's small operations several times faster
         # than torch, with the same result (tests/test_rerank.py)
         tokens = self.runner.to_target(torch.cat(cand_tok)).numpy()
@@ -178,6 +181,19 @@ class EagleProposer(FeatureDrafterProposer):
             return None
         self.back_off.drafted(n)
         return Proposal(build_tree(order[: n - 1], tokens, parents, depths, state.root))
+
+    def _chain_proposal(self, cand_tok: list[torch.Tensor], cand_score: list[torch.Tensor],
+                        state: DecodeState) -> Proposal | None:
+        """:meth:`_tree_proposal` of a chain (``topk=1``: one candidate per depth, in rank order): its first n - 1
+        drafts, n sized as for any tree."""
+        n = self._tree_size(torch.cat(cand_score).double().exp().numpy(), state)
+        self._n["steps"] += 1
+        self._n["nodes"] += n
+        if n == 1:
+            self.back_off.drafted_nothing()
+            return None
+        self.back_off.drafted(n)
+        return Proposal(DraftTree.chain(state.root, self.runner.to_target(torch.cat(cand_tok[: n - 1]))))
 
     def _chance(self, log_q: torch.Tensor, depth: int) -> torch.Tensor:
         """log chance that the target accepts each of a node's top-k children (``log_q`` [..., k], best first) given
