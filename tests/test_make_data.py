@@ -170,6 +170,13 @@ def test_sampled_responses_sit_beside_the_greedy_ones_and_resume_to_the_same_sam
     assert run(target, again, sources, temperature=0.8)["new_tokens"] == 0  # nothing left to do
 
 
+def test_plain_ar_steps_make_the_same_records(target, reference, sources, tmp_path):
+    """--method ar (one token per step, for many sequences per forward) writes what prompt lookup writes."""
+    out = tmp_path / "data"
+    run(target, out, sources, method="ar", max_active=5)
+    assert by_key(read_records(out)) == by_key(reference[1])
+
+
 def test_a_finished_run_resumes_to_a_no_op(target, reference, sources):
     out, records = reference
     before = (out / RESPONSES).read_bytes()
@@ -432,6 +439,7 @@ CASES = [
     (MD + ["--seed", HUGE], "--seed"),
     (MD + ["--seed", "-1"], "--seed"),
     (MD + ["--temperature", "-1"], "--temperature"),
+    (MD + ["--method", "eagle"], "--method"),
     (MD + ["--temperature", "nan"], "--temperature"),
     (MD + ["--heldout", "nan"], "--heldout"),
     (MD + ["--heldout", "1"], "--heldout"),
