@@ -503,14 +503,16 @@ def test_a_second_writer_on_the_same_folder_is_refused(target, sources, tmp_path
     assert len(read_records(out)) == 1
 
 
-def test_features_recorded_while_generating_match_a_separate_pass(target, sources, tmp_path):
+@pytest.mark.parametrize("temperature, method", [(0.0, "pld"), (0.9, "pld"), (0.0, "ar")])
+def test_features_recorded_while_generating_match_a_separate_pass(target, sources, tmp_path, temperature, method):
     """--features stores, per record, the taps and final states the generation's own forwards computed: the same
-    as computing them afterwards over prompt + response (up to bf16 storage)."""
+    as computing them afterwards over prompt + response (up to bf16 storage), for sampled responses too."""
     from fastforward.drafters.features import FeatureStore, compute_features
 
     out = tmp_path / "data"
-    run(target, out, sources, limit=3, features=True)
+    run(target, out, sources, limit=3, features=True, temperature=temperature, method=method)
     store = FeatureStore(out)
+    assert len(read_records(out)) == 3
     for rec in read_records(out):
         ids = rec["prompt_ids"] + rec["response_ids"]
         stored = store.get(rec)
