@@ -475,3 +475,91 @@ def test_train_draft_model_bad_input(tmp_path, capsys):
     assert_one_line_error(capsys, *base, "--data", data, "--layers", 7)  # the target has 2
     assert_one_line_error(capsys, *base, "--data", data, "--init-layers", "5,1")
     assert_one_line_error(capsys, *base, "--data", data, "--max-minutes", "-1")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the draft vocabulary: the head over the ids the draft may propose
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_a_draft_vocabulary_keeps_sampling_exact():
+    """A draft whose head covers 5 of the target's 8 tokens never proposes the other 3; the target still samples
+    them (through the rejection residual) exactly as often as AR sampling does (chi-square)."""
+    from fastforward.drafters.draft_model import DraftVocabHead
+
+    cfg = SamplingConfig(1.0)
+    target = tiny_target(vocab_size=8, init_std=0.15, seed=1)
+    draft = tiny_target(vocab_size=8, init_std=0.2, seed=7, layers=1)
+    ids = torch.tensor([0, 2, 3, 5, 7])
+    draft.backend.head = DraftVocabHead(draft, ids, "fp32")
+    assert torch.isinf(draft.forward(torch.tensor([1, 2]), torch.arange(2), draft.new_cache(8)).logits[:, [1, 4, 6]]
+                       ).all()
+    prompt = [0, 1, 2, 3]
+    samples = 1000
+    exact = exact_joint(target, prompt, cfg)
+    counts: dict[tuple, int] = {}
+    proposer = DraftModelProposer(draft, k=2)
+    outside = 0
+    for seed in range(samples):
+        toks = [t for chunk in decode_steps(target, prompt, proposer, max_new_tokens=3, sampling=cfg, seed=seed)
+                for t in chunk]
+        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+        outside += any(t in (1, 4, 6) for t in toks)
+    assert outside > 0.1 * samples  # tokens the draft cannot propose still come out, through the residual
+    chi2, df = pooled_chi2(exact, counts)
+    assert chi2 < chi2_critical(df), f"chi2 {chi2:.1f} over {df} cells (critical {chi2_critical(df):.1f})"
+
+
+def test_a_draft_vocabulary_round_trips_and_decodes_ar(tmp_path):
+    """A folder with a draft vocabulary: the loaded draft's head is the vocabulary's rows (every other logit -inf),
+    greedy sps decodes AR's tokens; ids outside the target's vocabulary are refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from fastforward.drafters.draft_model import DRAFT_VOCAB_KEY, DraftVocabHead
+
+    gguf, _ = tiny_gguf_target(tmp_path / "t.gguf", seed=2)
+    lm, meta = init_draft_model(gguf, 2, "first")
+    ids = torch.arange(0, gguf.vocab_size, 2)
+    folder = save_draft_model(lm, meta, tmp_path / "d", target_probe(gguf), draft_vocab=ids.flip(0))
+    assert torch.equal(load_file(str(folder / "model.safetensors"))[DRAFT_VOCAB_KEY], ids)  # stored sorted
+    draft = load_draft(gguf, str(folder))
+    assert isinstance(draft.backend.head, DraftVocabHead) and torch.equal(draft.backend.head.ids, ids)
+    logits = draft.forward(torch.tensor([3, 5]), torch.arange(2), draft.new_cache(8)).logits
+    assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()
+    for prompt in ([4, 9, 33, 2], [7], [1, 2, 3, 4, 5, 6]):
+        ar = ff.generate(gguf, prompt, "ar", max_new_tokens=16).token_ids
+        out = ff.generate(gguf, prompt, "sps", max_new_tokens=16, method_options={"draft": str(folder), "k": 3})
+        assert out.token_ids == ar
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors[DRAFT_VOCAB_KEY] = torch.tensor([0, 5, gguf.vocab_size])
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(UsageError) as e:
+        load_draft_model(folder, gguf)
+    assert DRAFT_VOCAB_KEY in _one_line(e)
+
+
+def test_training_stores_the_most_frequent_response_ids(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from fastforward.drafters.draft_model import DRAFT_VOCAB_KEY
+
+    model = tiny_hf_folder(tmp_path / "model", max_positions=128, layers=3)
+    data = _responses(tmp_path / "data")
+    for size, out in ((20, tmp_path / "small"), (0, tmp_path / "all")):
+        code, _, err = run_cli(capsys, "train", "draft-model", "--model", model, "--data", data, "--out", out,
+                               "--layers", 1, "--batch-size", 2, "--max-steps", 1, "--threads", 1, "--quiet",
+                               "--draft-vocab", size)
+        assert code == 0, err
+    stored = load_file(str(tmp_path / "small" / "model.safetensors"))[DRAFT_VOCAB_KEY]
+    counts = torch.zeros(1000, dtype=torch.long)
+    for line in (data / "responses.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["split"] == "train":
+            counts[torch.tensor(rec["response_ids"])] += 1
+    assert stored.numel() >= 20 and bool((stored[1:] > stored[:-1]).all())
+    top = set(counts.topk(10).indices.tolist())  # the most frequent ones are all in
+    assert top <= set(stored.tolist())
+    assert DRAFT_VOCAB_KEY not in load_file(str(tmp_path / "all" / "model.safetensors"))
+    line = assert_one_line_error(capsys, "train", "draft-model", "--model", model, "--data", data, "--out",
+                                 tmp_path / "bad", "--draft-vocab", -1)
+    assert "--draft-vocab" in line

@@ -342,6 +342,10 @@ def add_draft_model_arguments(p) -> None:
     g = p.add_argument_group("draft model")
     g.add_argument("--layers", type=positive_int, default=None,
                    help=f"decoder layers (default: {DEFAULT_LAYERS}, or as many as --init-layers lists)")
+    g.add_argument("--draft-vocab", type=nonnegative_int, default=8192,
+                   help="the target ids the draft may propose at decode time: the N most frequent of the training "
+                        "responses (its head multiplies only their rows); 0, or the target's vocabulary size or more, = every id "
+                        "(default: %(default)s)")
     g.add_argument("--init-layers", default="spread", metavar="|".join(INIT_CHOICES) + "|I,J,...",
                    help="target layers copied into the draft model: evenly spaced from the first to the last "
                         "(spread), the first ones (first), or a list of indices (default: spread)")
@@ -387,7 +391,7 @@ def run_draft_model(args) -> int:
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, warmup=args.warmup,
         schedule=args.schedule, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         eval_records=args.eval_records, threads=args.threads, quiet=args.quiet,
-        mixed_precision=args.mixed_precision,
+        mixed_precision=args.mixed_precision, draft_vocab=args.draft_vocab,
     )
     cfg.validate()  # before loading anything
     target = ff.load(args.model, threads=args.threads)

@@ -14,7 +14,11 @@ own head (packed, for a GGUF target) rather than a copy.
   "layers_from_target", "target_vocab_size", "target_hidden_size", "target_layers", ...}``;
 * ``model.safetensors`` -- the draft's own weights in fp16 (decoder layers and final norm; no ``embed_tokens``, no
   ``lm_head``), plus ``fastforward.target_probe``: a few rows of the target's embedding, so a draft model made for
-  another target (another embedding) is recognised and refused even when the shapes agree;
+  another target (another embedding) is recognised and refused even when the shapes agree; and optionally
+  ``fastforward.draft_vocab``: the target ids the draft may propose (the most frequent of its training responses).
+  With it the draft multiplies only those rows of the target's head at decode time (8,192 of the default target's
+  49,152: the head is most of a small draft's cost per token) and every other token gets probability 0 -- its
+  drafts and draft probabilities come from that distribution, so verification stays exact;
 * no tokenizer: the draft uses the target's.
 
 **Initialisation** (``--init-layers``): ``spread`` (the default) copies ``n`` target layers evenly spaced from the
@@ -41,6 +45,7 @@ CONFIG_KEY = "fastforward_draft_model"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 PROBE_KEY = "fastforward.target_probe"
+DRAFT_VOCAB_KEY = "fastforward.draft_vocab"
 PROBE_ROWS = 16
 SHARED_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 MAX_SHIPPED_MB = 40.0  # the largest drafter the project ships (fp16 safetensors)
@@ -192,15 +197,18 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def save_draft_model(model, meta: dict, path, probe: torch.Tensor) -> Path:
-    """Write the draft folder (``config.json`` + fp16 ``model.safetensors``, see the module docstring); each file
-    is written under a temporary name and renamed. Returns the folder."""
+def save_draft_model(model, meta: dict, path, probe: torch.Tensor, draft_vocab: torch.Tensor | None = None) -> Path:
+    """Write the draft folder (``config.json`` + fp16 ``model.safetensors``, see the module docstring), with the
+    target ids ``draft_vocab`` the draft may propose when given; each file is written under a temporary name and
+    renamed. Returns the folder."""
     from safetensors.torch import save_file
 
     folder = Path(path).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in own_state(model).items()}
     tensors[PROBE_KEY] = probe.detach().to(torch.float16).contiguous()
+    if draft_vocab is not None:
+        tensors[DRAFT_VOCAB_KEY] = torch.as_tensor(draft_vocab, dtype=torch.int64).sort().values.contiguous()
     tmp = folder / f"{WEIGHTS_FILE}.tmp{os.getpid()}"
     save_file(tensors, str(tmp), metadata={"format": "pt", "fastforward": FORMAT})
     os.replace(tmp, folder / WEIGHTS_FILE)
@@ -300,9 +308,38 @@ def draft_target(model, target, name: str, weights: str = "auto"):
     return draft
 
 
-def _read_hf_draft(folder: Path, target):
+def _checked_draft_vocab(ids, target, file) -> torch.Tensor | None:
+    """The draft vocabulary of a draft-model file: sorted distinct target ids, or a one-line refusal."""
+    if ids is None:
+        return None
+    n = target.vocab_size
+    if ids.dim() != 1 or ids.dtype != torch.int64 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= n \
+            or not bool((ids[1:] > ids[:-1]).all()):
+        raise UsageError(f"{file}: {DRAFT_VOCAB_KEY} must be distinct target ids in increasing order, within the "
+                         f"target's {n} tokens")
+    return ids
+
+
+class DraftVocabHead:
+    """A draft model's head over its draft vocabulary: the target's head rows of those ids (packed like a drafter's
+    weights), the other logits -inf -- [r, vocab] logits as the full head gives them, so the proposer needs no
+    change, at a fraction of the cost."""
+
+    def __init__(self, target, ids: torch.Tensor, weights: str = "auto"):
+        from .pieces import decode_linear_factory, target_head_rows
+
+        self.ids, self.vocab_size = ids, target.vocab_size
+        self.linear = decode_linear_factory(weights)(target_head_rows(target, ids))
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=h.dtype)
+        out[:, self.ids] = self.linear(h.float().contiguous()).to(h.dtype)  # fp32 rows, as a drafter's
+        return out
+
+
+def _read_hf_draft(folder: Path, target, with_vocab: bool = False):
     """(the HF draft model with the target's embedding and head, its metadata) from a draft-model folder, checked
-    against ``target``."""
+    against ``target``; with ``with_vocab``, its draft vocabulary (or None) third."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -319,6 +356,7 @@ def _read_hf_draft(folder: Path, target):
         raise UsageError(f"{file} is not readable safetensors: {exc}") from None
     probe = tensors.pop(PROBE_KEY, None)
     check_for_target(meta, probe, target, folder)
+    draft_vocab = _checked_draft_vocab(tensors.pop(DRAFT_VOCAB_KEY, None), target, file)
     try:
         if config.get("hidden_size", target.config.hidden_size) != target.config.hidden_size:
             raise UsageError(f"config.json says hidden_size {config.get('hidden_size')!r}; the draft shares the "
@@ -335,7 +373,7 @@ def _read_hf_draft(folder: Path, target):
     if missing or unexpected:
         what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
         raise UsageError(f"{file} does not match its config.json ({what})")
-    return model.eval(), meta
+    return (model.eval(), meta, draft_vocab) if with_vocab else (model.eval(), meta)
 
 
 def _check_draft_tensors(shapes_model, tensors: dict) -> None:
@@ -359,10 +397,12 @@ def load_draft_model(path, target, weights: str = "auto"):
     """A draft-model folder (see the module docstring) as a :class:`TargetModel` for ``target``: its embedding and
     head filled from the target. A folder made for another target is refused with a one-line :class:`UsageError`."""
     folder = Path(path).expanduser()
-    model, _ = _read_hf_draft(folder, target)
+    model, _, draft_vocab = _read_hf_draft(folder, target, with_vocab=True)
     name = f"{folder.name} ({model.config.num_hidden_layers} layers, draft for {target.name})"
     draft = draft_target(model, target, name, weights)
     if draft.backend_name == "lean":
+        if draft_vocab is not None:  # the target's head rows of the draft vocabulary only
+            draft.backend.head = DraftVocabHead(target, draft_vocab, weights)
         # The lean forward holds what it needs (the target's embedding and head objects, its own layers); the HF
         # model -- with a dense copy of a packed target's embedding -- is rebuilt only if something asks for it.
         draft._hf_model = None

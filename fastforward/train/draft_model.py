@@ -70,6 +70,7 @@ class DraftTrainConfig:
     threads: int | None = None
     quiet: bool = False
     mixed_precision: str = "no"  # "bf16": forward and loss under bf16 autocast (fp32 weights and optimizer)
+    draft_vocab: int = 8192  # the target ids the draft may propose at decode time: the N most frequent (0: all)
 
     def responses_file(self) -> Path:
         path = Path(self.data).expanduser()
@@ -83,6 +84,8 @@ class DraftTrainConfig:
                               "limit", "threads", "layers"))
         if not isinstance(self.eval_records, int) or self.eval_records < 0:
             raise UsageError(f"--eval-records must be an integer >= 0, got {self.eval_records}")
+        if not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool) or self.draft_vocab < 0:
+            raise UsageError(f"--draft-vocab must be an integer >= 0, got {self.draft_vocab}")
         if self.max_length < 2:
             raise UsageError(f"--max-length must be at least 2, got {self.max_length}")
         if not (isinstance(self.lr, (int, float)) and 0 < self.lr < math.inf):
@@ -213,9 +216,20 @@ def _draft_to_train(cfg: DraftTrainConfig, target, layer_ids: list[int], run: Tr
     return lm, meta
 
 
-def _save_draft(run: TrainingRun, lm, meta: dict, probe, summary: dict) -> float:
+def _draft_vocab(encoded, target, size: int):
+    """The ``size`` most frequent target ids of the training responses (EOS always in), or None for every id."""
+    if not size or size >= target.vocab_size:
+        return None
+    from ..drafters.vocab import DraftVocab
+
+    vocab = DraftVocab.most_frequent([e.input_ids[e.prompt_len :] for e in encoded], target.vocab_size, size,
+                                     always=sorted(target.eos_token_ids))
+    return vocab.target_ids
+
+
+def _save_draft(run: TrainingRun, lm, meta: dict, probe, summary: dict, draft_vocab=None) -> float:
     """The draft folder in ``--out`` (and ``loss.png``, the run summary); its size in MB."""
-    save_draft_model(lm, meta, run.out, probe)
+    save_draft_model(lm, meta, run.out, probe, draft_vocab)
     megabytes = folder_megabytes(run.out)
     run.plot_losses("train draft-model")
     summary["megabytes_fp16"] = round(megabytes, 2)
@@ -293,7 +307,8 @@ def train_draft_model(target, cfg: DraftTrainConfig) -> DraftTrainResult:
         summary = state_at(done.step, done.loss)
         summary.update(trainable_parameters=n_trainable, seconds_this_run=round(done.seconds, 2),
                        steps_this_run=done.step - run.start_step, stopped_by_budget=done.stopped_by_budget)
-        megabytes = _save_draft(run, unwrapped, meta, target_probe(target), summary)
+        megabytes = _save_draft(run, unwrapped, meta, target_probe(target), summary,
+                                _draft_vocab(encoded, target, cfg.draft_vocab))
     run.accelerator.wait_for_everyone()
     return DraftTrainResult(str(run.out), run.start_step, done.step, total_steps, done.loss, done.seconds, len(encoded),
                             run.main, layers=layer_ids, megabytes=megabytes, heldout=heldout,
