@@ -1,9 +1,9 @@
 """What a drafter must reach on this machine: the speedup over AR a chain drafter of a given acceptance would give,
 from the step costs the benchmark measured for fixed chains of 1, 2, 3 ... drafted tokens.
 
+    chains="c1=eagle:topk=1:nodes=2:backoff=0,c2=eagle:topk=1:nodes=3:backoff=0,c3=eagle:topk=1:nodes=4:backoff=0"
     fastforward bench --questions Q --per-category 2 --categories mt_bench,qa,math_reasoning \\
-        --methods "ar,c1=eagle:topk=1:nodes=2:backoff=0,c2=eagle:topk=1:nodes=3:backoff=0,c3=eagle:topk=1:nodes=4:backoff=0" \\
-        --threads 2 --out OUT_DIR/bench-chains
+        --methods "ar,$chains" --threads 2 --out OUT_DIR/bench-chains
     python scripts/drafter_ceiling.py --bench OUT_DIR/bench-chains/summary.json [--target 1.6]
 
 A step of a chain of d drafted tokens costs what the benchmark measured for it (drafting + verification ms per

@@ -12,8 +12,15 @@ from ..train.make_data import (
     make_data,
     write_heldout_prompts,
 )
-from .options import add_model_arguments, int_between, max_new_tokens, model_load_kwargs, positive_int, seed, \
-    temperature
+from .options import (
+    add_model_arguments,
+    int_between,
+    max_new_tokens,
+    model_load_kwargs,
+    positive_int,
+    seed,
+    temperature,
+)
 
 
 def add_arguments(p, name: str) -> None:

@@ -344,8 +344,8 @@ def add_draft_model_arguments(p) -> None:
                    help=f"decoder layers (default: {DEFAULT_LAYERS}, or as many as --init-layers lists)")
     g.add_argument("--draft-vocab", type=nonnegative_int, default=8192,
                    help="the target ids the draft may propose at decode time: the N most frequent of the training "
-                        "responses (its head multiplies only their rows); 0, or the target's vocabulary size or more, = every id "
-                        "(default: %(default)s)")
+                        "responses (its head multiplies only their rows); 0, or the target's vocabulary size or "
+                        "more, = every id (default: %(default)s)")
     g.add_argument("--init-layers", default="spread", metavar="|".join(INIT_CHOICES) + "|I,J,...",
                    help="target layers copied into the draft model: evenly spaced from the first to the last "
                         "(spread), the first ones (first), or a list of indices (default: spread)")

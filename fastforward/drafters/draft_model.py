@@ -337,9 +337,9 @@ class DraftVocabHead:
         return out
 
 
-def _read_hf_draft(folder: Path, target, with_vocab: bool = False):
-    """(the HF draft model with the target's embedding and head, its metadata) from a draft-model folder, checked
-    against ``target``; with ``with_vocab``, its draft vocabulary (or None) third."""
+def _read_hf_draft(folder: Path, target):
+    """(the HF draft model with the target's embedding and head, its metadata, its draft vocabulary or None) from a
+    draft-model folder, checked against ``target``."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -373,7 +373,7 @@ def _read_hf_draft(folder: Path, target, with_vocab: bool = False):
     if missing or unexpected:
         what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
         raise UsageError(f"{file} does not match its config.json ({what})")
-    return (model.eval(), meta, draft_vocab) if with_vocab else (model.eval(), meta)
+    return model.eval(), meta, draft_vocab
 
 
 def _check_draft_tensors(shapes_model, tensors: dict) -> None:
@@ -397,7 +397,7 @@ def load_draft_model(path, target, weights: str = "auto"):
     """A draft-model folder (see the module docstring) as a :class:`TargetModel` for ``target``: its embedding and
     head filled from the target. A folder made for another target is refused with a one-line :class:`UsageError`."""
     folder = Path(path).expanduser()
-    model, _, draft_vocab = _read_hf_draft(folder, target, with_vocab=True)
+    model, _, draft_vocab = _read_hf_draft(folder, target)
     name = f"{folder.name} ({model.config.num_hidden_layers} layers, draft for {target.name})"
     draft = draft_target(model, target, name, weights)
     if draft.backend_name == "lean":

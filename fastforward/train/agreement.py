@@ -109,7 +109,7 @@ def _draft_model_agreement(folder: Path, target, held: list[dict]) -> dict:
     from ..drafters.draft_model import _read_hf_draft
     from .draft_model import _encode, _evaluate
 
-    lm, _ = _read_hf_draft(folder, target)
+    lm = _read_hf_draft(folder, target)[0]
     encoded, _ = _encode(held, 768)
     scored = _evaluate(lm.float(), encoded, 4)
     if scored is None:

@@ -99,7 +99,7 @@ def spider_schemas(path: Path) -> dict[str, str]:
         for t, c in db.get("column_names_original") or []:
             if isinstance(t, int) and 0 <= t < len(cols):
                 cols[t].append(str(c))
-        out[db["db_id"]] = "; ".join(f"{n}({', '.join(c)})" for n, c in zip(names, cols))
+        out[db["db_id"]] = "; ".join(f"{n}({', '.join(c)})" for n, c in zip(names, cols, strict=True))
     return out
 
 
