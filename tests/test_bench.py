@@ -385,7 +385,14 @@ def test_aggregates_math():
     assert m["draft_ms_per_step"] == pytest.approx(1e3 * 0.07 * 6 / 45)  # 0.07 s of drafting in each of 6 rows
     assert m["verify_ms_per_step"] == pytest.approx(1e3 * 0.2 * 6 / 45)
     assert m["rows_per_step"] == pytest.approx(3.0)
-    assert "| drafting ms / step | verify ms / step |" in render_markdown(s, [])
+    md = render_markdown(s, [])
+    assert "| drafting ms / step | verify ms / step |" in md
+    # per category too: drafting per step and acceptance by depth, for the methods that draft
+    a = m["categories"]["a"]
+    alphas = " / ".join(f"{x:.2f}" for x in a["acceptance_by_depth"][:3])
+    assert f"| `m` | {a['draft_ms_per_step']:.2f} |" in md.split("## Drafting ms per step per category")[1]
+    assert f"| `m` | {alphas} |" in md.split("## Acceptance at depths 1 / 2 / 3 per category")[1]
+    assert "| `ar` |" not in md.split("## Drafting ms per step per category")[1].split("##")[0]
     b = m["categories"]["b"]
     assert b["questions"] == 3 and b["speedup_geomean"] == pytest.approx((0.5 * 3.0 * 1.0) ** (1 / 3))
     assert m["categories"]["a"]["speedup_arith"] == pytest.approx(2.0)

@@ -478,8 +478,15 @@ def _md_overall(methods: dict) -> list[str]:
     return out
 
 
+def _depths(m: dict, n: int = 3) -> str:
+    """A method's acceptance at the first ``n`` depths, 'a1 / a2 / a3' ('–' where it never drafted)."""
+    alpha = (m.get("acceptance_by_depth") or [])[:n]
+    return " / ".join(f"{a:.2f}" for a in alpha) if alpha else "–"
+
+
 def _md_per_category(methods: dict, cats: list[str]) -> list[str]:
-    """Speedup, τ and tokens/s per category, a table each."""
+    """Speedup, τ, tokens/s, drafting ms per step and acceptance by depth per category, a table each (the last two
+    for the methods that draft)."""
     out = []
     for title, key, nd, suffix in (("Speedup per category (geometric mean)", "speedup_geomean", 2, "×"),
                                    ("τ per category", "tau", 2, ""),
@@ -489,6 +496,16 @@ def _md_per_category(methods: dict, cats: list[str]) -> list[str]:
         for label, m in methods.items():
             cells = [_f(m["categories"][c][key], nd, suffix) if c in m["categories"] else "–" for c in cats]
             rows.append([f"`{label}`"] + cells + [_f(m[key], nd, suffix)])
+        out.append(_table(["method"] + cats + [OVERALL], rows))
+    drafting = {label: m for label, m in methods.items() if m.get("acceptance_by_depth")}
+    if drafting:
+        out += ["", "## Drafting ms per step per category", ""]
+        rows = [[f"`{label}`"] + [_f(m["categories"][c].get("draft_ms_per_step")) if c in m["categories"] else "–"
+                                  for c in cats] + [_f(m.get("draft_ms_per_step"))] for label, m in drafting.items()]
+        out.append(_table(["method"] + cats + [OVERALL], rows))
+        out += ["", "## Acceptance at depths 1 / 2 / 3 per category", ""]
+        rows = [[f"`{label}`"] + [_depths(m["categories"][c]) if c in m["categories"] else "–" for c in cats]
+                + [_depths(m)] for label, m in drafting.items()]
         out.append(_table(["method"] + cats + [OVERALL], rows))
     return out
 
