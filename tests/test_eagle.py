@@ -335,3 +335,49 @@ def test_a_chain_proposes_what_the_rerank_would(target, drafter_dir, pin_costs, 
     out = ff.generate(target, prompt, chain, max_new_tokens=16)
     assert out.token_ids == ff.generate(target, prompt, "ar", max_new_tokens=16).token_ids
     assert seen
+
+
+@pytest.mark.parametrize("cfg_args", [(1.0, 0, 1.0), (0.7, 4, 0.9)])
+def test_a_sampled_chain_matches_the_target_distribution_and_repeats_with_its_seed(tmp_path, cfg_args):
+    """topk=1 at T > 0: drafts sampled from the drafter (a draft vocabulary of 6 of the 8 tokens), verified by
+    rejection with its probabilities. chi-square of 3-token continuations against the exact joint distribution;
+    the tokens outside the draft vocabulary still come out; the same seed gives the same tokens; drafts carry
+    probabilities (so a shared forward never cuts them)."""
+    from fastforward.proposers import make_proposer
+    from fastforward.testing import chi2_critical, exact_joint, pooled_chi2
+    from fastforward.verify import SamplingConfig
+
+    target = tiny_target(vocab_size=8, init_std=0.15, seed=1, layers=4)
+    drafter = Eagle3Drafter.for_target(target, DraftVocab.from_target_ids([0, 1, 2, 4, 5, 7], 8), seed=2)
+    with torch.no_grad():  # a drafter with opinions (a fresh one's distributions are nearly flat), often wrong
+        for p in drafter.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.normal_(0, 0.3)
+        drafter.norm.weight.fill_(1.0)
+    save_eagle3(drafter, tmp_path, dtype="float32")
+    cfg = SamplingConfig(*cfg_args)
+    prompt = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    samples = 2000
+    exact = exact_joint(target, prompt, cfg)
+    counts: dict[tuple, int] = {}
+    accepted = drafted = 0
+    opts = dict(drafter=str(tmp_path), topk=1, depth=3, min_prob=0.0)
+    for seed in range(samples):
+        prop = make_proposer("eagle", target, **opts)
+        res = ff.generate(target, prompt, prop, max_new_tokens=3, temperature=cfg.temperature, top_k=cfg.top_k,
+                          top_p=cfg.top_p, seed=seed)
+        assert prop.drafts_with_probabilities
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        accepted += sum(res.stats.depth_accepts)
+        drafted += sum(res.stats.depth_attempts)
+    assert drafted > samples and accepted > 0.1 * samples  # drafts are made and really accepted
+    assert sum(n for toks, n in counts.items() if {3, 6} & set(toks)) > 0  # outside the draft vocabulary
+    chi2, df = pooled_chi2(exact, counts)
+    assert df >= (20 if cfg.top_k == 0 else 10)  # top-k and top-p leave fewer continuations
+    assert chi2 < chi2_critical(df), f"chi2 {chi2:.1f} over {df} cells (critical {chi2_critical(df):.1f})"
+    again = [ff.generate(target, prompt, "eagle", max_new_tokens=12, temperature=cfg.temperature, top_k=cfg.top_k,
+                         top_p=cfg.top_p, seed=7, method_options=opts).token_ids for _ in range(2)]
+    assert again[0] == again[1]
+    greedy = make_proposer("eagle", target, **opts)
+    ff.generate(target, prompt, greedy, max_new_tokens=4)
+    assert not greedy.drafts_with_probabilities  # greedy chains stay guesses
