@@ -28,7 +28,9 @@ Each step:
    depths it can pay for.
 3. **Verify** (the engine): greedy, or at T > 0 the lossless scheme for candidates *without* probabilities (sample
    from the target at each node and walk to the child holding the sample). Top-k candidates are not i.i.d. samples
-   of the drafter's distribution, so recursive rejection with the drafter's probabilities would not be exact.
+   of the drafter's distribution, so recursive rejection with the drafter's probabilities would not be exact. A
+   chain (``topk=1``) at T > 0 is the exception: its tokens are sampled from the drafter, and verification rejects
+   with their probabilities (:meth:`EagleProposer.start`).
 4. **Commit.** The target's features of the accepted path (tapped in the verification forward itself) and the
    accepted tokens become committed drafter rows; the last row's output drafts the next step. Rows wait until the
    drafter next drafts and go through it together, so steps that draft nothing (a shared forward where no draft of
