@@ -266,3 +266,40 @@ def test_native_layer_ops_give_the_torch_rows(target, cascade):
         outs.append((a, b, run.probs(b)))
     for x, y in zip(*outs, strict=True):
         assert torch.allclose(x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sampled_chain_matches_the_target_distribution_and_repeats_with_its_seed(tmp_path):
+    """topk=1 at T = 1: depth i sampled from cascade layer i's distribution (a draft vocabulary of 6 of the 8
+    tokens), verified by rejection with those probabilities. chi-square of 3-token continuations against the exact
+    joint distribution; the same seed gives the same tokens."""
+    from fastforward.testing import chi2_critical, exact_joint, pooled_chi2
+    from fastforward.verify import SamplingConfig
+
+    target = tiny_target(vocab_size=8, init_std=0.4, seed=1, layers=4)  # its head rows, the drafter's: sharp
+    drafter = FastEagleDrafter.for_target(target, DraftVocab.from_target_ids([0, 1, 2, 4, 5, 7], 8), 3, True, seed=2)
+    with torch.no_grad():  # a drafter with opinions, often wrong
+        for p in drafter.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.normal_(0, 0.3)
+    save_fasteagle(drafter, tmp_path, dtype="float32")
+    cfg = SamplingConfig(1.0)
+    prompt = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    samples = 2000
+    exact = exact_joint(target, prompt, cfg)
+    counts: dict[tuple, int] = {}
+    accepted = drafted = 0
+    opts = dict(drafter=str(tmp_path), topk=1, depth=3)
+    for seed in range(samples):
+        prop = make_proposer("fasteagle", target, **opts)
+        res = ff.generate(target, prompt, prop, max_new_tokens=3, temperature=1.0, seed=seed)
+        assert prop.drafts_with_probabilities
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        accepted += sum(res.stats.depth_accepts)
+        drafted += sum(res.stats.depth_attempts)
+    assert drafted > samples and accepted > 0.1 * samples
+    chi2, df = pooled_chi2(exact, counts)
+    assert df >= 20
+    assert chi2 < chi2_critical(df), f"chi2 {chi2:.1f} over {df} cells (critical {chi2_critical(df):.1f})"
+    again = [ff.generate(target, prompt, "fasteagle", max_new_tokens=12, temperature=1.0, seed=7,
+                         method_options=opts).token_ids for _ in range(2)]
+    assert again[0] == again[1]

@@ -22,13 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..costs import cost_model
+from ..costs import AcceptanceEstimate, best_chain_length, cost_model
 from ..drafters import shipped_drafter
 from ..drafters.calibration import calibration_of
 from ..drafters.features import engine_layers
 from ..drafters.pieces import DRAFTER_WEIGHTS
-from ..engine import DecodeState, Proposer, StepResult
+from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
+from ..tree import DraftTree
+from ..verify import sample
 from ._backoff import BackOff
 from ._options import Option, backoff_on_loss_option, backoff_option, drafter_option, weights_option
 from ._rerank import best_size
@@ -82,6 +84,8 @@ class FeatureDrafterProposer(Proposer):
 
     #: whether committed rows count as ``draft_rows`` in the stats (else the subclass counts its drafting rows)
     counts_committed_rows = True
+    #: whether its chains (``topk=1``) sample their drafts at temperature > 0 (:meth:`_sampled_chain`)
+    samples_chains = False
 
     def __init__(self, runner, *, fixed: bool, backoff: int, backoff_on_loss: bool = True, calibrated: bool = False):
         self.shared = runner
@@ -127,13 +131,20 @@ class FeatureDrafterProposer(Proposer):
         n = state.prompt_length
         self.runner = self.shared.fresh(n + state.max_new_tokens + self._cache_reserve())
         self.pending.clear()
-        self.back_off = BackOff(self.backoff, self.backoff_on_loss)
         self.greedy_map = self.calibration if state.sampling.greedy else None
+        # A chain (topk=1) at temperature > 0 samples its drafts from the drafter (see _sampled_chain); its length
+        # then follows nothing measured on the clock (the cached cost curve, the acceptance seen so far; no back-off
+        # on measured loss), so a seeded run draws the same tokens every time.
+        self.drafts_with_probabilities = self.samples_chains and self.topk == 1 and not state.sampling.greedy
+        self.estimate = AcceptanceEstimate()
+        self.back_off = BackOff(self.backoff, self.backoff_on_loss and not self.drafts_with_probabilities)
         if not self.fixed_size and self.costs is None:
             self.prepare(state.target)
         self._commit(self._taps(hidden, slice(0, n)), state.ids[1 : n + 1], torch.arange(n))
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
+        if self.drafts_with_probabilities and len(step.proposal.tree) > 1:
+            self.estimate.update(len(step.proposal.tree) - 1, step.verdict.accepted)
         path = step.verdict.path
         r = len(path)
         root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
@@ -143,6 +154,33 @@ class FeatureDrafterProposer(Proposer):
         if self.counts_committed_rows:
             self._n["draft_rows"] += r
         self.back_off.verdict(step.verdict.accepted, self._curve_ms())
+
+    # -- sampled chains -------------------------------------------------------------------------------------------
+    def _sampled_chain_length(self, room: int) -> int:
+        """How many tokens a sampling run's chain drafts (0..room): the best length for the acceptance seen so far
+        on the cached cost curve (``room`` with a fixed size)."""
+        self.estimate.tick()
+        prior = None if self.costs is None else self.costs.prior
+        return room if prior is None else best_chain_length(self.estimate.alpha, room, prior)
+
+    def _sampled_chain(self, state: DecodeState, k: int, next_q) -> Proposal:
+        """A chain of ``k`` tokens, token d sampled from ``next_q(d, x)`` -- the drafter's [draft_vocab]
+        probabilities under the run's temperature, top-k and top-p, given the draft id ``x`` sampled before it (None
+        for d = 0; a drafter may ignore it: any distribution fixed before the draw will do) -- handed to
+        verification with those probabilities: the target accepts a token with probability min(1, p/q) and
+        otherwise samples the residual, so the output is distributed as AR's, and a token is accepted with
+        probability sum(min(p, q)) -- near 1 where the drafter matches the target -- rather than p(guess)."""
+        run = self.runner
+        tokens, qs, x = [], [], None
+        for d in range(k):
+            q = next_q(d, x)
+            x = sample(q, state.generator)
+            tokens.append(x)
+            qs.append(q)
+        probs = torch.zeros(k + 1, state.target.vocab_size, dtype=qs[0].dtype)
+        probs[1:, run.to_target(torch.arange(qs[0].numel()))] = torch.stack(qs)
+        self.back_off.drafted(k + 1)
+        return Proposal(DraftTree.chain(state.root, run.to_target(torch.tensor(tokens)), probs))
 
     def _catch_up(self) -> None:
         """Give the drafter the accepted rows that wait (one pass over all of them)."""

@@ -53,12 +53,10 @@ import torch
 from ..drafters.calibration import FLOOR
 from ..drafters.checkpoint import load_eagle3
 from ..drafters.eagle import Eagle3Runner
-from ..costs import AcceptanceEstimate, best_chain_length
-from ..engine import DecodeState, Proposal, Proposer, StepResult
+from ..engine import DecodeState, Proposal, Proposer
 from ..tree import DraftTree
-from ..verify import sample, target_probs
+from ..verify import target_probs
 from . import register
-from ._backoff import BackOff
 from ._call_cost import DrafterCallCost
 from ._feature_drafter import FeatureDrafterProposer, calibrated_option, drafter_options, load_runner
 from ._options import MAX_TREE_NODES, Option, max_nodes_option, nodes_option
@@ -77,6 +75,7 @@ def drafter_runner(target, drafter: str | None, weights: str) -> Eagle3Runner:
 class EagleProposer(FeatureDrafterProposer):
     name = "eagle"
     counts_committed_rows = False  # draft_rows: the rows of its drafter calls
+    samples_chains = True
 
     def __init__(self, runner: Eagle3Runner, *, topk: int, depth: int, nodes: int, max_nodes: int,
                  min_prob: float, backoff: int = 0, calibrated: bool = False, price_calls: bool = True,
@@ -87,61 +86,33 @@ class EagleProposer(FeatureDrafterProposer):
         self.last_h: torch.Tensor | None = None
         self.call_cost = DrafterCallCost() if price_calls and not nodes else None  # a fixed size expands fully
         self._n = {"steps": 0, "draft_rows": 0, "draft_calls": 0, "nodes": 0, "skipped": 0, "unpaid_stops": 0}
-        # sampling with a chain: drafts sampled from the drafter, verified by rejection with its probabilities
-        self.drafts_with_probabilities = False
-        self.estimate = AcceptanceEstimate()
 
     def _cache_reserve(self) -> int:
         return self.depth + 8
 
-    def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
-        super().start(state, prefill_logits, hidden)
-        # A chain at temperature > 0 drafts each token by sampling the drafter's distribution q (under the run's
-        # temperature, top-k and top-p) and hands q to verification: the target accepts a token with probability
-        # min(1, p/q) and otherwise samples the residual, so the output is distributed as AR's and a token is
-        # accepted with probability sum(min(p, q)) -- near 1 where the drafter matches the target -- rather than
-        # p(draft), the chance that a guess equals the target's own sample. Its length then follows nothing
-        # measured on the clock (the cached cost curve, the acceptance seen so far; no priced calls, no back-off
-        # on measured loss), so a seeded run draws the same tokens every time.
-        self.drafts_with_probabilities = self.topk == 1 and not state.sampling.greedy
-        self.estimate = AcceptanceEstimate()
-        if self.drafts_with_probabilities:
-            self.back_off = BackOff(self.backoff, on_loss=False)
-
-    def observe(self, state: DecodeState, step: StepResult) -> None:
-        if self.drafts_with_probabilities and len(step.proposal.tree) > 1:
-            self.estimate.update(len(step.proposal.tree) - 1, step.verdict.accepted)
-        super().observe(state, step)
-
-    def _sampled_chain(self, state: DecodeState, depth: int) -> Proposal | None:
-        """The chain of a sampling run (see :meth:`start`): its length k from the acceptance seen so far and the
-        cached cost curve, then k tokens each sampled from the drafter's distribution after the previous one."""
+    def _sampled_chain_proposal(self, state: DecodeState, depth: int) -> Proposal | None:
+        """A sampling run's chain (:meth:`~._feature_drafter.FeatureDrafterProposer._sampled_chain`): each token
+        from the drafter's row after the one sampled before it."""
         run = self.runner
-        self.estimate.tick()
-        prior = self.costs.prior if self.costs is not None and self.costs.prior is not None else None
-        k = depth if prior is None else best_chain_length(self.estimate.alpha, depth, prior)
+        k = self._sampled_chain_length(depth)
         self._n["steps"] += 1
+        self._n["nodes"] += k + 1
         if k == 0:
-            self._n["nodes"] += 1
             self.back_off.drafted_nothing()
             return None
         self._catch_up()
-        h, tokens, rows = self.last_h, [], []
-        for d in range(k):
-            q = target_probs(run.log_probs(h)[0], state.sampling)  # [draft_vocab]
-            x = sample(q, state.generator)
-            tokens.append(x)
-            rows.append(q)
-            if d + 1 < k:
-                h = run.rows(h, run.to_target(torch.tensor([x])), torch.tensor([state.root_position + d]),
-                             run.length + d, torch.ones(1, d + 1, dtype=torch.bool))
+        h = self.last_h
+
+        def next_q(d: int, x: int | None) -> torch.Tensor:
+            nonlocal h
+            if d:  # the row of the token just sampled, at the next position, seeing the chain's rows before it
+                h = run.rows(h, run.to_target(torch.tensor([x])), torch.tensor([state.root_position + d - 1]),
+                             run.length + d - 1, torch.ones(1, d, dtype=torch.bool))
                 self._n["draft_rows"] += 1
                 self._n["draft_calls"] += 1
-        probs = torch.zeros(k + 1, state.target.vocab_size, dtype=rows[0].dtype)
-        probs[1:, run.to_target(torch.arange(rows[0].numel()))] = torch.stack(rows)
-        self._n["nodes"] += k + 1
-        self.back_off.drafted(k + 1)
-        return Proposal(DraftTree.chain(state.root, run.to_target(torch.tensor(tokens)), probs))
+            return target_probs(run.log_probs(h)[0], state.sampling)
+
+        return self._sampled_chain(state, k, next_q)
 
     def _commit(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         self.last_h = self.runner.commit(self.runner.fuse(taps), tokens, positions)[-1:]
@@ -160,7 +131,7 @@ class EagleProposer(FeatureDrafterProposer):
             return None
         self.back_off.looking()
         if self.drafts_with_probabilities:
-            return self._sampled_chain(state, depth)
+            return self._sampled_chain_proposal(state, depth)
         self._catch_up()
         lp = run.log_probs(self.last_h)[0]  # [draft_vocab]
         top = lp.topk(k)

@@ -35,6 +35,7 @@ from ..costs import best_draft
 from ..drafters.fasteagle import FastEagleRunner, load_fasteagle
 from ..engine import DecodeState, Proposal, Proposer
 from ..tree import DraftTree, TreeShape
+from ..verify import target_probs
 from . import register
 from ._feature_drafter import FeatureDrafterProposer, calibrated_option, drafter_options, load_runner
 from ._options import MAX_TREE_NODES, Option, max_nodes_option
@@ -70,6 +71,7 @@ def expected_tokens(top_probs: torch.Tensor) -> torch.Tensor:
 
 class FastEagleProposer(FeatureDrafterProposer):
     name = "fasteagle"
+    samples_chains = True  # at T > 0 a chain samples depth i from layer i's distribution (one pass, as greedy)
 
     def __init__(self, runner: FastEagleRunner, *, topk: int, depth: int, fixed: bool, max_nodes: int,
                  backoff: int, calibrated: bool = False, backoff_on_loss: bool = True):
@@ -94,6 +96,8 @@ class FastEagleProposer(FeatureDrafterProposer):
             self._n["nodes"] += 1
             return None
         self.back_off.looking()
+        if self.drafts_with_probabilities:
+            return self._sampled_chain_proposal(state, room)
         self._catch_up()
         self._n["looks"] += 1
         probs = run.probs(self.last_h[:room])  # [levels, draft_vocab]: one head matmul for every depth
@@ -115,6 +119,22 @@ class FastEagleProposer(FeatureDrafterProposer):
         self.back_off.drafted(len(tree))
         self._n["nodes"] += len(tree)
         return Proposal(tree)
+
+    def _sampled_chain_proposal(self, state: DecodeState, room: int) -> Proposal | None:
+        """A sampling run's chain (:meth:`~._feature_drafter.FeatureDrafterProposer._sampled_chain`): depth i
+        sampled from layer i's distribution, all of them from the one pass."""
+        k = self._sampled_chain_length(room)
+        if k == 0:
+            self._n["nodes"] += 1
+            self.back_off.drafted_nothing()
+            return None
+        self._catch_up()
+        self._n["looks"] += 1
+        self._n["levels"] += k
+        self._n["k"] += 1
+        self._n["nodes"] += k + 1
+        q = target_probs(self.runner.probs(self.last_h[:k]).log(), state.sampling)  # [k, draft_vocab]
+        return self._sampled_chain(state, k, lambda d, _x: q[d])
 
     def _best_shape(self, top_probs: torch.Tensor, room: int, limit: int) -> tuple[int, int]:
         """(levels, k) of the backbone tree the cost model prices best (:func:`~fastforward.costs.best_draft`), from
