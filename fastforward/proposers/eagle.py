@@ -204,12 +204,8 @@ class EagleProposer(FeatureDrafterProposer):
         depths = torch.cat(cand_depth).numpy()
         order = rank(scores, depths)
         n = self._tree_size(np.exp(scores[order]), state)
-        self._n["steps"] += 1
-        self._n["nodes"] += n
-        if n == 1:
-            self.back_off.drafted_nothing()
+        if not self._counted(n):
             return None
-        self.back_off.drafted(n)
         return Proposal(build_tree(order[: n - 1], tokens, parents, depths, state.root))
 
     def _chain_proposal(self, cand_tok: list[torch.Tensor], cand_score: list[torch.Tensor],
@@ -217,13 +213,20 @@ class EagleProposer(FeatureDrafterProposer):
         """:meth:`_tree_proposal` of a chain (``topk=1``: one candidate per depth, in rank order): its first n - 1
         drafts, n sized as for any tree."""
         n = self._tree_size(torch.cat(cand_score).double().exp().numpy(), state)
+        if not self._counted(n):
+            return None
+        return Proposal(DraftTree.chain(state.root, self.runner.to_target(torch.cat(cand_tok[: n - 1]))))
+
+    def _counted(self, n: int) -> bool:
+        """Count a step whose tree has ``n`` nodes (root included) in the stats and the back-off; False when that
+        is the root alone (nothing drafted)."""
         self._n["steps"] += 1
         self._n["nodes"] += n
         if n == 1:
             self.back_off.drafted_nothing()
-            return None
+            return False
         self.back_off.drafted(n)
-        return Proposal(DraftTree.chain(state.root, self.runner.to_target(torch.cat(cand_tok[: n - 1]))))
+        return True
 
     def _chance(self, log_q: torch.Tensor, depth: int) -> torch.Tensor:
         """log chance that the target accepts each of a node's top-k children (``log_q`` [..., k], best first) given
