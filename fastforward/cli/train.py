@@ -205,6 +205,12 @@ def add_drafter_arguments(p) -> None:
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="the first N training records only")
     p.add_argument("--seed", type=seed, default=0, help="initialisation and data order (default: 0)")
+    p.add_argument("--features", choices=["auto", "store", "forward"], default="auto",
+                   help="the target's features: store = the make-data folder's features/ (computed and stored where "
+                        "missing); forward = the target's HF model on the training device, per batch, never stored; "
+                        "auto = forward on a GPU, store on the CPU (default: auto)")
+    p.add_argument("--eval-records", type=int, default=None,
+                   help="held-out records scored at the end (default: all; 0: none)")
     add_mixed_precision_argument(p)
     add_threads_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -224,7 +230,8 @@ def drafter_config(args, method: str, extra: dict):
         max_minutes=args.max_minutes, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
         max_length=args.max_length, warmup=args.warmup, weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm, save_every=args.save_every, seed=args.seed, limit=args.limit,
-        threads=args.threads, quiet=args.quiet, mixed_precision=args.mixed_precision, extra=extra)
+        threads=args.threads, quiet=args.quiet, mixed_precision=args.mixed_precision, features=args.features,
+        eval_records=args.eval_records, extra=extra)
 
 
 def _train_drafter(cfg, method) -> int:

@@ -44,6 +44,7 @@ from .pieces import (
     rope_cos_sin,
     rotate,
     target_embedding_rows,  # noqa: F401 - re-exported: callers outside the drafters import it from here
+    target_final_norm,
     target_fingerprint,  # noqa: F401 - re-exported, as target_embedding_rows
     target_layer_shape,
     target_meta,
@@ -159,9 +160,9 @@ class Eagle3Drafter(DrafterModule):
         drafter = cls(Eagle3Config.for_target(target, vocab.size), vocab)
         drafter.load_head(target)
         with torch.no_grad():
-            norm = getattr(target.backend, "norm", None)
+            norm = target_final_norm(target)
             if norm is not None:
-                drafter.norm.weight.copy_(norm.float())
+                drafter.norm.weight.copy_(norm)
             init_layer(drafter.midlayer.self_attn, drafter.midlayer.mlp)
             pass_last_tap(drafter.fc, drafter.cfg.hidden_size, drafter.cfg.target_hidden_size)
             drafter.norm.weight.mul_(0.1)
@@ -207,7 +208,7 @@ class Eagle3Drafter(DrafterModule):
         attn = self.midlayer.self_attn
         feat = self.fc(taps)  # [B, T, d]
         scale = 1.0 / math.sqrt(hd)
-        key_pos = torch.arange(T)
+        key_pos = torch.arange(T, device=ids.device)
         rows = key_pos.expand(B, T)  # [B, W]: the sequence row each computed row is (step 0: all of them)
         k0 = v0 = None
         diag_k, diag_v = [], []
@@ -256,12 +257,12 @@ def later_rows_window(later_selects: list[torch.Tensor], T: int) -> torch.Tensor
     need = torch.stack(later_selects).any(0)
     B = need.shape[0]
     any_row = need.any(1)
-    pos = torch.arange(T).expand(B, T)
+    pos = torch.arange(T, device=need.device).expand(B, T)
     first = torch.where(need, pos, T).min(1).values
     last = torch.where(need, pos, -1).max(1).values
     W = int((last - first + 1)[any_row].max()) if bool(any_row.any()) else 1
     start = torch.where(any_row, first, 0).clamp(max=T - W)
-    return start.unsqueeze(1) + torch.arange(W)
+    return start.unsqueeze(1) + torch.arange(W, device=need.device)
 
 
 class Eagle3Runner(DrafterRunner):

@@ -79,10 +79,10 @@ class FalconConfig(HeadlessConfig):
         return ()
 
 
-def block_mask(length: int, k: int) -> torch.Tensor:
+def block_mask(length: int, k: int, device=None) -> torch.Tensor:
     """The relaxed-causal mask [length, length] (True = may attend): row i sees every row j with
     ``j < (i // k + 1) * k`` -- everything before its k-block and all of the block (blocks start at row 0)."""
-    rows = torch.arange(length)
+    rows = torch.arange(length, device=device)
     end = (rows.div(k, rounding_mode="floor") + 1) * k  # [length]: one past the row's block
     return rows.unsqueeze(0) < end.unsqueeze(1)
 
@@ -144,7 +144,7 @@ class FalconDrafter(DrafterModule):
         [T] (RoPE) default to 0..T-1."""
         T = emb.shape[1]
         x = self.lstm(torch.cat([emb, feat], dim=-1))
-        pos = torch.arange(T) if positions is None else positions
+        pos = torch.arange(T, device=emb.device) if positions is None else positions
         cos, sin = rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, pos)
         return self.layer(x, cos, sin, mask)
 
@@ -154,8 +154,8 @@ class FalconDrafter(DrafterModule):
 
 def training_mask(lengths: torch.Tensor, T: int, k: int) -> torch.Tensor:
     """[B, 1, T, T]: the block mask with each sequence's padding keys hidden (rows are right-padded)."""
-    keys = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)  # [B, T]
-    return (block_mask(T, k).unsqueeze(0) & keys.unsqueeze(1)).unsqueeze(1)
+    keys = torch.arange(T, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)  # [B, T]
+    return (block_mask(T, k, lengths.device).unsqueeze(0) & keys.unsqueeze(1)).unsqueeze(1)
 
 
 # -- the folder ------------------------------------------------------------------------------------------------------

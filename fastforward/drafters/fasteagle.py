@@ -48,6 +48,7 @@ from .pieces import (
     init_layer,
     pass_last_tap,
     rope_cos_sin,
+    target_final_norm,
     target_layer_shape,
     target_meta,
 )
@@ -110,9 +111,9 @@ class FastEagleDrafter(DrafterModule):
         with torch.no_grad():
             d = drafter.cfg.hidden_size
             pass_last_tap(drafter.fc, d, drafter.cfg.target_hidden_size)
-            norm = getattr(target.backend, "norm", None)
+            norm = target_final_norm(target)
             if norm is not None:
-                drafter.g_norm.weight.copy_(norm.float())
+                drafter.g_norm.weight.copy_(norm)
             nn.init.normal_(drafter.fc_in.weight, std=0.02)
             drafter.fc_in.weight[:, d:] = torch.eye(d)
             drafter.fc_in.bias.zero_()
@@ -131,7 +132,7 @@ class FastEagleDrafter(DrafterModule):
         nxt = torch.zeros_like(ids)
         nxt[:, :-1] = ids[:, 1:]  # row j reads x_{j+1}
         x = self.input_rows(taps, F.embedding(nxt, embed))
-        cos, sin = rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, torch.arange(T))
+        cos, sin = rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, torch.arange(T, device=ids.device))
         outs = []
         h = x
         for i, layer in enumerate(self.layers):

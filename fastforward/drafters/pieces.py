@@ -62,6 +62,16 @@ def target_embedding_rows(target, ids: torch.Tensor) -> torch.Tensor:
     return target.hf_model.get_input_embeddings()(ids).float().detach()
 
 
+def target_final_norm(target) -> torch.Tensor | None:
+    """The weight of the target's final norm (whatever the backend stores), or None where it has none to read."""
+    norm = getattr(target.backend, "norm", None)
+    if norm is not None:
+        return norm.float()
+    base = getattr(target.hf_model, "model", None)
+    weight = getattr(getattr(base, "norm", None), "weight", None)
+    return None if weight is None else weight.detach().float()
+
+
 def target_head_rows(target, ids: torch.Tensor) -> torch.Tensor:
     """fp32 rows of the target's LM head for the token ids ``ids`` (the frozen draft head)."""
     head = getattr(target.backend, "head", None)

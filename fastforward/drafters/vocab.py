@@ -22,13 +22,15 @@ class DraftVocab:
     t2d: torch.Tensor  # [vocab] bool
 
     def __post_init__(self):
-        self.d2t = torch.as_tensor(self.d2t, dtype=torch.long)
-        self.t2d = torch.as_tensor(self.t2d, dtype=torch.bool)
+        # tensors keep their device (the maps live where the ids they map are)
+        tensor = isinstance(self.d2t, torch.Tensor) and isinstance(self.t2d, torch.Tensor)
+        self.d2t = self.d2t.long() if tensor else torch.as_tensor(self.d2t, dtype=torch.long)
+        self.t2d = self.t2d.bool() if tensor else torch.as_tensor(self.t2d, dtype=torch.bool)
         used = self.target_ids
         if int(self.t2d.sum()) != used.numel() or not bool(torch.equal(self.t2d.nonzero().flatten(), used)):
             raise UsageError("malformed draft vocabulary: t2d does not mark exactly the tokens d2t maps to")
-        self._t2d_index = torch.full((self.t2d.numel(),), -1, dtype=torch.long)
-        self._t2d_index[used] = torch.arange(used.numel())
+        self._t2d_index = torch.full((self.t2d.numel(),), -1, dtype=torch.long, device=self.t2d.device)
+        self._t2d_index[used] = torch.arange(used.numel(), device=self.t2d.device)
 
     @property
     def size(self) -> int:
@@ -41,7 +43,11 @@ class DraftVocab:
     @property
     def target_ids(self) -> torch.Tensor:
         """[draft] the target id of every draft id (ascending)."""
-        return self.d2t + torch.arange(self.d2t.numel())
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def to(self, device) -> DraftVocab:
+        """The same vocabulary with its maps on ``device`` (where the ids it maps are)."""
+        return DraftVocab(self.d2t.to(device), self.t2d.to(device))
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -24,9 +24,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
     """The default rotary embedding's fp32 inverse frequencies ``[head_dim / 2]``, as transformers computes them."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
 
 
 def rope_cos_sin(head_dim: int, theta: float, positions: torch.Tensor,
@@ -34,7 +34,7 @@ def rope_cos_sin(head_dim: int, theta: float, positions: torch.Tensor,
     """cos, sin ``[..., head_dim]`` of the rotary embedding at ``positions``, computed as transformers'
     ``LlamaRotaryEmbedding`` does (fp32 inverse frequencies times positions, duplicated halves): the default
     (unscaled) frequencies, or ``inv_freq`` when given (a scaled rope's)."""
-    inv = rope_inv_freq(head_dim, theta) if inv_freq is None else inv_freq
+    inv = rope_inv_freq(head_dim, theta, positions.device) if inv_freq is None else inv_freq.to(positions.device)
     freqs = positions.float().unsqueeze(-1) * inv
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()

@@ -33,6 +33,11 @@ from .run import TrainingRun, check_settings, mixed_precision_autocast
 COMMAND = "train"
 IDENTITY_KEYS = ("model", "data", "method", "seed", "max_length", "batch_size", "grad_accum", "lr", "warmup",
                  "weight_decay", "max_grad_norm", "limit", "extra")
+#: where a batch's target features come from: ``store`` -- the make-data folder's ``features/`` (computed with the
+#: target's decoding forward and stored where missing); ``forward`` -- the target's HF model on the training device,
+#: per batch, never stored (:class:`~fastforward.drafters.features.ForwardFeatures`); ``auto`` -- ``forward`` on an
+#: accelerator, ``store`` on the CPU
+FEATURE_SOURCES = ("auto", "store", "forward")
 ORDER_WINDOW = 16  # micro-batches sorted by length together (less padding, still random across windows)
 
 
@@ -58,6 +63,8 @@ class DrafterTrainConfig:
     threads: int | None = None
     quiet: bool = False
     mixed_precision: str = "no"  # "bf16": the drafter's forward and loss under bf16 autocast (fp32 master weights)
+    features: str = "auto"  # FEATURE_SOURCES
+    eval_records: int | None = None  # held-out records scored at the end (None: all of them, 0: none)
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -66,6 +73,11 @@ class DrafterTrainConfig:
             raise UsageError(f"--epochs must be > 0, got {self.epochs}")
         if not self.lr > 0:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if self.eval_records is not None and (isinstance(self.eval_records, bool) or not isinstance(
+                self.eval_records, int) or self.eval_records < 0):
+            raise UsageError(f"--eval-records must be an integer >= 0, got {self.eval_records!r}")
+        if self.features not in FEATURE_SOURCES:
+            raise UsageError(f"--features must be one of {', '.join(FEATURE_SOURCES)}, got {self.features!r}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise UsageError(f"--max-minutes must be > 0, got {self.max_minutes}")
         if not Path(self.data).expanduser().is_dir():
@@ -106,6 +118,14 @@ class DrafterMethod:
         self.vocab = DraftVocab.most_frequent([r["response_ids"] for r in records], target.vocab_size,
                                               min(draft_vocab, target.vocab_size), always=sorted(target.eos_token_ids))
         self.embed = target_embedding_rows(target, torch.arange(target.vocab_size))
+
+    def to(self, device) -> None:
+        """Put what the loss reads besides the batch and the drafter -- the frozen embedding and the vocabulary's
+        maps -- on ``device`` (the training device; the drafter keeps its own vocabulary for saving and scoring)."""
+        if getattr(self, "embed", None) is not None:
+            self.embed = self.embed.to(device)
+        if getattr(self, "vocab", None) is not None:
+            self.vocab = self.vocab.to(device)
 
     #: whether the held-out run's greedy calibration is saved with the drafter (:mod:`fastforward.drafters.calibration`)
     calibrates = False
@@ -157,19 +177,31 @@ def _sequences(records: list[dict], max_length: int) -> list[dict]:
     return seqs
 
 
-def collate(seqs: list[dict], store) -> dict:
-    """Right-padded ids, taps, final states and a mask of response positions."""
+def collate(seqs: list[dict], store, device=None) -> dict:
+    """Right-padded ids, taps, final states and a mask of response positions, on ``device`` (default: the CPU)."""
     import torch
+
+    from ..drafters.features import ForwardFeatures
+    from .run import to_device
 
     T = max(len(s["ids"]) for s in seqs)
     B = len(seqs)
     ids = torch.zeros(B, T, dtype=torch.long)
     response = torch.zeros(B, T, dtype=torch.bool)
-    taps = final = None
     for b, s in enumerate(seqs):
         n = len(s["ids"])
         ids[b, :n] = torch.tensor(s["ids"])
         response[b, s["prompt_len"] : n] = True
+    batch = {"ids": ids, "response": response, "lengths": torch.tensor([len(s["ids"]) for s in seqs]),
+             "prompt_lens": torch.tensor([s["prompt_len"] for s in seqs])}
+    if device is not None:
+        batch = to_device(batch, device)
+    if isinstance(store, ForwardFeatures):
+        batch["taps"], batch["final"] = store.batch(batch["ids"])
+        return batch
+    taps = final = None
+    for b, s in enumerate(seqs):
+        n = len(s["ids"])
         feats = store.get(s["record"])
         t, f = feats["taps"][:n], feats["final"][:n]
         if taps is None:
@@ -177,9 +209,8 @@ def collate(seqs: list[dict], store) -> dict:
             final = torch.zeros(B, T, f.shape[1])
         taps[b, :n] = t.reshape(n, -1)
         final[b, :n] = f
-    return {"ids": ids, "response": response, "taps": taps, "final": final,
-            "lengths": torch.tensor([len(s["ids"]) for s in seqs]),
-            "prompt_lens": torch.tensor([s["prompt_len"] for s in seqs])}
+    batch["taps"], batch["final"] = taps, final
+    return batch if device is None else to_device(batch, device)
 
 
 def warmup_cosine(warmup: float, total: int):
@@ -241,7 +272,7 @@ def _step_function(run: TrainingRun, cfg: DrafterTrainConfig, method: DrafterMet
         metrics_sum: dict[str, float] = {}
         loss_sum = 0.0
         for m in range(step * cfg.grad_accum, (step + 1) * cfg.grad_accum):
-            batch = collate([order.seqs[i] for i in order.indices(m)], store)
+            batch = collate([order.seqs[i] for i in order.indices(m)], store, run.accelerator.device)
             # where the run is, for losses with a schedule or randomness of their own (a pure function of m)
             batch.update(seed=random.Random(f"{cfg.seed}:{m}").getrandbits(62), epoch=m // order.per_epoch,
                          epochs=epochs)
@@ -264,7 +295,7 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
 
     import fastforward as ff
 
-    from ..drafters.features import FeatureStore
+    from ..drafters.features import FeatureStore, ForwardFeatures
 
     check_output_dir(cfg.out, COMMAND)
     run = TrainingRun(cfg.out, COMMAND, cfg.identity(), quiet=cfg.quiet, threads=cfg.threads, log=log)
@@ -275,17 +306,21 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
     drafter = method.build(target, train_recs, cfg)
     if run.resume is not None:
         method.load_weights(drafter, run.resume)
-    store = FeatureStore(cfg.data, target, write=run.main)
+    device = run.accelerator.device
+    forward = cfg.features == "forward" or (cfg.features == "auto" and device.type != "cpu")
+    store = ForwardFeatures(target, device) if forward else FeatureStore(cfg.data, target, write=run.main)
     params = [p for p in drafter.parameters() if p.requires_grad]
     order = DataOrder(seqs, cfg.batch_size, cfg.seed, run.world, run.rank)
     total = cfg.max_steps or math.ceil(cfg.epochs * order.per_epoch / cfg.grad_accum)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup, total))
     drafter = run.prepare(drafter, optimizer, scheduler, params, cfg.max_grad_norm)
+    method.to(device)
     run.say(f"{method.name}: {len(seqs)} training sequences ({len(held_recs)} records held out), {total} steps of "
             f"{cfg.batch_size * cfg.grad_accum * run.world} sequences ({total * cfg.grad_accum / order.per_epoch:.2f} "
             f"epochs), {sum(p.numel() for p in params) / 1e6:.2f}M parameters trained, lr {cfg.lr:g}, "
-            f"{'bf16 autocast' if cfg.mixed_precision == 'bf16' else 'fp32'}; loaded in "
+            f"{'bf16 autocast' if cfg.mixed_precision == 'bf16' else 'fp32'} on {device}, features from "
+            f"{'the target on ' + str(device) if forward else cfg.data}; loaded in "
             f"{time.perf_counter() - t_load:.1f}s" + (f"; resuming from step {run.start_step}" if run.resume else ""))
 
     def save(step: int, loss: float | None) -> None:
@@ -306,11 +341,14 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
     if run.main:
         if done.step == run.start_step and run.summary_file.is_file():  # a finished run re-run: keep it, re-score
             summary = json.loads(run.summary_file.read_text())
-        # scored before it is saved: a method may keep what the scoring fits with the drafter (eagle's calibration)
-        held = method.evaluate(run.accelerator.unwrap_model(drafter), target, held_recs, store)
+        # scored (where it trained) before it is saved: a method may keep what the scoring fits with the drafter
+        # (eagle's calibration)
+        trained = run.accelerator.unwrap_model(drafter)
+        scored = held_recs if cfg.eval_records is None else held_recs[: cfg.eval_records]
+        held = method.evaluate(trained, target, scored, store)
         if held is not None:
             summary["heldout"] = held
-        method.save(run.accelerator.unwrap_model(drafter), run.out)
+        method.save(trained.cpu(), run.out)
         run.plot_losses(f"train {method.name}")
         run.summary_file.write_text(json.dumps(summary, indent=1) + "\n")
     run.accelerator.wait_for_everyone()

@@ -38,6 +38,7 @@ class EagleTraining(DrafterMethod):
     def loss(self, drafter, batch):
         ids, response = batch["ids"], batch["response"]
         B, T = ids.shape
+        dev = ids.device
         inner = getattr(drafter, "module", drafter)
         head = inner.lm_head.weight  # frozen rows of the target's head
         steps = min(self.ttt_steps, T - 2)
@@ -47,22 +48,22 @@ class EagleTraining(DrafterMethod):
         label_ok = response & (draft_ids >= 0)
         label_ok[:, :2] = False
         teacher = (batch["final"][:, :-1][label_ok[:, 1:]] @ head.t()).softmax(-1)  # [n_labels, draft_vocab]
-        where = torch.full((B, T), -1, dtype=torch.long)
-        where[label_ok] = torch.arange(teacher.shape[0])
+        where = torch.full((B, T), -1, dtype=torch.long, device=dev)
+        where[label_ok] = torch.arange(teacher.shape[0], device=dev)
         selects, targets, labels = [], [], []
         for k in range(steps):
             shift = 2 + k  # at step k row j predicts x_{j+2+k}
-            sel = torch.zeros(B, T, dtype=torch.bool)
+            sel = torch.zeros(B, T, dtype=torch.bool, device=dev)
             sel[:, : T - shift] = label_ok[:, shift:]
-            at = torch.full((B, T), -1, dtype=torch.long)
+            at = torch.full((B, T), -1, dtype=torch.long, device=dev)
             at[:, : T - shift] = where[:, shift:]
-            lab = torch.full((B, T), -1, dtype=torch.long)
+            lab = torch.full((B, T), -1, dtype=torch.long, device=dev)
             lab[:, : T - shift] = draft_ids[:, shift:]
             selects.append(sel)
             targets.append(teacher[at[sel]])
             labels.append(lab[sel])
         logits = drafter(batch["taps"], ids, self.embed, steps, selects)
-        total = torch.zeros(())
+        total = torch.zeros((), device=dev)
         metrics = {}
         for k, (lg, p, lab) in enumerate(zip(logits, targets, labels, strict=True)):
             if lab.numel() == 0:
@@ -92,22 +93,25 @@ def heldout_agreement(target, drafter: Eagle3Drafter, records: list[dict], steps
     from ..drafters.eagle import target_embedding_rows
     from ..drafters.features import compute_features
 
-    embed = target_embedding_rows(target, torch.arange(target.vocab_size))
-    hits, joint, total = torch.zeros(steps), torch.zeros(steps), 0
+    dev = next(drafter.parameters()).device  # scored where the drafter is
+    embed = target_embedding_rows(target, torch.arange(target.vocab_size, device="cpu")).to(dev)
+    vocab = drafter.vocab.to(dev)
+    hits, joint, total = torch.zeros(steps, device=dev), torch.zeros(steps, device=dev), 0
     probs: list[list[torch.Tensor]] = [[] for _ in range(steps)]
     found: list[list[torch.Tensor]] = [[] for _ in range(steps)]
     for r in records:
-        ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]))[:max_length]
+        ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]), device="cpu")[:max_length]
         P, T = len(r["prompt_ids"]), ids.numel()
         rows = T - 1 - steps - P + 1  # rows j >= P - 1 whose every step has a label (x_{j+2+k}, k < steps)
         if rows <= 0:
             continue
         feats = store.get(r) if store is not None else compute_features(target, ids)
-        taps = feats["taps"][:T].reshape(1, T, -1).float()
-        j = torch.arange(P - 1, P - 1 + rows)
+        taps = feats["taps"][:T].reshape(1, T, -1).float().to(dev)
+        ids = ids.to(dev)
+        j = torch.arange(P - 1, P - 1 + rows, device=dev)
         select = []
         for _ in range(steps):
-            sel = torch.zeros(1, T, dtype=torch.bool)
+            sel = torch.zeros(1, T, dtype=torch.bool, device=dev)
             sel[0, j] = True
             select.append(sel)
         with torch.no_grad():
@@ -115,9 +119,9 @@ def heldout_agreement(target, drafter: Eagle3Drafter, records: list[dict], steps
         right = []
         for k, lg in enumerate(logits):
             top = lg.softmax(-1).topk(min(topk, lg.shape[-1]), dim=-1)
-            hit = drafter.vocab.to_target(top.indices) == ids[j + 2 + k].unsqueeze(1)  # [rows, topk]
-            probs[k].append(top.values.flatten())
-            found[k].append(hit.flatten())
+            hit = vocab.to_target(top.indices) == ids[j + 2 + k].unsqueeze(1)  # [rows, topk]
+            probs[k].append(top.values.flatten().cpu())
+            found[k].append(hit.flatten().cpu())
             right.append(hit[:, 0])
         right = torch.stack(right)  # [steps, rows]
         hits += right.sum(1)

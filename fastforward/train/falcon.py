@@ -98,20 +98,21 @@ class FalconTraining(DrafterMethod):
         k = self.block_size
         inner = getattr(drafter, "module", drafter)
         head = inner.lm_head.weight  # frozen rows of the target's head
-        gen = torch.Generator().manual_seed(int(batch.get("seed", 0)))
+        dev = ids.device
+        gen = torch.Generator().manual_seed(int(batch.get("seed", 0)))  # on the CPU: the same noise on any device
         rng = random.Random(int(batch.get("seed", 0)))
         mask = training_mask(lengths, T, k)
 
         nxt = torch.zeros_like(ids)
         nxt[:, :-1] = ids[:, 1:]  # row j reads x_{j+1}
         emb = F.embedding(nxt, self.embed)
-        feat = final + (torch.rand(final.shape, generator=gen) * 2 - 1) * NOISE
+        feat = final + ((torch.rand(final.shape, generator=gen, device="cpu") * 2 - 1) * NOISE).to(dev)
         rows = T - k - 1  # row j predicts x_{j+k+1}, which must exist
         if rows <= 0:
-            return torch.zeros((), requires_grad=True), {}
-        keep = torch.zeros(B, T, dtype=torch.bool)
+            return torch.zeros((), device=dev, requires_grad=True), {}
+        keep = torch.zeros(B, T, dtype=torch.bool, device=dev)
         keep[:, :rows] = response[:, k + 1 :]  # the predicted token is a response token
-        labels = torch.full((B, T), -1, dtype=torch.long)
+        labels = torch.full((B, T), -1, dtype=torch.long, device=dev)
         labels[:, :rows] = self.vocab.to_draft(ids[:, k + 1 :])
         f_next = torch.zeros_like(final)
         f_next[:, :rows] = final[:, k : T - 1]  # the target's final state at j + k
@@ -125,10 +126,10 @@ class FalconTraining(DrafterMethod):
             if self.csgd == "sequence":
                 out = drafter(emb2, feat2, mask)
             else:  # two-pass: [true rows ; second-pass rows], each block's second pass over the true rows before it
-                valid = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).repeat(1, 2)  # [B, 2T] keys
-                both = (chain_mask(T, k).unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)
+                valid = (torch.arange(T, device=dev).unsqueeze(0) < lengths.unsqueeze(1)).repeat(1, 2)  # [B, 2T] keys
+                both = (chain_mask(T, k, dev).unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)
                 out = drafter(torch.cat([emb, emb2], 1), torch.cat([feat, feat2], 1), both,
-                              positions=torch.arange(T).repeat(2))
+                              positions=torch.arange(T, device=dev).repeat(2))
                 keep, labels, f_next = keep.repeat(1, 2), labels.repeat(1, 2), f_next.repeat(1, 2, 1)
         total = F.smooth_l1_loss(out[keep], f_next[keep], reduction="none").mean() if bool(keep.any()) else 0.0
         sel = keep & (labels >= 0)
@@ -139,7 +140,7 @@ class FalconTraining(DrafterMethod):
             ce = F.nll_loss(q_log, labels[sel])
             total = total + DISTILL_WEIGHT * (KL_SHARE * kl + (1 - KL_SHARE) * ce)
             right = q_log.argmax(-1) == labels[sel]
-            depth = torch.arange(out.shape[1]).unsqueeze(0).expand(B, -1)
+            depth = torch.arange(out.shape[1], device=dev).unsqueeze(0).expand(B, -1)
             depth = (depth % k + k * (depth >= T))[sel]  # 0-based depth: offset in block (+ k on second-pass rows)
             for i in range(int(depth.max()) + 1):
                 if bool((depth == i).any()):
@@ -157,7 +158,7 @@ class FalconTraining(DrafterMethod):
             pred = inner.logits(out1).argmax(-1)  # [B, T] draft ids
             wrong = (pred != labels) & keep  # Hamming distance to the target's tokens over the loss rows
             pred_emb = F.embedding(self.vocab.to_target(pred), self.embed)
-        has_pred = torch.arange(T).unsqueeze(0).expand(B, T)
+        has_pred = torch.arange(T, device=labels.device).unsqueeze(0).expand(B, T)
         has_pred = (has_pred >= k) & (has_pred < lengths.unsqueeze(1))
         given = torch.stack([glance(has_pred[b], round(lam * int(wrong[b].sum())), k, rng) for b in range(B)])
         use_pred = (has_pred & ~given).unsqueeze(-1)
@@ -173,13 +174,13 @@ class FalconTraining(DrafterMethod):
         return heldout_agreement(target, drafter, records, store=store)
 
 
-def chain_mask(T: int, k: int) -> torch.Tensor:
+def chain_mask(T: int, k: int, device=None) -> torch.Tensor:
     """[2T, 2T] mask of the two-pass evaluation: rows 0..T-1 are true rows (block mask); row T + j is row j's second
     pass input (predicted by row j - k) and sees the true rows of every block before its own plus its own block's
     second-pass rows -- exactly what a decode-time second pass sees when block(j) - 1 is the first pass's block."""
-    pos = torch.arange(T)
+    pos = torch.arange(T, device=device)
     blk = pos // k
-    top = torch.cat([block_mask(T, k), torch.zeros(T, T, dtype=torch.bool)], dim=1)
+    top = torch.cat([block_mask(T, k, device), torch.zeros(T, T, dtype=torch.bool, device=device)], dim=1)
     before = blk.unsqueeze(0) < blk.unsqueeze(1)  # [T, T]: key's block precedes the row's block
     same = blk.unsqueeze(0) == blk.unsqueeze(1)
     return torch.cat([top, torch.cat([before, same], dim=1)], dim=0)
@@ -195,26 +196,30 @@ def heldout_agreement(target, drafter: FalconDrafter, records: list[dict], max_l
     ``chain[i]``: depths 1..i + 1 all right -- the rate at which a two-pass chain reaches depth i + 1."""
     from ..drafters.features import compute_features
 
-    embed = target_embedding_rows(target, torch.arange(target.vocab_size))
+    dev = next(drafter.parameters()).device  # scored where the drafter is
+    embed = target_embedding_rows(target, torch.arange(target.vocab_size, device="cpu")).to(dev)
+    vocab = drafter.vocab.to(dev)
     k = drafter.cfg.block_size
     depths = 2 * k
-    hits, joint, total = torch.zeros(depths), torch.zeros(depths), 0
+    hits, joint, total = torch.zeros(depths, device=dev), torch.zeros(depths, device=dev), 0
     for r in records:
-        ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]))[:max_length]
+        ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]), device="cpu")[:max_length]
         P, T = len(r["prompt_ids"]), ids.numel()
-        final = (store.get(r) if store is not None else compute_features(target, ids))["final"][:T].float()
+        final = (store.get(r) if store is not None else compute_features(target, ids))["final"][:T].float().to(dev)
+        ids = ids.to(dev)
         nxt = torch.zeros_like(ids)
         nxt[:-1] = ids[1:]
         emb = F.embedding(nxt, embed)
-        out1 = drafter(emb.unsqueeze(0), final.unsqueeze(0), block_mask(T, k))[0]  # [T, d]
-        pred = drafter.vocab.to_target(drafter.logits(out1).argmax(-1))
+        out1 = drafter(emb.unsqueeze(0), final.unsqueeze(0), block_mask(T, k, dev))[0]  # [T, d]
+        pred = vocab.to_target(drafter.logits(out1).argmax(-1))
         emb2, feat2 = emb.clone(), final.clone()
         emb2[k:], feat2[k:] = F.embedding(pred[:-k], embed), out1[:-k]
         both_emb = torch.cat([emb, emb2]).unsqueeze(0)
         both_feat = torch.cat([final, feat2]).unsqueeze(0)
-        out2 = drafter(both_emb, both_feat, chain_mask(T, k), positions=torch.cat([torch.arange(T)] * 2))[0, T:]
+        out2 = drafter(both_emb, both_feat, chain_mask(T, k, dev),
+                       positions=torch.arange(T, device=dev).repeat(2))[0, T:]
         tok1 = pred
-        tok2 = drafter.vocab.to_target(drafter.logits(out2).argmax(-1))
+        tok2 = vocab.to_target(drafter.logits(out2).argmax(-1))
         # blocks whose first-pass root (position bk + k) is a response position and whose depths all have labels
         starts = [s for s in range(0, T, k) if s + k >= P and s + k + depths < T and s + 2 * k <= T]
         for s in starts:

@@ -51,7 +51,7 @@ class FastEagleTraining(DrafterMethod):
         head = inner.lm_head.weight  # frozen rows of the target's head
         hs = drafter(batch["taps"], ids, self.embed)
         n = len(hs)
-        total = torch.zeros(())
+        total = torch.zeros((), device=ids.device)
         metrics = {}
         for i, h in enumerate(hs, start=1):
             rows = T - 1 - i  # row j predicts x_{j+1+i}, which must exist
@@ -62,7 +62,7 @@ class FastEagleTraining(DrafterMethod):
             f_next = final[:, i : T - 1]  # the target's final state at j + i
             h = h[:, :rows]
             weight = DEPTH_DECAY ** (n - i)
-            term = torch.zeros(())
+            term = torch.zeros((), device=ids.device)
             if self.feature_weight and bool(keep.any()):
                 term = term + self.feature_weight * F.smooth_l1_loss(h[keep], f_next[keep], reduction="none").mean()
             sel = keep & (lab >= 0)
@@ -99,28 +99,31 @@ def heldout_agreement(target, drafter: FastEagleDrafter, records: list[dict], ma
     from ..drafters.calibration import GreedyCalibration
     from ..drafters.features import compute_features
 
-    embed = target_embedding_rows(target, torch.arange(target.vocab_size))
+    dev = next(drafter.parameters()).device  # scored where the drafter is
+    embed = target_embedding_rows(target, torch.arange(target.vocab_size, device="cpu")).to(dev)
+    vocab = drafter.vocab.to(dev)
     n = drafter.cfg.num_layers
-    hits, joint, total = torch.zeros(n), torch.zeros(n), 0
+    hits, joint, total = torch.zeros(n, device=dev), torch.zeros(n, device=dev), 0
     probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
     found: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for r in records:
-        ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]))[:max_length]
+        ids = torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]), device="cpu")[:max_length]
         P, T = len(r["prompt_ids"]), ids.numel()
         rows = T - 1 - n - P  # rows j >= P whose every depth has a label
         if rows <= 0:
             continue
         feats = store.get(r) if store is not None else compute_features(target, ids)
-        taps = feats["taps"][:T].reshape(1, T, -1).float()
+        taps = feats["taps"][:T].reshape(1, T, -1).float().to(dev)
+        ids = ids.to(dev)
         with torch.no_grad():
             hs = drafter(taps, ids.unsqueeze(0), embed)
-        j = torch.arange(P, P + rows)
-        right, backbone = [], torch.ones(rows, dtype=torch.bool)
+        j = torch.arange(P, P + rows, device=dev)
+        right, backbone = [], torch.ones(rows, dtype=torch.bool, device=dev)
         for i, h in enumerate(hs, start=1):
             top = drafter.logits(h[0, j]).softmax(-1).topk(min(topk, drafter.cfg.draft_vocab_size), dim=-1)
-            hit = drafter.vocab.to_target(top.indices) == ids[j + 1 + i].unsqueeze(1)  # [rows, topk]
-            probs[i - 1].append(top.values[backbone].flatten())
-            found[i - 1].append(hit[backbone].flatten())
+            hit = vocab.to_target(top.indices) == ids[j + 1 + i].unsqueeze(1)  # [rows, topk]
+            probs[i - 1].append(top.values[backbone].flatten().cpu())
+            found[i - 1].append(hit[backbone].flatten().cpu())
             right.append(hit[:, 0])
             backbone = backbone & hit[:, 0]
         right = torch.stack(right)  # [n, rows]
