@@ -475,7 +475,9 @@ def summary_line(s: dict) -> str:
         head = (f"{s['kind']} drafter {s['drafter']}: held-out top-1 agreement by depth "
                 + " / ".join(f"{v:.3f}" for v in s["top1"])
                 + (", chain " + " / ".join(f"{v:.3f}" for v in s["chain"]) if s.get("chain") else "")
-                + f" ({s['positions']} response positions of {s['records']} held-out records)")
+                + f" ({s['positions']} response positions of {s['records']} held-out records"
+                + (f"; {s['vocab_coverage']:.3f} of their response tokens in the draft vocabulary"
+                   if s.get("vocab_coverage") is not None else "") + ")")
     elif s["task"] == "gsm8k":
         head = f"gsm8k accuracy {s['accuracy']:.3f} ({s['correct']}/{s['n']})"
     else:

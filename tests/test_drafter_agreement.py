@@ -86,9 +86,14 @@ def test_the_command_prints_the_depths_and_refuses_bad_input(tmp_path, capsys):
     assert code == 0, err
     summary = json.loads(out)
     assert summary["kind"] == "eagle" and len(summary["top1"]) == 3 and summary["records"] == 4
+    # the draft vocabulary holds ids 0..63: its coverage is the share of held-out response tokens below 64
+    held = [r for r in map(json.loads, (data / "responses.jsonl").read_text().splitlines()) if r["split"] != "train"]
+    tokens = [t for r in held for t in r["response_ids"]]
+    assert summary["vocab_coverage"] == round(sum(t < 64 for t in tokens) / len(tokens), 4)
+    assert max(summary["top1"]) <= summary["vocab_coverage"]
     code, out, err = run_cli(capsys, "eval", "--task", "agreement", "--model", model, "--drafter", folder, "--data",
                              data, "--threads", 1)
-    assert code == 0 and "held-out top-1 agreement by depth" in out, err
+    assert code == 0 and "held-out top-1 agreement by depth" in out and "in the draft vocabulary" in out, err
     (tmp_path / "train-only").mkdir()
     (tmp_path / "train-only" / "responses.jsonl").write_text(
         (data / "responses.jsonl").read_text().splitlines()[2] + "\n")  # one train-split record

@@ -68,8 +68,9 @@ def heldout_records(data, limit: int | None = None) -> list[dict]:
 
 def drafter_agreement(folder, target, data, *, limit: int | None = None, steps: int = 3) -> dict:
     """Held-out agreement of the drafter in ``folder`` with ``target`` on the ``make-data`` folder ``data``:
-    ``{"kind", "records", "positions", "top1": [...], "chain": [...]}`` (``steps``: depths scored for an EAGLE-3
-    drafter). Features come from the folder's store where it has them, else the target computes them."""
+    ``{"kind", "records", "positions", "top1": [...], "chain": [...], "vocab_coverage"}`` (``steps``: depths scored
+    for an EAGLE-3 drafter; ``vocab_coverage`` for drafters with a draft vocabulary: :func:`vocab_coverage`).
+    Features come from the folder's store where it has them, else the target computes them."""
     import torch
 
     from ..drafters.features import FeatureStore
@@ -77,32 +78,47 @@ def drafter_agreement(folder, target, data, *, limit: int | None = None, steps: 
     kind = drafter_kind(folder)
     held = heldout_records(data, limit)
     folder = Path(folder).expanduser()
+    vocab = None
     with torch.no_grad():
         if kind == "eagle":
             from ..drafters.checkpoint import load_eagle3
             from .eagle import heldout_agreement
 
-            result = heldout_agreement(target, load_eagle3(folder, target).float().eval(), held, steps,
-                                       store=FeatureStore(data, target, write=False))
+            drafter = load_eagle3(folder, target).float().eval()
+            vocab = drafter.vocab
+            result = heldout_agreement(target, drafter, held, steps, store=FeatureStore(data, target, write=False))
         elif kind == "fasteagle":
             from ..drafters.fasteagle import load_fasteagle
             from .fasteagle import heldout_agreement
 
-            result = heldout_agreement(target, load_fasteagle(folder, target).float().eval(), held,
-                                       store=FeatureStore(data, target, write=False))
+            drafter = load_fasteagle(folder, target).float().eval()
+            vocab = drafter.vocab
+            result = heldout_agreement(target, drafter, held, store=FeatureStore(data, target, write=False))
         elif kind == "falcon":
             from ..drafters.falcon import load_falcon
             from .falcon import heldout_agreement
 
-            result = heldout_agreement(target, load_falcon(folder, target).float().eval(), held,
-                                       store=FeatureStore(data, target, write=False))
+            drafter = load_falcon(folder, target).float().eval()
+            vocab = drafter.vocab
+            result = heldout_agreement(target, drafter, held, store=FeatureStore(data, target, write=False))
         else:
             result = _draft_model_agreement(folder, target, held)
     out = {"kind": kind, "records": len(held), "positions": result.get("positions"),
            "top1": [round(float(v), 4) for v in result["top1"]]}
     if result.get("chain") is not None:
         out["chain"] = [round(float(v), 4) for v in result["chain"]]
+    if vocab is not None:
+        out["vocab_coverage"] = round(vocab_coverage(vocab, held), 4)
     return out
+
+
+def vocab_coverage(vocab, records: list[dict]) -> float:
+    """The share of the records' response tokens inside the draft vocabulary ``vocab`` -- the most any depth's
+    top-1 agreement can reach (a token outside it is never drafted)."""
+    import torch
+
+    tokens = torch.tensor([t for r in records for t in r["response_ids"]], dtype=torch.long)
+    return float(vocab.t2d[tokens].float().mean()) if tokens.numel() else 0.0
 
 
 def _draft_model_agreement(folder: Path, target, held: list[dict]) -> dict:
