@@ -67,13 +67,8 @@ def glance(candidates: torch.Tensor, n: int, k: int, rng: random.Random) -> torc
         blocks.setdefault(r // k, []).append(r)
     order = list(blocks)
     rng.shuffle(order)
-    left = min(n, len(rows))
-    for b in order:
-        for r in reversed(blocks[b]):
-            if left == 0:
-                return out
-            out[r] = True
-            left -= 1
+    chosen = [r for b in order for r in reversed(blocks[b])][: min(n, len(rows))]
+    out[torch.tensor(chosen, device=out.device)] = True  # one write (on a GPU, not one small kernel per row)
     return out
 
 
@@ -160,7 +155,8 @@ class FalconTraining(DrafterMethod):
             pred_emb = F.embedding(self.vocab.to_target(pred), self.embed)
         has_pred = torch.arange(T, device=labels.device).unsqueeze(0).expand(B, T)
         has_pred = (has_pred >= k) & (has_pred < lengths.unsqueeze(1))
-        given = torch.stack([glance(has_pred[b], round(lam * int(wrong[b].sum())), k, rng) for b in range(B)])
+        n_wrong = wrong.sum(1).tolist()  # one read back, not one per sequence
+        given = torch.stack([glance(has_pred[b], round(lam * n_wrong[b]), k, rng) for b in range(B)])
         use_pred = (has_pred & ~given).unsqueeze(-1)
         emb2, feat2 = emb.clone(), feat.clone()
         emb2[:, k:] = torch.where(use_pred[:, k:], pred_emb[:, :-k], emb[:, k:])
