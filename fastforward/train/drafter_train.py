@@ -178,7 +178,8 @@ def _sequences(records: list[dict], max_length: int) -> list[dict]:
 
 
 def collate(seqs: list[dict], store, device=None) -> dict:
-    """Right-padded ids, taps, final states and a mask of response positions, on ``device`` (default: the CPU)."""
+    """Right-padded ids, taps, final states and a mask of response positions, on ``device`` (default: the CPU, or
+    where :class:`~fastforward.drafters.features.ForwardFeatures` computes the features)."""
     import torch
 
     from ..drafters.features import ForwardFeatures
@@ -194,9 +195,8 @@ def collate(seqs: list[dict], store, device=None) -> dict:
         response[b, s["prompt_len"] : n] = True
     batch = {"ids": ids, "response": response, "lengths": torch.tensor([len(s["ids"]) for s in seqs]),
              "prompt_lens": torch.tensor([s["prompt_len"] for s in seqs])}
-    if device is not None:
-        batch = to_device(batch, device)
-    if isinstance(store, ForwardFeatures):
+    if isinstance(store, ForwardFeatures):  # computed where the ids go
+        batch = to_device(batch, store.device if device is None else device)
         batch["taps"], batch["final"] = store.batch(batch["ids"])
         return batch
     taps = final = None
