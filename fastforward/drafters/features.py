@@ -15,7 +15,7 @@ any that are missing -- training also works without a stored pass.
 model on the device and never stored: one batched forward there costs less than reading them from disk (about
 4.6 KB per token at bf16: 11 GB for 2.4 M tokens of the default model). That model multiplies the dequantised
 weights in floating point (the ``exact`` arithmetic; TF32 products on a GPU), so its features differ from the ``q8``
-engine's (by about 8% in the final state of the default model, where q8 rounds every activation row to 8 bits); a
+engine's (by about 6% in the final state of the default model, where q8 rounds every activation row to 8 bits); a
 drafter only proposes, and what it trains on changes its acceptance, never the output.
 """
 
