@@ -2,7 +2,9 @@
 # The drafters of the default model, from data to trained folders, as this project makes them on a 2-core CPU.
 # Every step resumes where it stopped (make-data skips the prompts it has answered, each training continues from
 # its last checkpoint), so the script is re-run, as it is, after an interruption or in a later session; a step
-# already finished is a no-op. Steps run one after another: each needs both cores.
+# already finished is a no-op. Steps run one after another: each needs both cores. On a machine with a GPU the
+# training steps run there unchanged (the target's features computed there); scripts/train_drafters_gpu.sh trains
+# the three feature drafters at once on one GPU instead.
 #
 #   bash scripts/drafters_pipeline.sh DATA_DIR WORK_DIR [MINUTES]
 #
