@@ -381,3 +381,32 @@ def test_a_sampled_chain_matches_the_target_distribution_and_repeats_with_its_se
     greedy = make_proposer("eagle", target, **opts)
     ff.generate(target, prompt, greedy, max_new_tokens=4)
     assert not greedy.drafts_with_probabilities  # greedy chains stay guesses
+
+
+@pytest.mark.parametrize("backend", ["hf", "lean"])
+def test_drafter_config_copies_the_targets_rope_base(backend):
+    """transformers keeps an HF config's RoPE base in ``rope_parameters``: every drafter built for a target takes the
+    target's base, not a default (the same layer shape as the target's, whichever backend loaded it)."""
+    from fastforward.drafters.falcon import FalconDrafter
+    from fastforward.drafters.fasteagle import FastEagleDrafter
+    from fastforward.drafters.pieces import rope_theta_of
+
+    target = tiny_target(backend=backend)
+    target.hf_model.config.rope_parameters["rope_theta"] = 123456.0
+    assert rope_theta_of(target.config) == 123456.0
+    vocab = DraftVocab.from_target_ids(range(32), target.vocab_size)
+    assert Eagle3Drafter.for_target(target, vocab).cfg.rope_theta == 123456.0
+    assert FastEagleDrafter.for_target(target, vocab, 2).cfg.rope_theta == 123456.0
+    assert FalconDrafter.for_target(target, vocab, 2).cfg.rope_theta == 123456.0
+
+
+def test_rope_base_of_a_gguf_config_and_of_per_layer_type_parameters():
+    from types import SimpleNamespace
+
+    from fastforward.drafters.pieces import rope_theta_of
+
+    assert rope_theta_of(SimpleNamespace(rope_theta=100000.0)) == 100000.0
+    gemma3 = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    assert rope_theta_of(SimpleNamespace(rope_parameters=gemma3)) == 1e6
+    assert rope_theta_of(SimpleNamespace()) == 10000.0

@@ -87,6 +87,17 @@ LAYER_SHAPE = {"hidden_size": int, "intermediate_size": int, "num_attention_head
                "target_hidden_size": int}
 
 
+def rope_theta_of(config) -> float:
+    """The RoPE base of a target config: a GGUF config's ``rope_theta``, or an HF config's, which transformers now keeps
+    in ``rope_parameters`` (per layer type for Gemma 3: the full-attention layers'); 10,000 when neither says."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if isinstance(params, dict):
+        params = params.get("full_attention", params)
+        if isinstance(params, dict) and params.get("rope_theta") is not None:
+            return float(params["rope_theta"])
+    return float(getattr(config, "rope_theta", None) or 10000.0)
+
+
 def target_layer_shape(target) -> dict:
     """The fields of a drafter config that copy the target's decoder-layer shape (``LAYER_SHAPE``)."""
     c = target.config
@@ -94,7 +105,7 @@ def target_layer_shape(target) -> dict:
     return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_attention_heads": heads,
             "num_key_value_heads": c.num_key_value_heads,
             "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads, "rms_norm_eps": float(c.rms_norm_eps),
-            "rope_theta": float(getattr(c, "rope_theta", 10000.0)), "vocab_size": target.vocab_size,
+            "rope_theta": rope_theta_of(c), "vocab_size": target.vocab_size,
             "target_hidden_size": c.hidden_size}
 
 
