@@ -537,16 +537,17 @@ def test_launch_options_per_method():
 
 
 def test_default_method_options_apply_under_a_requests_own(target, folder):
-    """serve --method rest -o datastore=...: requests naming no method decode with rest and the server's options;
-    a request for rest with options of its own keeps the server's datastore under them; the output is AR's."""
+    """serve --method rest -o datastore=... -o nodes=4: requests naming no method decode with rest and the server's
+    options; a request for rest with options of its own keeps the server's under them; the output is AR's. (A fixed
+    tree size: sized by this machine's live cost curve, a tiny model's noisy timings may price every draft out.)"""
     store = str(folder / "store.jsonl")
     app = create_app(target, model_name=MODEL, max_batch_tokens=64, default_method="rest",
-                     default_options={"datastore": store})
+                     default_options={"datastore": store, "nodes": 4})
     ref = ff.generate(target, MESSAGES, "ar", max_new_tokens=16)
     with BackgroundServer(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         card = client.models.list().data[0].model_extra["fastforward"]
-        assert card["default_method"] == "rest" and card["default_options"] == {"datastore": "<a server path>"}
+        assert card["default_method"] == "rest" and card["default_options"] == {"datastore": "<a server path>", "nodes": 4}
         for extra in ({"fastforward": {"token_ids": True}},
                       {"fastforward": {"method": "rest", "options": {"max_depth": 3}, "token_ids": True}}):
             r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
