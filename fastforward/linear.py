@@ -198,6 +198,9 @@ class PackedLinear:
                 p.kernel_fmt != first.kernel_fmt or p.in_features != first.in_features or p.data is None or p.padded
                 for p in parts):
             return None
+        if first.fmt in getattr(first.native, "q8_panel_pairs", ()) and first.kernel_fmt != first.fmt and any(
+                p.data.shape[0] % 16 for p in parts[:-1]):
+            return None  # panels laid out in pairs: a part with an odd panel count would split a pair
         return PackedLinear(torch.cat([p.data for p in parts]), first.fmt, first.in_features, native=first.native,
                             kernel_layout=True, kernel_fmt=first.kernel_fmt, arithmetic=first.arithmetic)
 

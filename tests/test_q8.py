@@ -81,6 +81,24 @@ def test_panels_hold_the_files_bytes_and_rows_decode_exactly(fmt):
     assert torch.equal(lin.rows(ids), dequantize(data, fmt, width(fmt))[ids])
 
 
+@needs_native
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("panels", [(3, 2, 5), (2, 4, 1), (6, 1)], ids=lambda p: "+".join(map(str, p)))
+def test_a_concatenation_of_weights_is_their_outputs_side_by_side(fmt, panels):
+    """q|k|v and gate|up run as one weight: its outputs are the parts' in order, bit for bit, whatever the parts'
+    panel counts (where panels are laid out in pairs, a part with an odd count is not fused: None)."""
+    parts = [q8_linear(fmt, n_out=8 * n, seed=i)[1] for i, n in enumerate(panels)]
+    fused = PackedLinear.concat(parts)
+    x = torch.randn(11, width(fmt))
+    side_by_side = torch.cat([p(x) for p in parts], dim=1)
+    if fused is None:
+        assert fmt in getattr(native, "q8_panel_pairs", ()) and any(n % 2 for n in panels[:-1])
+    else:
+        assert all(torch.equal(fused(x[:m]), side_by_side[:m]) for m in (1, 2, 5, 8, 9, 11))
+        assert torch.equal(fused.rows(torch.tensor([0, 8 * panels[0], fused.out_features - 1])),
+                           torch.cat([p.dense() for p in parts])[[0, 8 * panels[0], fused.out_features - 1]])
+
+
 def special_rows(k: int) -> torch.Tensor:
     """Activation rows that test the quantisers' corners: zeros, exact halves after scaling (ties), a negative
     largest magnitude, equal magnitudes of both signs (the first decides Q8_K's sign), tiny and huge values."""
