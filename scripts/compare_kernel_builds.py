@@ -77,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(m) for m in args.m.split(",")]
     if not rows or min(rows) < 1 or max(rows) > 4096:
         parser.error("--m: rows per call in [1, 4096]")
+    specs = {}
+    for spec in args.build:
+        name, _, rest = spec.partition("=")
+        source, _, extra = rest.partition(":")
+        if not name.isidentifier() or name in specs or (source and not (Path(source) / "q8_gemm.cpp").is_file()):
+            parser.error(f"--build {spec}: NAME=SOURCE_DIR[:EXTRA_FLAGS], a new name and a folder of kernel sources")
+        specs[name] = (source, extra)
     torch.set_num_threads(args.threads)
 
     import fastforward as ff
@@ -86,13 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if not linears:
         parser.error(f"{args.model} has no packed weights on the native kernels")
     root = Path(tempfile.mkdtemp(prefix="ff-kernel-builds-"))
-    builds = {}
-    for spec in args.build:
-        name, _, rest = spec.partition("=")
-        source, _, extra = rest.partition(":")
-        if not name or (source and not Path(source).is_dir()):
-            parser.error(f"--build {spec}: NAME=SOURCE_DIR[:EXTRA_FLAGS] with an existing directory")
-        builds[name] = build(name, source, extra, root)
+    builds = {name: build(name, source, extra, root) for name, (source, extra) in specs.items()}
     print(f"{args.model}: {len(linears)} packed weights, {sum(lin.nbytes for lin in linears) / 1e6:.1f} MB; "
           f"{args.threads} threads")
     xs = {m: [torch.randn(m, lin.in_features) for lin in linears] for m in rows}
