@@ -215,14 +215,17 @@ def linear_from_tensor(t: GGUFTensor, *, native, permute_heads: int | None = Non
     return DenseLinear(dense, native=native)
 
 
-#: rows of a weight read and packed for the integer kernel at a time (a multiple of its 8-row panels): a large
-#: weight (an embedding of 150 K rows) is never held in the file's layout and the kernel's at once while loading
+#: rows of a weight read and packed for the integer kernel at a time (a multiple of 16: its 8-row panels, in pairs on
+#: AVX-512 VNNI): a large weight (an embedding of 150 K rows) is never held in the file's layout and the kernel's at
+#: once while loading
 Q8_PACK_ROWS = 4096
 
 
 def _q8_packed_in_slices(t: GGUFTensor, native, in_features: int) -> torch.Tensor:
     """``native.q8_pack`` of the whole tensor, read and packed :data:`Q8_PACK_ROWS` rows at a time into one buffer
-    (the panels of 8 rows are independent, so the slices' packings laid end to end are the whole's)."""
+    (the panels of 8 rows, and their pairs, are independent, so the slices' packings laid end to end are the
+    whole's)."""
+    assert Q8_PACK_ROWS % 16 == 0, "slices must keep the kernel's pairs of panels whole"
     rows = t.shape[0]
     out = None
     for start in range(0, rows, Q8_PACK_ROWS):
