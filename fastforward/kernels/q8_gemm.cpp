@@ -898,7 +898,7 @@ void tile2(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t l
   }
   for (int64_t b = 0; b < a.nb; ++b) {
     FF_MCA_BEGIN();
-const uint8_t* P0 = panel + b * 2 * L.panel_bytes;  // the pair's block b: the first panel's, then the second's
+    const uint8_t* P0 = panel + b * 2 * L.panel_bytes;  // the pair's block b: the first panel's, then the second's
     const uint8_t* P1 = P0 + L.panel_bytes;
     prefetch_block<2 * L.panel_bytes>(P0);
     const __m512 dw = zhalfs16(P0, P1);
