@@ -25,26 +25,14 @@ import torch
 
 
 def packed_linears(target) -> list:
-    """Every packed weight the target's forward multiplies (each once)."""
+    """Every packed weight on the native kernels that the target's forward multiplies (each once)."""
     from fastforward.linear import PackedLinear
 
-    seen, found = set(), []
-
-    def walk(obj, depth=0):
-        if id(obj) in seen or depth > 6:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, PackedLinear):
-            found.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            for x in obj:
-                walk(x, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor):
-            for x in vars(obj).values():
-                walk(x, depth + 1)
-
-    walk(target)
-    return [lin for lin in found if lin.data is not None and lin.native is not None]
+    weights = getattr(target.backend, "matmul_weights", None)
+    if weights is None:  # not the lean forward (an HF model): nothing of ours to time
+        return []
+    return [lin for lin in weights() if isinstance(lin, PackedLinear) and lin.data is not None
+            and lin.native is not None]
 
 
 def build(name: str, source: str, extra: str, root: Path):

@@ -516,6 +516,15 @@ class LeanLlama:
         return [self.embed, self.head] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up,
                                                                            layer.down)]
 
+    def matmul_weights(self) -> list:
+        """The weights one forward multiplies, each once: every layer's qkv, o, gate|up and down, then the head
+        (the embedding only where it is the head: a lookup is no product); a stacked weight as its parts."""
+        found = {}
+        for lin in [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.head]:
+            for part in getattr(lin, "parts", [lin]):
+                found[id(part)] = part
+        return list(found.values())
+
     @property
     def skinny(self):
         """The fp32 skinny-GEMM kernel the dense weights use, or None."""
