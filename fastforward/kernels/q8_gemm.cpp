@@ -54,7 +54,8 @@ void ff_decode_gguf_rows(const uint8_t* rows, int64_t n_rows, int64_t row_bytes,
 #define FF_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
 #endif
 
-// AVX-512 VNNI builds multiply two panels at once in 512-bit registers (tile2), from weights laid out in pairs.
+// AVX-512 VNNI builds multiply two panels at once in 512-bit registers (tile2), from weights laid out in pairs
+// (-DFF_Q8_NO_ZMM builds without them, to measure one against the other: scripts/compare_kernel_builds.py).
 #if defined(FF_VNNI_512) && !defined(FF_ISA_EMULATED) && !defined(FF_Q8_NO_ZMM)
 #define FF_Q8_ZMM 1
 #endif
