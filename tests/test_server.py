@@ -395,7 +395,14 @@ def metric(url, name):
     return None
 
 
-def test_queue_full_429_and_disconnect_cancels(target):
+def test_queue_full_429_and_disconnect_cancels(target, monkeypatch):
+    forward_many = target.forward_many
+
+    def slow_forward_many(*args, **kwargs):  # ~5 s for the first request's 480 tokens: still decoding when the
+        time.sleep(0.01)                     # third request arrives (unslowed, a fast CPU finished it before)
+        return forward_many(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward_many", slow_forward_many)
     app = create_app(target, model_name=MODEL, max_batch_tokens=64, max_running=1, max_waiting=1,
                      limits=Limits(max_tokens=1000))
     with BackgroundServer(app) as url:
