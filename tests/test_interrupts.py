@@ -3,12 +3,19 @@ exception raised inside some native calls would be turned into an unrelated erro
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
 
 from fastforward.interrupts import Terminated, deferred_stops, on_sigterm, raise_if_stopped
+
+
+def signal_self(signum: int) -> None:
+    """Send ``signum`` to this thread and run its Python handler before returning: ``signal.raise_signal`` delivers it
+    to the calling thread and checks for handlers at once. (``os.kill`` to the process may land on another thread --
+    torch's, OpenMP's or a test server's, once earlier tests started them -- and the main thread's handler then runs
+    at some later line.)"""
+    signal.raise_signal(signum)
 
 
 @pytest.fixture
@@ -22,7 +29,7 @@ def test_a_first_sigterm_waits_for_the_safe_point(sigterm_routed):
     reached = []
     with pytest.raises(Terminated):
         with deferred_stops():
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal_self(signal.SIGTERM)
             reached.append("rest of the step")
             raise_if_stopped()
             reached.append("next step")
@@ -33,8 +40,8 @@ def test_a_second_signal_stops_at_once(sigterm_routed):
     reached = []
     with pytest.raises(KeyboardInterrupt):
         with deferred_stops():
-            os.kill(os.getpid(), signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGINT)
+            signal_self(signal.SIGTERM)
+            signal_self(signal.SIGINT)
             reached.append("after the second")
     assert reached == []
 
@@ -43,16 +50,16 @@ def test_a_stop_after_the_last_safe_point_is_raised_on_leaving(sigterm_routed):
     with pytest.raises(Terminated):
         with deferred_stops():
             raise_if_stopped()
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal_self(signal.SIGTERM)
     raise_if_stopped()  # nothing left pending
 
 
 def test_ctrl_c_is_deferred_too_and_handlers_are_restored(sigterm_routed):
     with pytest.raises(KeyboardInterrupt):
         with deferred_stops():
-            os.kill(os.getpid(), signal.SIGINT)
+            signal_self(signal.SIGINT)
             raise_if_stopped()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with pytest.raises(Terminated):  # outside the block a signal raises where it lands, as before
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal_self(signal.SIGTERM)
         raise AssertionError("not reached")
