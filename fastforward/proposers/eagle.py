@@ -118,8 +118,6 @@ class EagleProposer(FeatureDrafterProposer):
         self.last_h = self.runner.commit(self.runner.fuse(taps), tokens, positions)[-1:]
 
     def propose(self, state: DecodeState) -> Proposal | None:
-        run, k = self.runner, self.topk
-        root_pos = state.root_position
         curve_ms = self._curve_ms()
         depth = self.depth if state.max_draft_depth is None else min(self.depth, state.max_draft_depth)
         # no deeper than the tree can reach: a chain of n - 1 drafts under the root at most
@@ -132,6 +130,14 @@ class EagleProposer(FeatureDrafterProposer):
         self.back_off.looking()
         if self.drafts_with_probabilities:
             return self._sampled_chain_proposal(state, depth)
+        return self._tree_proposal(*self.expand(state, depth, curve_ms), state)
+
+    def expand(self, state: DecodeState, depth: int, curve_ms) -> tuple[list[torch.Tensor], ...]:
+        """Step 1 of the module docstring (the accepted rows committed first): the candidates of every depth up to
+        ``depth`` as lists per depth of draft ids, log path scores, global parent indices (-1: the root) and depths
+        (``curve_ms``: t(1..) for the priced calls, or None)."""
+        run, k = self.runner, self.topk
+        root_pos = state.root_position
         self._catch_up()
         lp = run.log_probs(self.last_h)[0]  # [draft_vocab]
         top = lp.topk(k)
@@ -187,7 +193,7 @@ class EagleProposer(FeatureDrafterProposer):
             cand_parent.append(glob.repeat_interleave(k))
             cand_depth.append(torch.full((r * k,), d, dtype=torch.long))
             src_h = h.repeat_interleave(k, dim=0)
-        return self._tree_proposal(cand_tok, cand_score, cand_parent, cand_depth, state)
+        return cand_tok, cand_score, cand_parent, cand_depth
 
     def _tree_proposal(self, cand_tok: list[torch.Tensor], cand_score: list[torch.Tensor],
                        cand_parent: list[torch.Tensor], cand_depth: list[torch.Tensor],
