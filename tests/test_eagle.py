@@ -338,16 +338,20 @@ def test_a_chain_proposes_what_the_rerank_would(target, drafter_dir, pin_costs, 
 
 
 @pytest.mark.parametrize("cfg_args", [(1.0, 0, 1.0), (0.7, 4, 0.9)])
-def test_a_sampled_chain_matches_the_target_distribution_and_repeats_with_its_seed(tmp_path, cfg_args):
+def test_a_sampled_chain_matches_the_target_distribution_and_repeats_with_its_seed(tmp_path, cfg_args, pin_costs):
     """topk=1 at T > 0: drafts sampled from the drafter (a draft vocabulary of 6 of the 8 tokens), verified by
     rejection with its probabilities. chi-square of 3-token continuations against the exact joint distribution;
     the tokens outside the draft vocabulary still come out; the same seed gives the same tokens; drafts carry
-    probabilities (so a shared forward never cuts them)."""
+    probabilities (so a shared forward never cuts them). The chain's length follows the cost curve: pinned to one
+    where a draft token costs a tenth of a step (the machine's own curve, measured under load, may price every
+    draft out)."""
+    from fastforward.costs import CostCurve
     from fastforward.proposers import make_proposer
     from fastforward.testing import chi2_critical, exact_joint, pooled_chi2
     from fastforward.verify import SamplingConfig
 
     target = tiny_target(vocab_size=8, init_std=0.15, seed=1, layers=4)
+    pin_costs(target, CostCurve({1: 10.0, 64: 73.0}))
     drafter = Eagle3Drafter.for_target(target, DraftVocab.from_target_ids([0, 1, 2, 4, 5, 7], 8), seed=2)
     with torch.no_grad():  # a drafter with opinions (a fresh one's distributions are nearly flat), often wrong
         for p in drafter.parameters():

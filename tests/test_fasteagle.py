@@ -268,14 +268,18 @@ def test_native_layer_ops_give_the_torch_rows(target, cascade):
         assert torch.allclose(x, y, atol=1e-4, rtol=1e-4)
 
 
-def test_a_sampled_chain_matches_the_target_distribution_and_repeats_with_its_seed(tmp_path):
+def test_a_sampled_chain_matches_the_target_distribution_and_repeats_with_its_seed(tmp_path, pin_costs):
     """topk=1 at T = 1: depth i sampled from cascade layer i's distribution (a draft vocabulary of 6 of the 8
     tokens), verified by rejection with those probabilities. chi-square of 3-token continuations against the exact
-    joint distribution; the same seed gives the same tokens."""
+    joint distribution; the same seed gives the same tokens. The chain's length follows the cost curve: pinned to
+    one where a draft token costs a tenth of a step (the machine's own, measured under load, may price every draft
+    out)."""
+    from fastforward.costs import CostCurve
     from fastforward.testing import chi2_critical, exact_joint, pooled_chi2
     from fastforward.verify import SamplingConfig
 
     target = tiny_target(vocab_size=8, init_std=0.4, seed=1, layers=4)  # its head rows, the drafter's: sharp
+    pin_costs(target, CostCurve({1: 10.0, 64: 73.0}))
     drafter = FastEagleDrafter.for_target(target, DraftVocab.from_target_ids([0, 1, 2, 4, 5, 7], 8), 3, True, seed=2)
     with torch.no_grad():  # a drafter with opinions, often wrong
         for p in drafter.parameters():

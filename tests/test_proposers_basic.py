@@ -190,9 +190,14 @@ def test_greedy_equals_ar_with_eos_and_hf_backend(method, tiny_hf):
     ("pld", {}),
     ("lookahead", {}),
 ])
-def test_default_and_paper_options_equal_ar_on_cycling_model(method, options):
-    """On a model whose AR output cycles, the retrieval methods must accept drafts (tau > 1) and stay exact."""
+def test_default_and_paper_options_equal_ar_on_cycling_model(method, options, pin_costs):
+    """On a model whose AR output cycles, the retrieval methods must accept drafts (tau > 1) and stay exact. Their
+    default sizes follow the cost curve: pinned to one where a draft token costs a tenth of a step (the machine's
+    own, measured under load, may price the drafts out)."""
+    from fastforward.costs import CostCurve
+
     target = cycle_model(5)
+    pin_costs(target, CostCurve({1: 10.0, 64: 73.0}))
     prompt = [3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
     want = ar_tokens(target, prompt, 60)
     assert want[:6] == [3, 4, 5, 1, 2, 3]

@@ -36,7 +36,12 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(folder):
+    from fastforward.costs import CostCurve, CostModel, set_cost_model
+
     target = ff.load(str(folder))
+    # methods that size drafts by the cost curve draft here whatever this machine's curve (measured under load, it
+    # may price every draft of a tiny model out): a draft token a tenth of a step
+    set_cost_model(target, CostModel(CostCurve({1: 10.0, 64: 73.0}), learn=False))
     # rest's datastore: the model's own answer to the test conversation (so its drafts are tried and accepted)
     answer = ff.generate(target, MESSAGES, "ar", max_new_tokens=24).token_ids
     (folder / "store.jsonl").write_text(json.dumps({"response_ids": answer}) + "\n")
