@@ -8,7 +8,7 @@ its own layer and the layers below it, never one above):
                  fastforward.evaluate
     benchmarks   fastforward.bench
     face         fastforward (the package face: fastforward/__init__.py)
-    service      api, request, server, testing, tree_builder
+    service      api, request, server, testing, tree_builder, machine_facts
     methods      proposers, pasta (PASTA's language, layout, interpreter and metrics)
     engine       engine, costs, draft_budget, tree, verify, validation
     drafters     drafters (the drafter modules and their folder formats; their training is fastforward.train)
@@ -57,7 +57,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("benchmarks", ("fastforward.bench",)),
     ("face", (FACE,)),
     ("service", ("fastforward.api", "fastforward.request", "fastforward.server", "fastforward.testing",
-                 "fastforward.tree_builder")),
+                 "fastforward.tree_builder", "fastforward.machine_facts")),
     ("methods", ("fastforward.proposers", "fastforward.pasta")),
     ("engine", ("fastforward.engine", "fastforward.costs", "fastforward.draft_budget", "fastforward.tree",
                 "fastforward.verify", "fastforward.validation")),

@@ -132,7 +132,20 @@ class ServerState:
                 "fastforward": {"default_method": self.default_method,
                                 "default_options": _public(self.default_options),
                                 "launch_options": _public({m: o for m, o in self.launch_options.items() if o}),
-                                "max_batch_tokens": self.max_batch_tokens, "methods": methods}}
+                                "max_batch_tokens": self.max_batch_tokens, "methods": methods,
+                                "machine": self.machine_facts()}}
+
+    def machine_facts(self) -> dict:
+        """What this machine gets with the served model (:func:`fastforward.machine_facts.facts`, as ``fastforward
+        info`` shows it, without cache folders or server paths; llama.cpp is never imported here), read at most
+        once a minute."""
+        from ..machine_facts import facts
+
+        now = time.monotonic()
+        cached = getattr(self, "_machine_facts", None)
+        if cached is None or now - cached[0] > 60:
+            cached = self._machine_facts = (now, _public(facts(self.target, import_llama_cpp=False, folders=False)))
+        return cached[1]
 
 
 def _server(request: Request) -> ServerState:
