@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import machine_facts
 from ..errors import FastForwardError, UsageError
+from ..machine_facts import LLAMACPP_INSTALL, llama_cpp_amx_problem, llama_cpp_version
 from ..model import resolve_model
 from .spec import MethodSpec, TurnOutcome
-
-#: how to get llama-cpp-python (the ``llamacpp`` extra of pyproject.toml)
-LLAMACPP_INSTALL = "pip install -e '.[llamacpp]' (builds llama.cpp from source, ~8 min)"
 
 
 @dataclass(frozen=True)
@@ -79,16 +78,21 @@ def llama_cpp_system_info() -> str | None:
     for and found -- AVX2, AVX512, AMX_INT8, OPENMP ... -- and its backends), or None when llama-cpp-python is not
     imported (it is never imported here just to ask). Recorded with every llama.cpp number: its speed depends on
     which of its kernels this build has."""
-    llama_cpp = sys.modules.get("llama_cpp")
-    if llama_cpp is None or not hasattr(llama_cpp, "llama_print_system_info"):
-        return None
-    try:
-        info = llama_cpp.llama_print_system_info()
-    except Exception:  # a broken build: the numbers are recorded without it
-        return None
-    if isinstance(info, bytes):
-        info = info.decode("utf-8", errors="replace")
-    return " ".join(str(info).split()) or None
+    return machine_facts.llama_cpp_system_info(import_it=False)
+
+
+_warned_amx = False
+
+
+def warn_if_llama_cpp_dies_here() -> None:
+    """Before llama.cpp loads a model: when its build is the one that dies on this CPU (its AMX backend on a CPU with
+    AMX, :func:`fastforward.machine_facts.llama_cpp_amx_problem`, the line ``fastforward info`` shows too), say so
+    once on stderr -- the last line before the run stops there, with the command that rebuilds it."""
+    global _warned_amx
+    problem = llama_cpp_amx_problem(llama_cpp_system_info(), version=llama_cpp_version())
+    if problem and not _warned_amx:
+        _warned_amx = True
+        print(f"fastforward: {problem}", file=sys.stderr, flush=True)
 
 
 def gguf_path(model_name: str):
@@ -233,6 +237,7 @@ class LlamaCppRunner:
             kw.update(logits_all=True, draft_model=LlamaPromptLookupDecoding(
                 max_ngram_size=int(self.options["max_ngram_size"]),
                 num_pred_tokens=int(self.options["num_pred_tokens"])))
+        warn_if_llama_cpp_dies_here()
         llm = Llama(**kw)
         evaluate = llm.eval
 
@@ -299,6 +304,7 @@ def llama_cpp_forward_costs(gguf, qs, kv: int = 300, repeats: int = 7, threads: 
     from llama_cpp import Llama
 
     threads = threads or torch.get_num_threads()
+    warn_if_llama_cpp_dies_here()
     llm = Llama(model_path=str(gguf), n_ctx=kv + max(qs) + 16, n_batch=max(512, max(qs)), n_threads=threads,
                 n_threads_batch=threads, verbose=False, logits_all=False)
     g = torch.Generator().manual_seed(0)

@@ -24,6 +24,7 @@ from ..version import __version__
 COMMANDS = {
     "generate": ("fastforward.cli.generate", "generate text from a prompt with a decoding method"),
     "methods": ("fastforward.cli.generate", "list the decoding methods and their options"),
+    "info": ("fastforward.cli.info", "what this machine gets: CPU features, kernels, cost curve, caches, llama.cpp"),
     "profile": ("fastforward.cli.profile", "measure the target forward's cost per number of new tokens"),
     "bench": ("fastforward.cli.bench", "benchmark methods side by side on question files"),
     "train": ("fastforward.cli.train", "fine-tune a model for faster parallel decoding (train msn ...)"),
