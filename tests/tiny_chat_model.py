@@ -42,13 +42,14 @@ def _chat_vocab(writer, vocab_size: int) -> None:
     writer.add_chat_template(testing.TINY_CHAT_TEMPLATE)
 
 
-def write_tiny_chat_gguf(path, *, seed: int = 0, layers: int = 4, max_positions: int = 1024):
-    """Write the tiny chat model (see the module docstring) to ``path``; returns the path."""
+def write_tiny_chat_gguf(path, *, seed: int = 0, layers: int = 4, max_positions: int = 1024, eos: bool = True):
+    """Write the tiny chat model (see the module docstring) to ``path``; returns the path. ``eos=False``: its head
+    never chooses EOS (every answer runs to its token budget)."""
     model = testing.tiny_llama_hf(vocab_size=260, layers=layers, max_positions=max_positions, seed=seed,
                                   dtype=torch.float32)
     with torch.no_grad():
         keep = torch.zeros(260, dtype=torch.bool)
-        keep[ALLOWED] = True
+        keep[ALLOWED if eos else ALLOWED[:-1]] = True
         model.lm_head.weight[~keep] = 0.0
     with mock.patch.object(testing, "_add_byte_vocab", _chat_vocab):
         testing.write_hf_gguf(model, path, linear_type="Q8_0")

@@ -23,6 +23,7 @@ from ..version import __version__
 # name -> (module, one-line help)
 COMMANDS = {
     "generate": ("fastforward.cli.generate", "generate text from a prompt with a decoding method"),
+    "chat": ("fastforward.cli.chat", "talk with a model in the terminal: multi-turn, streaming, slash commands"),
     "methods": ("fastforward.cli.generate", "list the decoding methods and their options"),
     "info": ("fastforward.cli.info", "what this machine gets: CPU features, kernels, cost curve, caches, llama.cpp"),
     "profile": ("fastforward.cli.profile", "measure the target forward's cost per number of new tokens"),
