@@ -9,6 +9,7 @@ and the benchmarks can say how close t(1) is to the machine's limit.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -39,6 +40,14 @@ class Bandwidth:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def last_level_cache_bytes() -> int | None:

@@ -36,7 +36,7 @@ from . import kernels
 from .costs import LOADED_WAIT_SHARE, MIN_CPU_SHARE, CostCurve, curve_path, plausible_curve
 from .drafters import SHIPPED_DIR, shipped_drafter
 from .linear import DenseLinear, PackedLinear, amx_in_use, packed_kernel_name
-from .machine import last_level_cache_bytes
+from .machine import last_level_cache_bytes, usable_cpus
 from .model import resolve_model
 from .paths import cache_root, costs_dir, data_root, default_cache_root, kernels_dir
 from .version import __version__
@@ -82,14 +82,6 @@ def cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def cpu_facts(flags: set[str] | None = None) -> dict:

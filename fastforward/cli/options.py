@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from ..errors import UsageError
+from ..machine import usable_cpus
 from ..model import DEFAULT_MODEL
 from ..proposers._options import parse_options as _parse_options
 from ..validation import check_max_new_tokens, check_sampling, check_seed
@@ -70,14 +70,6 @@ def int_between(low: int, high: int):
 
 positive_int = _int_at_least(1, "a positive integer")  # argparse ``type=``: an integer >= 1
 nonnegative_int = _int_at_least(0, "an integer >= 0")  # argparse ``type=``: an integer >= 0
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def thread_count(text: str) -> int:
