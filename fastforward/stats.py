@@ -93,3 +93,55 @@ class GenerationStats:
             f"prefill {self.prefill_time:.2f}s, draft {self.draft_time:.2f}s, verify {self.verify_time:.2f}s"
             + (f"; acceptance by depth {alpha}" if alpha else "")
         )
+
+
+# -- draft sources (``auto``: which source drafted, per run) -------------------------------------------------------
+
+#: the counts a draft source reports per run (summed over runs by :func:`pool_draft_sources`)
+SOURCE_COUNTS = ("asked", "drafted_steps", "accepted_tokens", "ms")
+
+
+def draft_source_rates(counts: dict, steps: int) -> dict:
+    """One source's counts (``asked``: steps it was asked; ``drafted_steps``: steps its nodes were verified;
+    ``accepted_tokens``; ``ms``: its drafting time; ``attempts_by_depth`` / ``accepts_by_depth``) over ``steps``
+    decoding steps, with what they give: the share of steps it drafted, its tau (tokens per step it drafted, the bonus
+    token included), its acceptance by depth and its drafting ms per step."""
+    drafted = counts["drafted_steps"]
+    return {**counts,
+            "share_of_steps": drafted / steps if steps else 0.0,
+            "tau": (counts["accepted_tokens"] + drafted) / drafted if drafted else 0.0,
+            "acceptance_by_depth": acceptance_by_depth(counts["accepts_by_depth"], counts["attempts_by_depth"]),
+            "ms_per_step": counts["ms"] / steps if steps else 0.0}
+
+
+def pool_draft_sources(method_stats: Iterable[dict]) -> dict | None:
+    """The draft sources of several runs pooled: ``{"steps": n, "sources": {name: rates}}`` (see
+    :func:`draft_source_rates`), or None when no run reports sources."""
+    steps, counts = 0, {}
+    for st in method_stats:
+        if not st or "sources" not in st:
+            continue
+        steps += st["steps"]
+        for name, c in st["sources"].items():
+            acc = counts.setdefault(name, {k: 0 for k in SOURCE_COUNTS} | {"attempts_by_depth": [],
+                                                                          "accepts_by_depth": []})
+            for k in SOURCE_COUNTS:
+                acc[k] += c[k]
+            acc["attempts_by_depth"] = sum_lists([acc["attempts_by_depth"], c["attempts_by_depth"]])
+            acc["accepts_by_depth"] = sum_lists([acc["accepts_by_depth"], c["accepts_by_depth"]])
+            if c.get("failed"):
+                acc["failed"] = c["failed"]
+    if not counts:
+        return None
+    return {"steps": steps, "sources": {name: draft_source_rates(c, steps) for name, c in counts.items()}}
+
+
+def draft_source_lines(pooled: dict) -> list[str]:
+    """A few lines, one per source, of what :func:`pool_draft_sources` gives (``--stats``)."""
+    out = []
+    for name, s in pooled["sources"].items():
+        depths = " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"][:4]) or "-"
+        out.append(f"  {name:9s} drafted {s['share_of_steps']:6.1%} of {pooled['steps']} steps, tau {s['tau']:.2f}, "
+                   f"acceptance by depth {depths}, {s['ms_per_step']:.2f} ms a step"
+                   + (f" (failed: {s['failed']})" if s.get("failed") else ""))
+    return out

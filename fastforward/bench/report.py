@@ -31,7 +31,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from ..stats import geomean
+from ..stats import geomean, pool_draft_sources
 from .plots import write_plots
 from .results import write_atomic
 from .spec import BASELINE, OVERALL
@@ -114,6 +114,7 @@ def _per_question(rows: list[dict]) -> dict[tuple[str, str], dict]:
             "mismatch": any(c is False for c in checked),
             "near_tie": bool(divs) and all(d.get("near_tie") for d in divs),
             "jacobi": _jacobi_counts(rs),
+            "sources": [t.get("method_stats") for r in rs for t in (r.get("turns") or [])],
             "ttft": _ttft(rs),
             "agreement": [r["agreement"] for r in rs if r.get("agreement")],
         }
@@ -194,6 +195,9 @@ def _stats(label: str, qids: list[str], pq: dict, ref_label: str | None = BASELI
             "identical_turns": sum(a["identical_turns"] for rs in agreed for a in rs),
             "turns": sum(a["turns"] for rs in agreed for a in rs),
         }
+    sources = pool_draft_sources(st for m in mine for st in m.get("sources") or [])
+    if sources:  # auto: which source drafted, pooled over the questions
+        res["draft_sources"] = sources
     if jac:
         it, fixed, stat, blocks = (sum(j[i] for j in jac) for i in range(4))
         res["jacobi"] = {"iterations": it, "fast_forward_per_iteration": fixed / it if it else None,
@@ -620,6 +624,32 @@ def _md_acceptance(methods: dict) -> list[str]:
     return out
 
 
+def _md_draft_sources(methods: dict, cats: list[str]) -> list[str]:
+    """Per method that reports draft sources (``auto``): each source's share of the decoding steps it drafted, its
+    tau on those steps, its acceptance by depth and its drafting ms per step, overall and per category."""
+    out = []
+    for label, m in methods.items():
+        pooled = m.get("draft_sources")
+        if not pooled:
+            continue
+        out += ["", f"## Draft sources of `{label}`", "",
+                "Share of decoding steps a source's nodes were verified in, its tau on those steps (tokens per step, "
+                "the bonus included), acceptance by depth of its nodes, and its drafting ms per step (every step "
+                "it was asked).", ""]
+        rows = []
+        for scope in ["overall", *cats]:
+            part = m if scope == "overall" else m["categories"].get(scope, {})
+            p = part.get("draft_sources")
+            if not p:
+                continue
+            for name, s in p["sources"].items():
+                rows.append([scope, name, _pct(s["share_of_steps"]), _f(s["tau"]),
+                             " / ".join(_f(a) for a in s["acceptance_by_depth"][:3]) or "–", _f(s["ms_per_step"])])
+        out.append(_table(["scope", "source", "share of steps", "tau", "acceptance d=1/2/3", "ms / step"], rows,
+                          left=2))
+    return out
+
+
 def _md_losslessness(summary: dict, methods: dict) -> list[str]:
     """The losslessness verdict: not checked, every output identical, or the first 50 mismatches."""
     out = ["", "## Losslessness", ""]
@@ -685,6 +715,7 @@ def render_markdown(summary: dict, plots: list[str]) -> str:
     out += _md_repeats(methods, summary.get("parameters", {}))
     out += _md_jacobi(methods, cats)
     out += _md_acceptance(methods)
+    out += _md_draft_sources(methods, cats)
     out += _md_losslessness(summary, methods)
     out += _md_errors(summary)
     if plots:

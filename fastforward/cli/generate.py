@@ -13,6 +13,7 @@ import fastforward as ff
 from ..errors import UsageError
 from ..model import DEFAULT_MODEL, DEFAULT_PASTA_MODEL
 from ..proposers import available_methods
+from ..stats import draft_source_lines, pool_draft_sources
 from .options import (
     add_batch_arguments,
     add_method_option_argument,
@@ -135,6 +136,9 @@ def run(args, name: str) -> int:
               f"{', ' + target.backend.matmul_kernel if target.backend_name == 'lean' else ''})", file=sys.stderr)
         for result in results:
             print(result.stats.summary(), file=sys.stderr)
+            sources = pool_draft_sources([result.stats.method_stats])
+            if sources:  # auto: which source drafted
+                print("\n".join(draft_source_lines(sources)), file=sys.stderr)
     return 0
 
 

@@ -52,7 +52,7 @@ class MethodInfo:
 METHODS: dict[str, MethodInfo] = {}
 # Modules that register methods when imported; a later issue adds its file here.
 _METHOD_MODULES = ["ar", "jacobi", "pld", "rest", "lookahead", "tr_jacobi", "eagle", "sps", "fasteagle", "falcon",
-                   "pasta"]
+                   "pasta", "auto"]
 
 
 def register(name: str, summary: str, *, lossless: bool = True, source: str = "", options: tuple[Option, ...] = (),

@@ -1,0 +1,519 @@
+"""auto: every step, the draft that buys the most tokens per millisecond -- from the context, the datastore, the
+trained drafter, or none.
+
+Each method alone wins only where its source has something to say: prompt lookup where the answer copies the
+context, REST where it repeats earlier answers, a trained drafter where the text is predictable but new, and no draft
+where nothing is (a CPU pays for every row of a forward). ``auto`` asks every source the model has and verifies,
+each step, the tree that maximises expected tokens per millisecond on this machine's live cost model:
+
+* **Sources.** ``context``: the continuation of the latest earlier occurrence of the context's last n-gram (as
+  ``pld``); ``datastore``: the trie of continuations of the context's longest suffix in a token store (as ``rest``: a
+  make-data folder of the target's own answers, a JSONL of texts, or -- with ``learn`` -- the answers this process
+  has given); ``drafter``: the trained EAGLE-3 drafter shipped (or given) for the model, its top-k tree over the
+  target's own features (as ``eagle``).
+* **Calibrated chances.** Each candidate node gets the chance that it lies on the target's path, from a table per
+  source learned online (:class:`~fastforward.proposers.rest.ScoreCalibration`: by the source's key -- the n-gram
+  length, the datastore match length -- the node's depth and its raw value -- the datastore share, the drafter's
+  path probability; with a prior at the raw value itself). After every verification *every* source that made
+  candidates learns from the target's tokens, whichever source drafted: a node at depth d whose parent lay on the
+  target's path is counted as accepted or not as soon as the target's token at depth d is known. Tables are shared
+  by the runs of a target (greedy and sampled runs apart), so a server or a benchmark keeps what it learned.
+* **One tree of all.** The sources' candidates are merged into one trie (a node several sources propose counts
+  once, at its best chance) and ranked; the tree is the top n - 1 under the root, n maximising
+  ``(1 + sum of their chances) / t(n)`` on the live cost curve (:func:`~fastforward.costs.best_draft`, the one
+  pricing of every draft). A draft of nothing is the option n = 1.
+* **The drafter only when it pays.** The lookups cost microseconds; the drafter's pass costs a good part of a step.
+  It is asked only when its expected extra tokens per extra millisecond (an average of what its drafts added over
+  the best tree of the cheap sources, and of what they cost: its pass and the larger forward -- kept apart for steps
+  where the cheap sources had a draft and where they had none) beat the rate the cheap tree already gets; else it
+  is probed after 1, 2, 4, ... up to ``probe`` steps, the interval reset whenever a probe pays. A drafter that was
+  not asked costs nothing that step: the target's features of the accepted rows wait, and go through it in one pass
+  when it is next asked.
+
+Lossless whatever is drafted: the target verifies every token (greedy: its argmax; sampling: keyed draws, so a seeded
+run returns the same samples as ``ar`` -- no source's draft carries draft probabilities).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..costs import best_draft, cost_model
+from ..engine import DecodeState, Proposal, Proposer, StepResult
+from ..paths import made_data_dir
+from ..stats import draft_source_rates
+from . import register
+from ._options import Option, max_nodes_option
+from ._rerank import build_tree, rank
+from .pld import NgramIndex
+from .rest import MATCH_WINDOW, ScoreCalibration, _trie, datastore_for
+
+SOURCES = ("context", "datastore", "drafter")
+CONTEXT, DATASTORE, DRAFTER = range(3)
+MAX_DEPTH = 16
+MAX_CANDIDATES = 1024
+MAX_PROBE = 64
+#: the raw value of a context node: the n-gram length is its key, and each depth its own cell
+CONTEXT_RAW = 0.5
+
+
+@dataclass
+class Candidates:
+    """One source's candidate nodes under the root, parents before children (numpy arrays of one length)."""
+
+    source: int
+    tokens: np.ndarray  # target token ids
+    parents: np.ndarray  # index of the parent in these arrays; -1: the root
+    depths: np.ndarray  # 1 = a child of the root
+    raw: np.ndarray  # the uncalibrated value the source's calibration maps
+    key: int  # the calibration's key (n-gram length, datastore match length; 1 for the drafter)
+    scores: np.ndarray | None = None  # calibrated chance of lying on the target's path, never above the parent's
+
+
+def monotone_down_paths(scores: np.ndarray, parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """``scores`` with no node above its parent (the running minimum down each path), depth by depth."""
+    out = scores.copy()
+    for d in range(2, int(depths.max(initial=0)) + 1):
+        at = np.nonzero(depths == d)[0]
+        out[at] = np.minimum(out[at], out[parents[at]])
+    return out
+
+
+def on_target_path(c: Candidates, target_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which of ``c``'s nodes are known after a verification whose target tokens at depths 1, 2, ... are
+    ``target_tokens`` (the accepted tokens, then the bonus token), and whether each lies on the target's path: a
+    node is known when its parent is known to be off the path, or lies on it and the target's token at the node's
+    depth is known."""
+    m = target_tokens.size
+    known = np.zeros(c.tokens.size, dtype=bool)
+    on = np.zeros(c.tokens.size, dtype=bool)
+    for d in range(1, int(c.depths.max(initial=0)) + 1):
+        at = np.nonzero(c.depths == d)[0]
+        if d == 1:
+            parent_known, parent_on = np.ones(at.size, dtype=bool), np.ones(at.size, dtype=bool)
+        else:
+            parent_known, parent_on = known[c.parents[at]], on[c.parents[at]]
+        if d <= m:
+            hit = c.tokens[at] == target_tokens[d - 1]
+            known[at] = parent_known
+            on[at] = parent_on & hit
+        else:
+            known[at] = parent_known & ~parent_on
+    return known, on
+
+
+@dataclass
+class MergedTree:
+    """The union trie of several sources' candidates: per node its token, parent (-1: the root), depth, best
+    chance, and which sources proposed it (bit i: source i)."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    scores: np.ndarray
+    sources: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.size)
+
+
+def merge(parts: list[Candidates], vocab_size: int) -> MergedTree:
+    """One trie of ``parts`` (each already scored): nodes with the same path are one node, depth by depth."""
+    tokens = np.concatenate([p.tokens for p in parts]).astype(np.int64)
+    depths = np.concatenate([p.depths for p in parts]).astype(np.int64)
+    scores = np.concatenate([p.scores for p in parts])
+    bits = np.concatenate([np.full(p.tokens.size, 1 << p.source, dtype=np.int64) for p in parts])
+    offsets = np.cumsum([0] + [p.tokens.size for p in parts[:-1]])
+    parents = np.concatenate([np.where(p.parents >= 0, p.parents + o, -1) for p, o in zip(parts, offsets,
+                                                                                            strict=True)])
+    merged_of = np.full(tokens.size, -1, dtype=np.int64)
+    out_tokens, out_parents, out_depths, out_scores, out_bits = [], [], [], [], []
+    n = 0
+    for d in range(1, int(depths.max(initial=0)) + 1):
+        at = np.nonzero(depths == d)[0]
+        if at.size == 0:
+            break
+        up = np.where(parents[at] >= 0, merged_of[np.maximum(parents[at], 0)], -1)
+        keys = (up + 1) * vocab_size + tokens[at]
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        merged_of[at] = n + inverse
+        best = np.zeros(uniq.size)
+        np.maximum.at(best, inverse, scores[at])
+        who = np.zeros(uniq.size, dtype=np.int64)
+        np.bitwise_or.at(who, inverse, bits[at])
+        out_tokens.append(uniq % vocab_size)
+        out_parents.append(uniq // vocab_size - 1)
+        out_depths.append(np.full(uniq.size, d, dtype=np.int64))
+        out_scores.append(best)
+        out_bits.append(who)
+        n += uniq.size
+    if not n:
+        empty = np.zeros(0, dtype=np.int64)
+        return MergedTree(empty, empty, empty, np.zeros(0), empty)
+    return MergedTree(np.concatenate(out_tokens), np.concatenate(out_parents), np.concatenate(out_depths),
+                      np.concatenate(out_scores), np.concatenate(out_bits))
+
+
+@dataclass
+class Choice:
+    """A tree chosen from a merged trie: its nodes (indices into the trie, ranked), expected tokens and cost."""
+
+    nodes: np.ndarray
+    expected: float  # 1 + the chosen nodes' chances (the bonus token included)
+    ms: float  # t(n) of its forward
+
+    @property
+    def rate(self) -> float:
+        return self.expected / self.ms
+
+
+def choose(tree: MergedTree, curve_ms: np.ndarray, limit: int) -> Choice:
+    """The top n - 1 nodes of ``tree`` by chance, n (1..limit) maximising expected tokens per millisecond."""
+    if tree.size == 0 or limit <= 1:
+        return Choice(np.zeros(0, dtype=np.int64), 1.0, float(curve_ms[0]))
+    order = rank(tree.scores, tree.depths)
+    limit = min(limit, tree.size + 1)
+    gain = 1.0 + np.concatenate([[0.0], np.cumsum(tree.scores[order[: limit - 1]], dtype=np.float64)])
+    n = best_draft(gain, curve_ms[:limit]) + 1
+    return Choice(order[: n - 1], float(gain[n - 1]), float(curve_ms[n - 1]))
+
+
+def accepted_depth(tree: MergedTree, nodes: np.ndarray, target_tokens: np.ndarray) -> int:
+    """How deep a tree of ``nodes`` (of ``tree``) would have been accepted, as far as ``target_tokens`` tell."""
+    if nodes.size == 0:
+        return 0
+    part = Candidates(-1, tree.tokens, tree.parents, tree.depths, tree.scores, 0)
+    known, on = on_target_path(part, target_tokens)
+    chosen = np.zeros(tree.size, dtype=bool)
+    chosen[nodes] = True
+    hit = on & chosen & known
+    return int(tree.depths[hit].max(initial=0))
+
+
+class DrafterGate:
+    """Whether to ask the drafter this step (see the module docstring): the average extra tokens its drafts added
+    over the cheap sources' tree and the extra milliseconds they cost, apart for steps where the cheap sources had a
+    draft and where they had none; probes after 1, 2, 4, ... ``probe`` steps when the average says no."""
+
+    DECAY = 0.85  # weight of the old average at each drafter step
+
+    def __init__(self, probe: int, prior_gain: float = 0.6, prior_ms: float = 1.0):
+        self.probe = probe
+        self.gain = {False: prior_gain, True: prior_gain}
+        self.cost = {False: prior_ms, True: prior_ms}
+        self.interval = 1
+        self.waited = 0
+        self.asked = self.probes = 0
+
+    def rate(self, cheap_drafts: bool) -> float:
+        return self.gain[cheap_drafts] / max(self.cost[cheap_drafts], 1e-3)
+
+    def ask(self, cheap_drafts: bool, cheap_rate: float) -> bool:
+        self.waited += 1
+        if self.rate(cheap_drafts) > cheap_rate:
+            self.asked += 1
+            return True
+        if self.waited >= self.interval:
+            self.asked += 1
+            self.probes += 1
+            return True
+        return False
+
+    def outcome(self, cheap_drafts: bool, extra_tokens: float, extra_ms: float, cheap_rate: float) -> None:
+        """What asking bought: ``extra_tokens`` accepted beyond the cheap tree's, for ``extra_ms``."""
+        self.waited = 0
+        k = self.DECAY
+        self.gain[cheap_drafts] = k * self.gain[cheap_drafts] + (1 - k) * extra_tokens
+        self.cost[cheap_drafts] = k * self.cost[cheap_drafts] + (1 - k) * max(extra_ms, 1e-3)
+        if extra_tokens >= cheap_rate * extra_ms:
+            self.interval = 1
+        else:
+            self.interval = min(2 * self.interval, self.probe)
+
+
+class SourceStats:
+    """What one source did in a run: steps it was asked, its lookup time, steps its nodes were drafted, tokens
+    accepted from its nodes, and per depth how often its drafted node there was accepted."""
+
+    def __init__(self):
+        self.asked = self.drafted = self.accepted = 0
+        self.ms = 0.0
+        self.failed = ""  # what the source raised, if it did (then it drafted nothing more in the run)
+        self.attempts: list[int] = []
+        self.accepts: list[int] = []
+
+    def count(self, depths_drafted: np.ndarray, accepted_depth: int) -> None:
+        self.drafted += 1
+        deepest = int(depths_drafted.max())
+        if len(self.attempts) < deepest:
+            self.attempts += [0] * (deepest - len(self.attempts))
+            self.accepts += [0] * (deepest - len(self.accepts))
+        for d in np.unique(depths_drafted):
+            self.attempts[d - 1] += 1
+            self.accepts[d - 1] += int(d <= accepted_depth)
+        self.accepted += int(min(accepted_depth, deepest))
+
+    def as_dict(self, steps: int) -> dict:
+        counts = {"asked": self.asked, "drafted_steps": self.drafted, "accepted_tokens": self.accepted,
+                  "ms": round(self.ms, 3), "attempts_by_depth": list(self.attempts),
+                  "accepts_by_depth": list(self.accepts)}
+        rates = draft_source_rates(counts, steps)
+        return {**rates, **({"failed": self.failed} if self.failed else {})}
+
+
+class AutoProposer(Proposer):
+    name = "auto"
+
+    def __init__(self, target, *, drafter=None, store=None, max_depth: int = 8, max_nodes: int = 24,
+                 candidates: int = 64, probe: int = 8, context: bool = True, learn: bool = False):
+        self.drafter = drafter  # an EagleProposer driven for its candidates (or None)
+        self.store = store  # a TokenStore (or None)
+        self.has = (bool(context), store is not None, drafter is not None)  # the sources it was made with
+        self.learns_across_requests = learn
+        self.vocab_size = target.vocab_size
+        self.max_depth, self.max_nodes, self.candidates = max_depth, max_nodes, candidates
+        self.probe = probe
+        self.context = NgramIndex(3, 1) if context else None
+        self.hidden_layers = () if drafter is None else drafter.hidden_layers
+        self.costs = None
+        self.calibrations: dict = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.live = list(self.has)  # the sources this run still asks (one that raised is dropped)
+        self.gate = DrafterGate(self.probe)
+        self.stats_by_source = [SourceStats() for _ in SOURCES]
+        self.steps = self.undrafted = 0
+        self.pending: tuple | None = None
+
+    # -- setup -----------------------------------------------------------------------------------------------------
+    def max_proposal_size(self) -> int:
+        return self.max_nodes
+
+    def prepare(self, target) -> None:
+        self.costs = cost_model(target)
+        if self.drafter is not None:
+            self.drafter.prepare(target)
+
+    def start(self, state: DecodeState, prefill_logits: torch.Tensor, hidden: dict) -> None:
+        self._reset()
+        if self.costs is None:
+            self.prepare(state.target)
+        greedy = state.sampling.greedy
+        self.calibrations = {
+            source: state.target.shared(("auto calibration", name, greedy), ScoreCalibration)
+            for source, name in enumerate(SOURCES)}
+        if self.has[CONTEXT]:
+            self.context.reset()
+            self.context.sync(state.tokens)
+        if self.has[DRAFTER]:
+            try:
+                self.drafter.start(state, prefill_logits, hidden)
+            except Exception as exc:  # noqa: BLE001 -- as in _timed: decode on without it
+                self.stats_by_source[DRAFTER].failed = f"{type(exc).__name__}: {exc}"
+                self._drop(DRAFTER)
+
+    # -- the sources -----------------------------------------------------------------------------------------------
+    def _scored(self, c: Candidates) -> Candidates:
+        c.scores = monotone_down_paths(self.calibrations[c.source](c.raw, c.depths, c.key), c.parents, c.depths)
+        return c
+
+    def _from_context(self, state: DecodeState, depth: int) -> Candidates | None:
+        self.context.sync(state.tokens)
+        chain, n = self.context.match(state.tokens, depth)
+        if n == 0:
+            return None
+        k = chain.numel()
+        return Candidates(CONTEXT, chain.numpy().astype(np.int64), np.arange(-1, k - 1), np.arange(1, k + 1),
+                          np.full(k, CONTEXT_RAW), n)
+
+    def _from_datastore(self, state: DecodeState, depth: int) -> Candidates | None:
+        rows, matched = self.store.continuations(state.tokens[-MATCH_WINDOW:].numpy(), self.candidates, depth)
+        if rows.shape[0] == 0:
+            return None
+        trie = _trie(rows, rows.shape[0])
+        if trie is None:
+            return None
+        tokens, parents, depths, raw = trie[:4]
+        return Candidates(DATASTORE, tokens, parents, depths, raw, matched)
+
+    def _from_drafter(self, state: DecodeState, depth: int) -> Candidates:
+        d = self.drafter
+        tok, score, parent, dep = d.expand(state, depth, d._curve_ms())
+        return Candidates(DRAFTER, d.runner.to_target(torch.cat(tok)).numpy().astype(np.int64),
+                          torch.cat(parent).numpy(), torch.cat(dep).numpy(),
+                          torch.cat(score).double().exp().numpy(), 1)
+
+    def _timed(self, source: int, make, state: DecodeState, depth: int) -> tuple[Candidates | None, float]:
+        """``make``'s scored candidates (None: nothing to draft) and the milliseconds it took. A source that raises
+        drafts nothing from then on in this run (what it raised is in the stats): it never changes the output, as no
+        draft does."""
+        t0 = time.perf_counter()
+        stats = self.stats_by_source[source]
+        try:
+            c = make(state, depth)
+            if c is not None:
+                c = self._scored(c)
+        except Exception as exc:  # noqa: BLE001 -- any source failure: decode on without it
+            stats.failed = f"{type(exc).__name__}: {exc}"
+            self._drop(source)
+            c = None
+        ms = (time.perf_counter() - t0) * 1e3
+        stats.asked += 1
+        stats.ms += ms
+        return c, ms
+
+    def _drop(self, source: int) -> None:
+        self.live[source] = False
+
+    # -- a step ----------------------------------------------------------------------------------------------------
+    def propose(self, state: DecodeState) -> Proposal | None:
+        self.pending = None
+        self.steps += 1
+        depth = min(self.max_depth, state.remaining - 1)
+        if state.max_draft_depth is not None:
+            depth = min(depth, state.max_draft_depth)
+        if depth <= 0:
+            self.undrafted += 1
+            return None
+        curve_ms = self.costs.table(self.max_nodes, numpy=True)
+        limit = min(self.max_nodes, state.remaining + 1)
+        parts = []
+        if self.live[CONTEXT]:
+            c, _ = self._timed(CONTEXT, self._from_context, state, depth)
+            if c is not None:
+                parts.append(c)
+        if self.live[DATASTORE]:
+            c, _ = self._timed(DATASTORE, self._from_datastore, state, depth)
+            if c is not None:
+                parts.append(c)
+        cheap = merge(parts, self.vocab_size) if parts else None
+        cheap_choice = choose(cheap, curve_ms, limit) if cheap is not None else Choice(
+            np.zeros(0, dtype=np.int64), 1.0, float(curve_ms[0]))
+        cheap_drafts = cheap_choice.nodes.size > 0
+        tree, choice, drafter_ms = cheap, cheap_choice, None
+        if self.live[DRAFTER] and self.gate.ask(cheap_drafts, cheap_choice.rate):
+            c, drafter_ms = self._timed(DRAFTER, self._from_drafter, state, depth)
+            if c is not None:
+                parts.append(c)
+                tree = merge(parts, self.vocab_size)
+                choice = choose(tree, curve_ms, limit)
+            else:
+                drafter_ms = None
+        self.pending = (parts, tree, choice, cheap, cheap_choice, cheap_drafts, drafter_ms)
+        if choice.nodes.size == 0:
+            self.undrafted += 1
+            return None
+        return Proposal(build_tree(choice.nodes, tree.tokens, tree.parents, tree.depths, state.root))
+
+    def observe(self, state: DecodeState, step: StepResult) -> None:
+        if self.live[CONTEXT]:
+            self.context.sync(state.tokens)
+        if self.live[DRAFTER]:
+            try:
+                self.drafter.observe(state, step)  # its accepted rows wait for its next pass
+            except Exception as exc:  # noqa: BLE001 -- as in _timed: decode on without it
+                self.stats_by_source[DRAFTER].failed = f"{type(exc).__name__}: {exc}"
+                self._drop(DRAFTER)
+        if self.pending is None:
+            return
+        parts, tree, choice, cheap, cheap_choice, cheap_drafts, drafter_ms = self.pending
+        self.pending = None
+        target_tokens = np.asarray(step.new_tokens, dtype=np.int64)
+        for c in parts:  # every source learns from the target's tokens, whichever drafted
+            known, on = on_target_path(c, target_tokens)
+            if known.any():
+                self.calibrations[c.source].update(c.raw[known], c.depths[known], c.key, on[known])
+        # the tree verified: the chosen nodes in tree order (by depth), as far as the engine kept them (KV room, a
+        # shared forward's cut)
+        nodes = choice.nodes[np.argsort(tree.depths[choice.nodes], kind="stable")][: len(step.proposal.tree) - 1] \
+            if choice.nodes.size else choice.nodes
+        if nodes.size:
+            for source, stats in enumerate(self.stats_by_source):
+                mine = nodes[(tree.sources[nodes] >> source) & 1 == 1]
+                if mine.size:
+                    stats.count(tree.depths[mine], accepted_depth(tree, mine, target_tokens))
+        if drafter_ms is not None:  # what asking the drafter bought over the cheap sources' own tree
+            cheap_accepted = accepted_depth(cheap, cheap_choice.nodes, target_tokens) if cheap is not None else 0
+            extra_ms = drafter_ms + choice.ms - cheap_choice.ms
+            self.gate.outcome(cheap_drafts, step.verdict.accepted - cheap_accepted, extra_ms, cheap_choice.rate)
+
+    def finish(self, state: DecodeState) -> None:
+        if self.learns_across_requests and self.has[DATASTORE]:
+            self.store.learn(state.tokens[state.prompt_length :].tolist())
+
+    def stats(self) -> dict:
+        steps = max(self.steps, 1)
+        return {"sources": {name: s.as_dict(steps)
+                            for name, s, has in zip(SOURCES, self.stats_by_source, self.has, strict=True) if has},
+                "steps": self.steps, "steps_without_a_draft": self.undrafted,
+                "drafter_probes": self.gate.probes}
+
+
+def _drafter_for(target, drafter) -> object | None:
+    """The EAGLE-3 proposer that drafts for ``auto`` (its runner shared per target), or None."""
+    from .eagle import EagleProposer, drafter_runner
+
+    if drafter == "none":
+        return None
+    if drafter is None:
+        from ..drafters import shipped_drafter
+
+        if shipped_drafter(target, "eagle3") is None:
+            return None
+        drafter = None
+    runner = drafter_runner(target, drafter, "auto")
+    return EagleProposer(runner, topk=4, depth=6, nodes=0, max_nodes=32, min_prob=0.05, backoff=0)
+
+
+def _store_for(target, datastore, learn: bool):
+    """The datastore ``auto`` drafts from: the one given, make-data's default output when written, or (``learn``)
+    the target's store of learned answers; None without any."""
+    if datastore == "none":
+        return datastore_for(target, None) if learn else None
+    if not datastore:
+        default = made_data_dir(target.name)
+        if (default / "responses.jsonl").is_file():
+            return datastore_for(target, default)
+        return datastore_for(target, None) if learn else None
+    return datastore_for(target, datastore)
+
+
+@register(
+    "auto",
+    "every step the draft that buys the most tokens per millisecond: the context, the datastore, the trained "
+    "drafter, or none",
+    source="fastforward; sources as pld (Saxena 2023), REST (He et al. 2024), EAGLE-2/3 (Li et al. 2024/2025)",
+    options=(
+        Option("drafter", "path", None,
+               help="a 'fastforward train eagle' drafter folder (default: the EAGLE-3 drafter shipped for the model, "
+                    "if any); none: no drafter"),
+        Option("datastore", "path", "",
+               help="a make-data folder or a JSONL file of records with response_ids or text (default: make-data's "
+                    "output for this model, if written); none: no datastore"),
+        Option("learn", "bool", False,
+               help="each finished generation joins the datastore for the requests after it (a server's answers)"),
+        Option("context", "bool", True, help="draft from the context's own n-gram matches (as pld)"),
+        Option("max_depth", "int", 8, 1, MAX_DEPTH, bound="drafter calls and datastore reads per step",
+               help="the deepest draft"),
+        max_nodes_option(24),
+        Option("candidates", "int", 64, 1, MAX_CANDIDATES, bound="datastore continuations read per step",
+               help="the most datastore continuations read per step"),
+        Option("probe", "int", 8, 1, MAX_PROBE, bound="steps between drafter probes",
+               help="the longest wait, in steps, before the drafter is asked again when it has not paid"),
+    ),
+)
+def auto(target, *, drafter: str | None = None, datastore: str = "", learn: bool = False, context: bool = True,
+         max_depth: int = 8, max_nodes: int = 24, candidates: int = 64, probe: int = 8) -> AutoProposer:
+    """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`); a drafter folder or
+    datastore that does not load is a one-line error."""
+    drafter = None if drafter is None else str(drafter)
+    datastore = "" if datastore is None else str(datastore)
+    return AutoProposer(target, drafter=_drafter_for(target, drafter), store=_store_for(target, datastore, learn),
+                        max_depth=max_depth, max_nodes=max_nodes, candidates=candidates, probe=probe,
+                        context=context, learn=learn)
