@@ -329,39 +329,47 @@ class Eagle3Runner(DrafterRunner):
             return local
         return torch.cat([torch.zeros(r, slot - self.length, dtype=torch.bool), local], dim=1)
 
-    def _rows_native(self, feat, tokens, positions, slot, visible) -> torch.Tensor:
-        """:meth:`rows` through the native layer ops (same computation, the target's kernels)."""
-        ops, cfg, eps = self.ops, self.cfg, self.eps
+    def _rows_native(self, feat, tokens, positions, slot, visible, last_only: bool = False) -> torch.Tensor:
+        """:meth:`rows` through the native layer ops (same computation, the target's kernels; the layer in one native
+        call when its weights are packed). ``last_only``: the layer's output of the last row alone [1, d] (every
+        row's keys and values are written)."""
+        ops, eps = self.ops, self.eps
         r = tokens.numel()
         end = slot + r
         if end > self.capacity or int(positions.max()) >= self.cos.shape[0]:
             self._grow(max(end, int(positions.max()) + 1))
-        emb = self.embed(tokens).float().contiguous()
-        feat = feat.float().contiguous()
-        x = torch.cat([ops.rms_norm(emb, self.layer.in_norm, eps),
-                       ops.rms_norm(feat, self.hidden_norm, eps)], dim=-1)  # [r, 2d]
-        qkv = self.layer.qkv(x).contiguous()
+        h = feat.float().contiguous().clone()  # the residual stream (the fused feature), updated in place
+        x = torch.cat([ops.rms_norm(self.embed(tokens).contiguous(), self.layer.in_norm, eps),
+                       ops.rms_norm(h, self.hidden_norm, eps)], dim=-1)  # [r, 2d]
         write = None
         if visible is None and slot != self.length:  # causal after slots it does not see (the kernel's default
             visible = self._causal_visible(r, slot)  # is causal right after the committed rows)
         if visible is not None:
             visible = visible.contiguous()
             write = torch.arange(slot, end)
-        o = ops.attention(qkv, self.cos, self.sin, positions.to(torch.long).contiguous(), self.k, self.v,
-                          self.length, visible, cfg.num_attention_heads, cfg.num_key_value_heads, write)
-        h = feat.clone()  # the residual stream (the fused feature), updated in place as the target's forward does
-        h_norm = ops.add_rms_norm(h, self.layer.attention_output(o), self.layer.post_norm, eps)
-        h += self.layer.mlp(h_norm, ops)
-        return h
+        self.native_layer(self.layer, h, x, self.final_norm, positions.to(torch.long).contiguous(),
+                          self.k.unsqueeze(0), self.v.unsqueeze(0), 0, self.length, visible, write, last_only)
+        return h[-1:] if last_only else h
 
-    def commit(self, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Append committed rows (in chunks, causal); returns their outputs h [r, d]."""
+    def commit(self, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+               last_only: bool = False) -> torch.Tensor:
+        """Append committed rows (in chunks, causal); returns their outputs h [r, d], or with ``last_only`` the last
+        row's alone [1, d] (the other rows then go no further than their keys and values)."""
         outs = []
-        for a in range(0, tokens.numel(), 256):
-            b = min(tokens.numel(), a + 256)
-            outs.append(self.rows(feat[a:b], tokens[a:b], positions[a:b], self.length, None))
+        n = tokens.numel()
+        for a in range(0, n, 256):
+            b = min(n, a + 256)
+            if last_only and self.ops is not None:
+                if b == n:  # the chunks before the last one only write their keys and values
+                    outs.append(self._rows_native(feat[a:b], tokens[a:b], positions[a:b], self.length, None, True))
+                else:
+                    self._rows_native(feat[a:b], tokens[a:b], positions[a:b], self.length, None, True)
+            else:
+                outs.append(self.rows(feat[a:b], tokens[a:b], positions[a:b], self.length, None))
             self.length += b - a
-        return torch.cat(outs)
+        if last_only:
+            return outs[-1][-1:]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def log_probs(self, h: torch.Tensor) -> torch.Tensor:
         """[r, draft_vocab] log-probabilities of the next token."""

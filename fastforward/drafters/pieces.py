@@ -323,20 +323,57 @@ class DrafterModule(nn.Module):
 # Decode time
 # ------------------------------------------------------------------------------------------------------------------
 
-# ``weights=`` choices of a drafter at decode time: packed blocks the native kernel multiplies, or fp32.
+# ``weights=`` choices of a drafter at decode time: packed blocks the native kernels multiply, or fp32.
 DRAFTER_WEIGHTS = ("auto", "q8_0", "q4_0", "fp32")
 AUTO_DRAFTER_FORMAT = "Q4_0"  # what ``auto`` packs when the native kernels build (docs/drafters.md: as accepted as
 # Q8_0, and a drafter call reads half the bytes)
+# With AMX, calls of more rows than this take the bf16 tile kernel instead of the integer one (the target's profile on
+# the AMX Xeon: q8 on VNNI 9.1 ms against 14.5 for the tiles at 4 rows, 13.4 against 12.6 at 8; docs/drafters.md).
+AMX_FROM_ROWS = 9
+
+
+class DrafterLinear:
+    """A drafter weight packed (``Q4_0`` or ``Q8_0`` blocks), multiplied by the native **integer** kernel: each call's
+    activation rows rounded to 8-bit blocks, integer block dots (the ``q8`` arithmetic, on VNNI where the CPU has it)
+    -- about four times faster than fp32 activations times the decoded weights at a drafter's 1-16 rows, and as good
+    a drafter: it only proposes, and the target's verification decides every token. With AMX the weight is also kept
+    in the bf16 tile kernel's layout, which calls of ``AMX_FROM_ROWS`` rows or more take.
+
+    :meth:`for_rows` names the :class:`~fastforward.linear.PackedLinear` a call of that many rows runs, so that a
+    layer of such weights can run as one native call (``ops.packed_layer``)."""
+
+    def __init__(self, data: torch.Tensor, fmt: int, in_features: int, *, native):
+        from ..linear import PackedLinear, amx_in_use
+
+        self.few = PackedLinear(data.clone(), fmt, in_features, native=native, owned=True, arithmetic="q8")
+        self.many = None
+        if amx_in_use(native) and data.shape[0] % 16 == 0:
+            many = PackedLinear(data, fmt, in_features, native=native, owned=True)
+            self.many = many if many.kernel_fmt != fmt else None
+        self.out_features, self.in_features = self.few.out_features, in_features
+        self.format_name = self.few.format_name
+
+    def for_rows(self, rows: int):
+        return self.few if self.many is None or rows < AMX_FROM_ROWS else self.many
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.for_rows(x.shape[0])(x)
+
+    def dense(self) -> torch.Tensor:
+        return self.few.dense()
+
+    @property
+    def nbytes(self) -> int:
+        return self.few.nbytes + (0 if self.many is None else self.many.nbytes)
 
 
 def decode_linear_factory(weights: str):
     """``linear(w [out, in]) -> callable``: a drafter weight as the lean forward's linear at decode time -- packed
-    ``Q8_0`` or ``Q4_0`` blocks through the native kernel (``auto``: ``AUTO_DRAFTER_FORMAT`` when the kernels
-    build; with AMX, in both kernels' layouts, each call taking the faster for its rows:
-    :class:`~fastforward.linear.DraftLinear`) or fp32 (``fp32``). A drafter only proposes, so this rounding never
-    changes the output."""
+    ``Q8_0`` or ``Q4_0`` blocks through the native integer kernel (``auto``: ``AUTO_DRAFTER_FORMAT`` when the kernels
+    build; :class:`DrafterLinear`) or fp32 (``fp32``: the drafter's own numbers, what the tests compare with its
+    training module). A drafter only proposes, so this rounding never changes the output."""
     from ..kernels import load_native
-    from ..linear import FORMAT_IDS, DenseLinear, DraftLinear, quantize
+    from ..linear import FORMAT_IDS, DenseLinear, quantize
 
     if weights not in DRAFTER_WEIGHTS:
         raise UsageError(f"drafter weights must be one of {', '.join(DRAFTER_WEIGHTS)}, got {weights!r}")
@@ -345,6 +382,8 @@ def decode_linear_factory(weights: str):
         native = load_native() if weights != "fp32" else None
     except Exception:  # noqa: BLE001 - no compiler: the plain path
         native = None
+    if native is not None and not hasattr(native, "q8_pack"):
+        native = None  # a native module without the integer kernel: the plain path
     if weights != "auto" and weights != "fp32" and native is None:
         raise UsageError(f"drafter weights {weights} need the native kernels, which did not build on this machine")
     packed = AUTO_DRAFTER_FORMAT if weights == "auto" else weights.upper()
@@ -352,7 +391,7 @@ def decode_linear_factory(weights: str):
     def linear(w: torch.Tensor):
         w = w.detach().float().contiguous()
         if native is not None and w.shape[1] % 32 == 0:
-            return DraftLinear(quantize(w, packed), FORMAT_IDS[packed], w.shape[1], native=native)
+            return DrafterLinear(quantize(w, packed), FORMAT_IDS[packed], w.shape[1], native=native)
         return DenseLinear(w)
 
     linear.layer_ops = native if native is not None and hasattr(native, "attention") else None
@@ -435,3 +474,45 @@ class DrafterRunner:
         """The rest of ``layer`` for rows with queries ``q`` and residual input ``residual`` [r, d]: attention over
         ``keys``/``values`` [nkv, n, hd] where ``mask`` [r, n] allows, the o projection, the MLP."""
         return residual_mlp(layer, residual, attend(q, keys, values, mask), self.eps)
+
+    def native_layer(self, layer: LlamaLayer, x: torch.Tensor, normed: torch.Tensor, next_norm: torch.Tensor,
+                     positions: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, index: int, start: int,
+                     visible: torch.Tensor | None, write: torch.Tensor | None, last_only: bool = False) -> torch.Tensor:
+        """One decoder layer through the native layer ops (``self.ops``) over r rows: ``x`` [r, d] is the residual
+        stream (updated in place), ``normed`` [r, d_in] the layer's normed input, at ``positions`` [r] (int64). The
+        rows' keys and values go to cache slots ``write`` (None: ``start ..``) of layer ``index`` of ``k_all`` /
+        ``v_all`` [layers, nkv, capacity, hd]; each row attends to the first ``start`` slots and to the slots after
+        them that ``visible`` [r, W] names (None: causal). Returns ``next_norm`` of ``x`` after the layer.
+
+        Packed weights run the whole layer as one native call (``ops.packed_layer``). With ``last_only`` only the
+        last row goes on past the attention (every row's keys and values are still written): x's other rows are
+        left as they were, and the result is that row's alone [1, d] -- what committing rows needs when only the
+        last one's output is read."""
+        ops, cfg, eps = self.ops, self.cfg, self.eps
+        rows = x.shape[0]
+        packed = None if last_only and rows > 1 else self._packed_layer(layer, rows)
+        if packed is not None:
+            return ops.packed_layer(x, normed, *packed, layer.post_norm, next_norm, eps, self.cos, self.sin, positions,
+                                    k_all, v_all, index, start, visible, cfg.num_attention_heads,
+                                    cfg.num_key_value_heads, write)
+        attn = ops.attention(layer.qkv(normed), self.cos, self.sin, positions, k_all[index], v_all[index], start,
+                             visible, cfg.num_attention_heads, cfg.num_key_value_heads, write)
+        if last_only:
+            x, attn = x[-1:], attn[-1:]
+        h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps)
+        return ops.add_rms_norm(x, layer.mlp(h, ops), next_norm, eps)
+
+    def _packed_layer(self, layer: LlamaLayer, rows: int) -> tuple | None:
+        """(data, format) of ``layer``'s qkv, o, gate|up and down for a call of ``rows`` rows, flattened, when all
+        four are :class:`DrafterLinear` weights ``ops.packed_layer`` can run; else None (cached per layer and
+        kernel)."""
+        linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        if not all(isinstance(lin, DrafterLinear) for lin in linears):
+            return None
+        parts = [lin.for_rows(rows) for lin in linears]
+        key = tuple(id(p) for p in parts)
+        cache = layer.__dict__.setdefault("_drafter_packed", {})
+        if key not in cache:
+            ok = hasattr(self.ops, "packed_layer") and all(p.data is not None and not p.padded for p in parts)
+            cache[key] = tuple(v for p in parts for v in (p.data, p.kernel_fmt)) if ok else None
+        return cache[key]
