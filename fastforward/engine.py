@@ -621,21 +621,44 @@ def draft_budget_for(target: TargetModel, max_batch_tokens: int) -> DraftBudget 
 PLANNED_DEPTH = 8  # the deepest draft a shared step plans for before the proposals are known
 
 
-def _announce_draft_depths(runs: list[Run], budget: DraftBudget) -> None:
+def _announce_draft_depths(runs: list[Run], budget: DraftBudget | None, caps: list[int | None] | None) -> None:
     """Before proposing: tell each run how deep a one-node-per-level draft of its could be worth going in
-    this shared step (from its acceptance history), so that drafters with a cost of their own can skip work."""
+    this shared step (from its acceptance history; at most ``caps[i] - 1`` deep where its rows are capped), so that
+    drafters with a cost of their own can skip work."""
     plans, who = [], []
-    for run in runs:
+    for i, run in enumerate(runs):
         run.state.max_draft_depth = None
         if run.draft_negotiable:
-            stats = run.stats
-            plans.append(DraftLevels([1] * PLANNED_DEPTH,
-                                     depth_gains(stats.depth_attempts, stats.depth_accepts, PLANNED_DEPTH)))
-            who.append(run)
+            if caps is not None and caps[i] is not None:
+                run.state.max_draft_depth = max(0, caps[i] - 1)
+            if budget is not None:
+                stats = run.stats
+                plans.append(DraftLevels([1] * PLANNED_DEPTH,
+                                         depth_gains(stats.depth_attempts, stats.depth_accepts, PLANNED_DEPTH)))
+                who.append(run)
     if not who:
         return
     for run, depth in zip(who, budget.choose(len(runs), float(len(runs)), plans), strict=True):
-        run.state.max_draft_depth = depth
+        cap = run.state.max_draft_depth
+        run.state.max_draft_depth = depth if cap is None else min(depth, cap)
+
+
+def _cap_rows(runs: list[Run], sizes: list[int], caps: list[int | None]) -> list[int]:
+    """Cut each run's draft to at most ``caps[i]`` rows (whole depth levels; the root always stays) where it may be
+    cut; returns the proposals' sizes after the cut (a draft that may not be cut keeps its size)."""
+    sizes = list(sizes)
+    for i, (run, cap) in enumerate(zip(runs, caps, strict=True)):
+        if cap is None or sizes[i] <= cap:
+            continue
+        levels = run.draft_levels()
+        if levels is None:
+            continue
+        depth, rows = 0, 1
+        while depth < len(levels.rows) and rows + levels.rows[depth] <= cap:
+            rows += levels.rows[depth]
+            depth += 1
+        sizes[i] = run.cut_draft(depth)
+    return sizes
 
 
 def _cut_drafts(runs: list[Run], sizes: list[int], budget: DraftBudget) -> list[int]:
@@ -659,31 +682,43 @@ def _cut_drafts(runs: list[Run], sizes: list[int], budget: DraftBudget) -> list[
     return sizes
 
 
-def shared_step(runs: list[Run], max_batch_tokens: int, on_forward=None,
-                budget: DraftBudget | None = None) -> Iterator[tuple[int, list[int]]]:
+def shared_step(runs: list[Run], max_batch_tokens: int, on_forward=None, budget: DraftBudget | None = None,
+                row_caps: list[int | None] | None = None) -> Iterator[tuple[int, list[int]]]:
     """One verification step of every run in ``runs`` (none finished), through shared forwards: yields
     ``(index in runs, newly emitted tokens)``. With a ``budget`` and more than one run, drafts are first cut
-    to their worth in the shared forward. Proposals are packed in order into forwards of at most
-    ``max_batch_tokens`` rows (a larger one gets a forward of its own). ``on_forward(sequences, rows, seconds)`` is
-    called after every forward."""
+    to their worth in the shared forward; with ``row_caps`` (one per run, None: no cap) and more than one run, each
+    draft that may be cut is then cut to at most its cap of rows (a share of the forward: the output is the same),
+    and a proposal still over its cap (drafts with draft probabilities) gets a forward of its own, after the others'.
+    Proposals are packed in order into forwards of at most ``max_batch_tokens`` rows (a larger one gets a forward
+    of its own). ``on_forward(sequences, rows, seconds)`` is called after every forward."""
     shared = budget is not None and len(runs) > 1
-    if shared:
-        _announce_draft_depths(runs, budget)
+    caps = row_caps if row_caps is not None and len(runs) > 1 else None
+    if caps is not None and len(caps) != len(runs):
+        raise UsageError(f"row_caps has {len(caps)} entries for {len(runs)} runs")
+    if shared or caps is not None:
+        _announce_draft_depths(runs, budget if shared else None, caps)
     else:
         for run in runs:
             run.state.max_draft_depth = None
     sizes = [run.propose().size for run in runs]
     if shared:
         sizes = _cut_drafts(runs, sizes, budget)
+    own = set()
+    if caps is not None:
+        sizes = _cap_rows(runs, sizes, caps)
+        own = {i for i, cap in enumerate(caps) if cap is not None and sizes[i] > cap}
     groups: list[list[int]] = []
     used = 0
     for i, size in enumerate(sizes):
+        if i in own:
+            continue
         if groups and used + size <= max_batch_tokens:
             groups[-1].append(i)
             used += size
         else:
             groups.append([i])
             used = size
+    groups += [[i] for i in sorted(own)]
     for group in groups:
         hidden_layers = sorted(set().union(*(runs[i].hidden_layers for i in group)))
         target = runs[group[0]].target
@@ -737,22 +772,25 @@ class BatchDecoder:
             self.runs.remove(run)
         run.cancel(reason)
 
-    def steps(self, runs: list[Run] | None = None) -> Iterator[tuple[Run, list[int]]]:
+    def steps(self, runs: list[Run] | None = None,
+              row_caps: list[int | None] | None = None) -> Iterator[tuple[Run, list[int]]]:
         """One step of every active run (or of ``runs``, some of them), yielding ``(run, newly emitted tokens)`` as
-        each forward completes; once it is exhausted, finished runs have left."""
+        each forward completes; once it is exhausted, finished runs have left. ``row_caps``: the most rows each of
+        ``runs`` may put in the shared forward (see :func:`shared_step`)."""
         runs = list(self.runs if runs is None else runs)
         if not runs:
             return
         if self.cut_drafts and self.budget is None and len(runs) > 1:
             self.budget = draft_budget_for(runs[0].target, self.max_batch_tokens)
-        for i, tokens in shared_step(runs, self.max_batch_tokens, self.on_forward, self.budget):
+        for i, tokens in shared_step(runs, self.max_batch_tokens, self.on_forward, self.budget, row_caps):
             yield runs[i], tokens
         self.runs = [run for run in self.runs if not run.finished]
 
-    def step(self, runs: list[Run] | None = None) -> list[tuple[Run, list[int]]]:
+    def step(self, runs: list[Run] | None = None,
+             row_caps: list[int | None] | None = None) -> list[tuple[Run, list[int]]]:
         """One step of every active run (or of ``runs``, some of them): ``[(run, newly emitted tokens), ...]``;
         finished runs leave."""
-        return list(self.steps(runs))
+        return list(self.steps(runs, row_caps))
 
 
 class Generation:

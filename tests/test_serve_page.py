@@ -116,3 +116,55 @@ def test_page_streams_two_methods_and_colours_tokens(page_server):
             assert tau > 2  # four drafts accepted per forward
         finally:
             browser.close()
+
+
+KEY = "sk-page-test-key-0123"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):
+    target = ff.load(str(tiny_hf_folder(tmp_path_factory.mktemp("page-keyed") / "tiny")))
+    answer = ff.generate(target, [{"role": "user", "content": PROMPT}], "ar", max_new_tokens=MAX_TOKENS)
+    app = create_app(target, model_name="tiny", max_batch_tokens=64, api_keys=(KEY,))
+    with BackgroundServer(app) as url:
+        yield url, answer
+
+
+def test_page_asks_for_the_key_once_and_keeps_it_for_the_tab(keyed_server):
+    url, answer = keyed_server
+    with sync_api.sync_playwright() as p:
+        browser = launch(p)
+        try:
+            context = browser.new_context()
+            page = context.new_page()
+            page.goto(url + "/")
+            page.wait_for_selector("body[data-needs-key='1']", timeout=30_000)
+            assert page.is_visible("#keybar") and page.inner_text("#keymsg") == ""
+            page.fill("#key", "sk-wrong")
+            page.click("#keygo")
+            page.wait_for_function("document.getElementById('keymsg').textContent.includes('refused')",
+                                   timeout=30_000)
+            assert page.is_visible("#keybar")
+            page.fill("#key", KEY)
+            page.click("#keygo")
+            page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+            assert not page.is_visible("#keybar")
+            assert page.evaluate("sessionStorage.getItem('fastforward-api-key')") == KEY
+            page.fill("#prompt", PROMPT)
+            page.fill("#max", str(MAX_TOKENS))
+            page.fill("#temp", "0")
+            page.select_option("#m0", "ar")
+            page.select_option("#m1", "pld")
+            page.click("#go")
+            page.wait_for_selector("#p0[data-done='1']", timeout=60_000)
+            page.wait_for_selector("#p1[data-done='1']", timeout=60_000)
+            for pane in ("p0", "p1"):
+                assert page.eval_on_selector(f"#{pane} .out", "e => e.textContent") == answer.text
+            page.reload()  # the same tab keeps the key: no question
+            page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+            assert not page.is_visible("#keybar")
+            other = context.new_page()  # another tab asks again (sessionStorage is the tab's)
+            other.goto(url + "/")
+            other.wait_for_selector("body[data-needs-key='1']", timeout=30_000)
+        finally:
+            browser.close()

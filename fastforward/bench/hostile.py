@@ -7,6 +7,13 @@ unknown fields, bodies nested deep or grown large, bytes that are not JSON or no
 not started for, a body a web page posts as a form. A server must answer each with a 2xx or an OpenAI-shaped 4xx,
 quickly, and go on answering honest requests as before. The corpus is built in a fixed order and sampled with a
 seed, so a run can be repeated.
+
+Each request has a *kind* (:data:`KINDS`), by which the load test reports how much the honest requests that ran
+beside requests of that kind were slowed, so that a regression names its cause: ``row-hungry`` (valid requests of
+the methods at their widest drafts and windows, 4,096 tokens each), ``longest-outputs`` (valid requests for the
+most tokens a request may ask), ``long-prompts`` (valid prompts of thousands of words) -- these three are the
+*heavy* kinds: valid, and as costly as the bounds allow -- and ``malformed`` (everything else: refusals, and valid
+requests of a few tokens at the options' bounds).
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ from dataclasses import dataclass, field
 from urllib.parse import quote
 
 from ..proposers import available_methods
+
+#: the kinds of hostile request, the heavy (valid, most expensive) ones first
+HEAVY_KINDS = ("row-hungry", "longest-outputs", "long-prompts")
+KINDS = (*HEAVY_KINDS, "malformed")
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -41,6 +52,8 @@ class HostileRequest:
     headers: dict = field(default_factory=lambda: dict(JSON_HEADERS))
     expect: tuple[int, ...] = ()  # the statuses a server must answer, where only some are right
     heavy: bool = False  # valid, and as costly as the bounds allow: every draw of the corpus includes these
+    kind: str = "malformed"  # one of KINDS
+    keyed: bool = True  # sent with the client's API key (when it has one); False: as the request's headers say
 
 
 def _body(served: str, **fields) -> bytes:
@@ -76,19 +89,26 @@ def _option_values(option) -> list[tuple[str, object]]:
     return out
 
 
-#: valid requests as costly as the bounds allow: a long prompt, the widest draft of each kind, many tokens
+#: valid requests as costly as the bounds allow, by kind: a long prompt, the widest draft of each method, the most
+#: tokens
 HEAVY = (
-    ("a 3,000-word prompt", {"messages": [{"role": "user", "content": "word " * 3000}]}),
-    ("a 6,000-word prompt", {"messages": [{"role": "user", "content": "word " * 6000}]}),
-    ("jacobi at its widest, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
+    ("long-prompts", "a 3,000-word prompt", {"messages": [{"role": "user", "content": "word " * 3000}]}),
+    ("long-prompts", "a 6,000-word prompt", {"messages": [{"role": "user", "content": "word " * 6000}]}),
+    ("row-hungry", "jacobi at its widest, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
         "method": "jacobi", "options": {"n_tokens": 1024}}}),
-    ("pld at its longest drafts, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
+    ("row-hungry", "pld at its longest drafts, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
         "method": "pld", "options": {"max_ngram": 32, "num_pred_tokens": 1023, "adaptive": False}},
         "messages": [{"role": "user", "content": "Repeat this forever: the cat sat on the mat. " * 20}]}),
-    ("rest reading the most, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
+    ("row-hungry", "rest reading the most, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
         "method": "rest", "options": {"candidates": 4096, "max_depth": 64, "nodes": 256}}}),
-    ("tr-jacobi at its longest chain, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
+    ("row-hungry", "tr-jacobi at its longest chain, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
         "method": "tr-jacobi", "options": {"retrieval_len": 256, "ngram": 32}}}),
+    ("row-hungry", "lookahead at its widest window, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
+        "method": "lookahead", "options": {"window": 500, "ngram": 2, "guesses": 500}}}),
+    ("row-hungry", "sps sampling its longest drafts (never cut), 4,096 tokens", {
+        "max_tokens": 4096, "temperature": 0.8, "seed": 7, "fastforward": {"method": "sps", "options": {"k": 32}}}),
+    ("longest-outputs", "ar, the longest answer, 4,096 tokens", {"max_tokens": 4096, "fastforward": {
+        "method": "ar"}, "messages": [{"role": "user", "content": "Count from 1 to 5000, one number a line."}]}),
 )
 
 
@@ -96,8 +116,8 @@ def corpus(model: str) -> list[HostileRequest]:
     """Every hostile request, in a fixed order (``model`` is the id the server serves)."""
     reqs: list[HostileRequest] = []
     add = reqs.append
-    for name, fields in HEAVY:
-        add(HostileRequest(name, body=_body(model, **fields), heavy=True))
+    for kind, name, fields in HEAVY:
+        add(HostileRequest(name, body=_body(model, **fields), heavy=True, kind=kind))
     # every option of every method, at and beyond its bounds
     for info in available_methods().values():
         for option in info.schema:
@@ -143,6 +163,14 @@ def corpus(model: str) -> list[HostileRequest]:
     add(HostileRequest("empty body", body=b""))
     add(HostileRequest("NaN temperature", body=b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
                                                b'"temperature": NaN}' % model.encode()))
+    # keys: no key, a wrong one, another scheme (a 401 from a server with keys; what the body asks otherwise)
+    add(HostileRequest("no API key", body=_body(model), keyed=False))
+    add(HostileRequest("a wrong API key", body=_body(model), keyed=False,
+                       headers={**JSON_HEADERS, "Authorization": "Bearer sk-not-a-key-of-this-server"}))
+    add(HostileRequest("an Authorization header of another scheme", body=_body(model), keyed=False,
+                       headers={**JSON_HEADERS, "Authorization": "Basic dXNlcjpwYXNz"}))
+    add(HostileRequest("an empty Bearer token", body=_body(model), keyed=False,
+                       headers={**JSON_HEADERS, "Authorization": "Bearer "}))
     # what a web page can make a browser send
     add(HostileRequest("a form post", body=b"model=x&messages=hi",
                        headers={"Content-Type": "application/x-www-form-urlencoded"}, expect=(415,)))
@@ -161,13 +189,16 @@ def corpus(model: str) -> list[HostileRequest]:
     return reqs
 
 
-def hostile_requests(model: str, count: int, seed: int = 0) -> list[HostileRequest]:
-    """``count`` requests drawn from :func:`corpus` with ``seed``, in shuffled order: the heavy ones always (as many
-    as fit), the others each once before any repeats."""
-    every = corpus(model)
+def hostile_requests(model: str, count: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[HostileRequest]:
+    """``count`` requests of ``kinds`` drawn from :func:`corpus` with ``seed``, in shuffled order: the heavy ones
+    always (as many as fit), the others each once before any repeats (with heavy kinds only: the heavy ones again)."""
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"unknown hostile kind(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(KINDS)}")
+    every = [r for r in corpus(model) if r.kind in kinds]
     rng = random.Random(seed)
     heavy = [r for r in every if r.heavy][:count]
-    light = [r for r in every if not r.heavy]
+    light = [r for r in every if not r.heavy] or heavy
     out: list[HostileRequest] = []
     while len(out) < count - len(heavy):
         batch = list(light)

@@ -7,9 +7,13 @@ Two phases against one server, plain HTTP from threads (no client library in the
 2. **C clients** at once, each sending R requests back to back: prompt ``(c + r) % P``, method
    ``(c + 2r) % M``, streaming every other one; every 8th request samples (temperature 0.8, a fixed seed) instead.
 
-3. with ``hostile=N``: phase 2 again, with N requests of the hostile corpus (:mod:`fastforward.bench.hostile`) sent
-   by four more clients, spread over the phase: each must get a 2xx or an OpenAI-shaped 4xx, and the honest
-   requests' latency p95 is compared with phase 2's.
+3. with ``hostile=N``: phase 2 again, with N requests of the hostile corpus (:mod:`fastforward.bench.hostile`, of
+   the kinds ``hostile_kinds``) sent by four more clients, spread over the phase: each must get a 2xx or an
+   OpenAI-shaped 4xx, and the honest requests' latency p95 and tokens/s are compared with phase 2's, in all and
+   per hostile kind (the honest requests that ran while a hostile request of that kind was in flight).
+
+With ``keys`` (the server's API keys: ``fastforward serve-bench`` starts its server with one per client), every
+client sends its own key: the server's per-client limits see C + 5 clients, as they would see C + 5 users.
 
 Checked: no request failed, every greedy answer equals the solo answer of its prompt token for token (methods are
 lossless and the shared forwards compute each row as alone), sampled requests with the same prompt, method and seed
@@ -78,16 +82,22 @@ class Outcome:
     latency: float = 0.0
     ttft: float | None = None
     tau: float = 0.0
+    start: float = 0.0  # perf_counter() when it was sent, and when its answer ended
+    end: float = 0.0
 
 
-def send_hostile(url: str, request, timeout: float = 60.0) -> tuple[int, float, str]:
-    """Send one :class:`~fastforward.bench.hostile.HostileRequest`: (status, seconds, problem); ``problem`` is
-    empty when the answer is a 2xx or an OpenAI-shaped 4xx ({"error": {"message", "type", "param", "code"}}), a
-    status 0 is a connection that failed."""
+def _auth(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def send_hostile(url: str, request, timeout: float = 60.0, api_key: str | None = None) -> tuple[int, float, str]:
+    """Send one :class:`~fastforward.bench.hostile.HostileRequest` (with ``api_key`` unless the request brings its
+    own ``Authorization``): (status, seconds, problem); ``problem`` is empty when the answer is a 2xx or an
+    OpenAI-shaped 4xx ({"error": {"message", "type", "param", "code"}}), a status 0 is a connection that failed."""
     conn = _connection(url, timeout)
     t0 = time.perf_counter()
     try:
-        headers = dict(request.headers)
+        headers = {**(_auth(api_key) if request.keyed else {}), **request.headers}
         conn.putrequest(request.method, request.path, skip_host="Host" in headers, skip_accept_encoding=True)
         for name, value in headers.items():
             conn.putheader(name, value)
@@ -111,10 +121,12 @@ def send_hostile(url: str, request, timeout: float = 60.0) -> tuple[int, float, 
     return status, seconds, ""
 
 
-def _hostile_client(url: str, requests: list, gap: float, timeout: float, results: list) -> None:
+def _hostile_client(url: str, requests: list, gap: float, timeout: float, results: list, key: str | None) -> None:
     for request in requests:
-        status, seconds, problem = send_hostile(url, request, timeout)
-        results.append({"name": request.name, "status": status, "seconds": seconds, "problem": problem})
+        start = time.perf_counter()
+        status, seconds, problem = send_hostile(url, request, timeout, key)
+        results.append({"name": request.name, "kind": request.kind, "status": status, "seconds": seconds,
+                        "problem": problem, "start": start, "end": time.perf_counter()})
         time.sleep(gap)
 
 
@@ -128,16 +140,17 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def _request(conn: http.client.HTTPConnection, model: str, prompt: str, method: str, *, stream: bool,
-             max_tokens: int, sampled: bool, seed: int, timeout: float, outcome: Outcome) -> None:
+             max_tokens: int, sampled: bool, seed: int, timeout: float, outcome: Outcome,
+             key: str | None = None) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0.8 if sampled else 0.0, "seed": seed,
             "fastforward": {"method": method, "token_ids": True}}
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
-    t0 = time.perf_counter()
+    t0 = outcome.start = time.perf_counter()
     conn.timeout = timeout
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                 headers={"Content-Type": "application/json"})
+                 headers={"Content-Type": "application/json", **_auth(key)})
     resp = conn.getresponse()
     if resp.status != 200:
         outcome.error = f"HTTP {resp.status}: {resp.read().decode('utf-8', 'replace')[:300]}"
@@ -168,7 +181,8 @@ def _request(conn: http.client.HTTPConnection, model: str, prompt: str, method: 
             if not choices and "usage" in record:
                 final = record
         resp.read()
-    outcome.latency = time.perf_counter() - t0
+    outcome.end = time.perf_counter()
+    outcome.latency = outcome.end - t0
     if final is None:
         outcome.error = "the stream ended without the usage chunk"
         return
@@ -186,12 +200,13 @@ def _connection(url: str, timeout: float) -> http.client.HTTPConnection:
     return kind(parsed.hostname, parsed.port, timeout=timeout)
 
 
-def _client(url: str, model: str, jobs: list[Outcome], max_tokens: int, timeout: float) -> None:
+def _client(url: str, model: str, jobs: list[Outcome], max_tokens: int, timeout: float,
+            key: str | None = None) -> None:
     conn = _connection(url, timeout)
     for job in jobs:
         try:
             _request(conn, model, PROMPTS[job.prompt], job.method, stream=job.stream, max_tokens=max_tokens,
-                     sampled=job.sampled, seed=1000 + job.prompt, timeout=timeout, outcome=job)
+                     sampled=job.sampled, seed=1000 + job.prompt, timeout=timeout, outcome=job, key=key)
         except Exception as exc:  # a failure to report, not to crash the load test on
             job.error = f"{type(exc).__name__}: {exc}"
             conn.close()
@@ -199,9 +214,17 @@ def _client(url: str, model: str, jobs: list[Outcome], max_tokens: int, timeout:
     conn.close()
 
 
-def _phase(url: str, model: str, plan: list[list[Outcome]], max_tokens: int, timeout: float) -> float:
-    threads = [threading.Thread(target=_client, args=(url, model, jobs, max_tokens, timeout), daemon=True)
-               for jobs in plan]
+def _key(keys: list[str] | None, client: int) -> str | None:
+    """The API key of client number ``client`` (0: the one-client phase, the warm-up and /metrics; 1..C: phase 2's
+    and 3's clients; then the hostile ones), the keys in turn; None without keys."""
+    return keys[client % len(keys)] if keys else None
+
+
+def _phase(url: str, model: str, plan: list[list[Outcome]], max_tokens: int, timeout: float,
+           keys: list[str] | None = None, first_client: int = 0) -> float:
+    threads = [threading.Thread(target=_client, args=(url, model, jobs, max_tokens, timeout,
+                                                      _key(keys, first_client + i)), daemon=True)
+               for i, jobs in enumerate(plan)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -228,9 +251,9 @@ def _round(x):
     return None if x is None else round(x, 3)
 
 
-def _metric(url: str, name: str) -> float | None:
+def _metric(url: str, name: str, key: str | None = None) -> float | None:
     conn = _connection(url, 30)
-    conn.request("GET", "/metrics")
+    conn.request("GET", "/metrics", headers=_auth(key))
     text = conn.getresponse().read().decode()
     conn.close()
     for line in text.splitlines():
@@ -251,18 +274,19 @@ def cpu_seconds(pid: int | None) -> float | None:
         return None
 
 
-def _warm_up(url: str, model: str, methods: list[str], timeout: float) -> None:
+def _warm_up(url: str, model: str, methods: list[str], timeout: float, key: str | None = None) -> None:
     """Every method once (drafters load on first use); a failure stops the load test."""
     for m in methods:
         warm = Outcome(-1, 0, 0, m, False, False)
-        _client(url, model, [warm], 4, timeout)
+        _client(url, model, [warm], 4, timeout, key)
         if not warm.ok:
             raise FastForwardError(f"the warm-up request with method {m} failed: {warm.error}")
 
 
-def _forward_rows(url: str) -> tuple[float | None, float | None]:
+def _forward_rows(url: str, key: str | None = None) -> tuple[float | None, float | None]:
     """The server's target forwards so far and the rows they computed (from /metrics)."""
-    return _metric(url, "fastforward_target_forwards_total"), _metric(url, "fastforward_forward_rows_sum")
+    return (_metric(url, "fastforward_target_forwards_total", key),
+            _metric(url, "fastforward_forward_rows_sum", key))
 
 
 def _per_forward(f0, r0, f1, r1):
@@ -299,73 +323,101 @@ def _sampled_groups(outcomes: list[Outcome]) -> dict[tuple, set]:
     return groups
 
 
-def _hostile_report(results: list[dict], honest3: dict, many: dict) -> dict:
+def _ratio(x, y):
+    return round(x / y, 3) if x and y else None
+
+
+def _by_kind(results: list[dict], outcomes3: list[Outcome], many: dict, kinds) -> dict:
+    """Per hostile kind: its requests, and the honest requests of phase 3 that were in flight while one of them was
+    (sent before it was answered, answered after it was sent): how many, their latency p95 and its ratio to phase
+    2's p95. A request can be beside several kinds; a regression shows in the kind it follows."""
+    out = {}
+    ok = [o for o in outcomes3 if o.ok]
+    for kind in kinds:
+        spans = [(r["start"], r["end"]) for r in results if r["kind"] == kind]
+        beside = [o.latency for o in ok if any(o.start < end and start < o.end for start, end in spans)]
+        p95 = _percentile(beside, 0.95)
+        out[kind] = {"hostile_requests": len(spans), "honest_beside": len(beside), "latency_p95_s": _round(p95),
+                     "latency_p95_ratio": _ratio(p95, many["latency_p95_s"])}
+    return out
+
+
+def _hostile_report(results: list[dict], honest3: dict, many: dict, outcomes3: list[Outcome] = (),
+                    kinds=()) -> dict:
     """Phase 3's hostile requests: their statuses, the problems, the slowest, and the honest requests' latency
-    p95 against phase 2's."""
+    p95 and tokens/s against phase 2's, in all and per hostile kind."""
     statuses: dict[str, int] = {}
     for r in results:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
     problems = [r for r in results if r["problem"]]
-    p95, p95_3 = many["latency_p95_s"], honest3["latency_p95_s"]
     return {
-        "requests": len(results), "by_status": dict(sorted(statuses.items())), "problems": len(problems),
-        "problem_examples": [f"{r['name']}: {r['problem']}" for r in problems[:5]],
+        "requests": len(results), "kinds": list(kinds), "by_status": dict(sorted(statuses.items())),
+        "problems": len(problems), "problem_examples": [f"{r['name']}: {r['problem']}" for r in problems[:5]],
         "slowest_s": _round(max((r["seconds"] for r in results), default=None)),
         "slowest": max(results, key=lambda r: r["seconds"])["name"] if results else None,
-        "honest": honest3, "latency_p95_ratio": round(p95_3 / p95, 3) if p95 and p95_3 else None}
+        "honest": honest3, "latency_p95_ratio": _ratio(honest3["latency_p95_s"], many["latency_p95_s"]),
+        "tokens_per_s_ratio": _ratio(honest3["tokens_per_s"], many["tokens_per_s"]),
+        "by_kind": _by_kind(results, list(outcomes3), many, kinds)}
 
 
 def _hostile_phase(url: str, model: str, plan: list[list[Outcome]], many: dict, many_wall: float, *,
                    hostile: int, hostile_seed: int, max_tokens: int, timeout: float, log,
-                   server_pid: int | None) -> tuple[list[Outcome], dict]:
-    """Phase 3: phase 2's requests again with ``hostile`` hostile requests from four more clients spread over
-    about phase 2's time; returns the honest outcomes and the hostile report."""
-    from .hostile import hostile_requests
+                   server_pid: int | None, kinds=None, keys: list[str] | None = None) -> tuple[list[Outcome], dict]:
+    """Phase 3: phase 2's requests again with ``hostile`` hostile requests (of ``kinds``) from four more clients
+    spread over about phase 2's time; returns the honest outcomes and the hostile report."""
+    from .hostile import KINDS, hostile_requests
 
+    kinds = tuple(kinds or KINDS)
     plan3 = [[Outcome(o.client, o.index, o.prompt, o.method, o.stream, o.sampled) for o in jobs] for jobs in plan]
-    corpus = hostile_requests(model, hostile, hostile_seed)
+    corpus = hostile_requests(model, hostile, hostile_seed, kinds)
     shares = [corpus[i::4] for i in range(4)]
     gap = many_wall / max(1, len(shares[0]))  # spread over about the time phase 2 took
     results: list[dict] = []
-    threads = [threading.Thread(target=_hostile_client, args=(url, share, gap, timeout, results), daemon=True)
-               for share in shares if share]
-    log(f"phase 3: phase 2 again with {hostile} hostile requests interleaved ...")
+    # a hostile request may take the server's whole wall budget (its --request-timeout, by default this timeout):
+    # its answer is awaited a minute past it
+    threads = [threading.Thread(target=_hostile_client, args=(url, share, gap, timeout + 60, results,
+                                                              _key(keys, 1 + len(plan) + i)), daemon=True)
+               for i, share in enumerate(shares) if share]
+    log(f"phase 3: phase 2 again with {hostile} hostile requests ({', '.join(kinds)}) interleaved ...")
     for t in threads:
         t.start()
     cpu3 = cpu_seconds(server_pid)
-    wall3 = _phase(url, model, plan3, max_tokens, timeout)
+    wall3 = _phase(url, model, plan3, max_tokens, timeout, keys, 1)
     cpu4 = cpu_seconds(server_pid)
-    for t in threads:
-        t.join(timeout * len(shares[0]))
     outcomes3 = [o for jobs in plan3 for o in jobs]
     honest3 = _summary(outcomes3, wall3, cpu3, cpu4)
     log(f"  {honest3}")
-    return outcomes3, _hostile_report(results, honest3, many)
+    log("  waiting for the hostile requests still in flight ...")
+    for t in threads:
+        t.join((timeout + 60) * len(shares[0]))
+    return outcomes3, _hostile_report(results, honest3, many, outcomes3, kinds)
 
 
 def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max_tokens: int = 64,
              methods=DEFAULT_METHODS, timeout: float = 600.0, log=print, server_pid: int | None = None,
-             hostile: int = 0, hostile_seed: int = 0) -> dict:
+             hostile: int = 0, hostile_seed: int = 0, hostile_kinds=None, keys: list[str] | None = None) -> dict:
     """The phases against the server at ``url`` serving ``model``; returns the report (see the module doc).
     With the server's ``server_pid`` (a local process), each phase also reports the server's CPU seconds and tokens
-    per CPU second: a measure of batching that other load on the machine does not distort as much as wall time."""
+    per CPU second: a measure of batching that other load on the machine does not distort as much as wall time.
+    ``hostile_kinds``: the kinds of hostile request (default: all); ``keys``: API keys, the clients' in turn."""
     methods = list(methods)
     n_prompts = min(len(PROMPTS), max(requests, 1))
-    _warm_up(url, model, methods, timeout)
+    key0 = _key(keys, 0)
+    _warm_up(url, model, methods, timeout, key0)
     solo = [Outcome(0, i, i, methods[i % len(methods)], bool(i % 2), False) for i in range(n_prompts)]
     log(f"phase 1: 1 client x {n_prompts} requests (greedy, methods in rotation) ...")
-    counts0 = _forward_rows(url)
+    counts0 = _forward_rows(url, key0)
     cpu0 = cpu_seconds(server_pid)
-    solo_wall = _phase(url, model, [solo], max_tokens, timeout)
+    solo_wall = _phase(url, model, [solo], max_tokens, timeout, keys, 0)
     cpu1 = cpu_seconds(server_pid)
-    counts1 = _forward_rows(url)
+    counts1 = _forward_rows(url, key0)
     one = _summary(solo, solo_wall, cpu0, cpu1)
     log(f"  {one}")
     plan = _many_plan(clients, requests, n_prompts, methods)
     log(f"phase 2: {clients} clients x {requests} requests (mixed methods, streaming and not) ...")
-    many_wall = _phase(url, model, plan, max_tokens, timeout)
+    many_wall = _phase(url, model, plan, max_tokens, timeout, keys, 1)
     cpu2 = cpu_seconds(server_pid)
-    counts2 = _forward_rows(url)
+    counts2 = _forward_rows(url, key0)
     outcomes = [o for jobs in plan for o in jobs]
     many = _summary(outcomes, many_wall, cpu1, cpu2)
     log(f"  {many}")
@@ -379,7 +431,8 @@ def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max
     if hostile:
         outcomes3, hostile_report = _hostile_phase(url, model, plan, many, many_wall, hostile=hostile,
                                                    hostile_seed=hostile_seed, max_tokens=max_tokens,
-                                                   timeout=timeout, log=log, server_pid=server_pid)
+                                                   timeout=timeout, log=log, server_pid=server_pid,
+                                                   kinds=hostile_kinds, keys=keys)
         mismatches += _greedy_mismatches(outcomes3, reference)
         failures += [o for o in outcomes3 if not o.ok]
 
@@ -468,9 +521,13 @@ def format_report(r: dict) -> str:
     if h:
         s = h["honest"]
         lines += [
-            f"with {h['requests']} hostile requests interleaved: honest requests {s['requests']}, failures "
-            f"{s['failures']}, tok/s {s['tokens_per_s']}, latency p50 {_fmt(s['latency_p50_s'])} p95 "
-            f"{_fmt(s['latency_p95_s'])} ({_fmt(h['latency_p95_ratio'])}x the p95 without them)",
+            f"with {h['requests']} hostile requests interleaved ({', '.join(h.get('kinds') or ())}): honest requests "
+            f"{s['requests']}, failures {s['failures']}, tok/s {s['tokens_per_s']} "
+            f"({_fmt(h.get('tokens_per_s_ratio'))}x the tok/s without them), latency p50 {_fmt(s['latency_p50_s'])} "
+            f"p95 {_fmt(s['latency_p95_s'])} ({_fmt(h['latency_p95_ratio'])}x the p95 without them)",
+            "honest p95 beside each hostile kind: " + "; ".join(
+                f"{kind} {_fmt(k['latency_p95_ratio'])}x ({k['honest_beside']} honest beside "
+                f"{k['hostile_requests']} hostile)" for kind, k in (h.get("by_kind") or {}).items()),
             "hostile answers by status: " + ", ".join(f"{k}: {v}" for k, v in h["by_status"].items())
             + f"; not a 2xx or an OpenAI-shaped 4xx: {h['problems']}; slowest {_fmt(h['slowest_s'])} s "
               f"({h['slowest']})",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 import sys
+import tempfile
 
 from ..bench.serve_load import DEFAULT_METHODS
 from ..errors import FastForwardError, UsageError
@@ -45,6 +48,17 @@ def add_arguments(p, name: str) -> None:
                    help="sequences decoding together (default: %(default)s)")
     p.add_argument("--max-waiting", type=positive_int, default=64,
                    help="requests queued beyond those; more get 429 (default: %(default)s)")
+    p.add_argument("--max-client-requests", type=positive_int, default=None, metavar="N",
+                   help="requests one client (an API key, else an address) may have in flight, decoding or waiting; "
+                        "more get 429 with Retry-After (default: --max-running plus --max-client-waiting)")
+    p.add_argument("--max-client-waiting", type=positive_int, default=None, metavar="N",
+                   help="of those, requests one client may have waiting for a slot, so that no client can fill the "
+                        "queue (default: half of --max-waiting)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="an API key clients must send (Authorization: Bearer KEY) on every path but / and /health "
+                        "(repeatable; default: none, no authentication)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="a file of API keys, one a line (blank lines and # comments skipped), beside any --api-key")
     p.add_argument("--default-max-tokens", type=positive_int, default=256,
                    help="max_tokens of requests that give none (default: %(default)s)")
     p.add_argument("--max-tokens-limit", type=positive_int, default=4096,
@@ -86,8 +100,15 @@ def _add_bench_arguments(p) -> None:
                    "%(default)s)")
     p.add_argument("--hostile", type=nonnegative_int, default=0, metavar="N",
                    help="run the many-clients phase again with N requests of the hostile corpus interleaved (bad "
-                        "options, paths, wrong types, oversized bodies, foreign Host headers), at most "
-                        f"{MAX_HOSTILE}; each must get a 2xx or an OpenAI-shaped 4xx (default: 0, no such phase)")
+                        "options, paths, wrong types, oversized bodies, foreign Host headers, the costliest valid "
+                        f"requests), at most {MAX_HOSTILE}; each must get a 2xx or an OpenAI-shaped 4xx (default: 0, "
+                        "no such phase)")
+    p.add_argument("--hostile-kinds", default=None, metavar="KINDS",
+                   help="the kinds of hostile request, comma-separated: row-hungry, longest-outputs, long-prompts "
+                        "(the valid, most expensive ones), malformed (default: all)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="with --url: the API key the server wants (default: none; a started server gets one key "
+                        "per client)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON to FILE")
 
 
@@ -125,6 +146,13 @@ def _run_bench(args) -> int:
         args.url = _check_url(args.url)
     if args.hostile > MAX_HOSTILE:
         raise UsageError(f"--hostile must be at most {MAX_HOSTILE}, got {args.hostile}")
+    kinds = _hostile_kinds(args.hostile_kinds)
+    if args.api_key is not None:
+        if args.url is None:
+            raise UsageError("--api-key is for a server given with --url (a started server gets its own keys)")
+        from ..server.auth import load_keys
+
+        load_keys([args.api_key])
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in available_methods()]
     if not methods or unknown:
@@ -133,6 +161,8 @@ def _run_bench(args) -> int:
     proc = None
     url = args.url
     model = args.model
+    keys = None if args.api_key is None else [args.api_key]
+    key_dir = tempfile.TemporaryDirectory(prefix="fastforward-serve-bench-")
     try:
         if url is None:
             try:
@@ -143,13 +173,21 @@ def _run_bench(args) -> int:
                                  f"{SERVE_HINT}") from None
             model = model or DEFAULT_MODEL
             port = free_port()
-            proc = start_server(model, port, args.server_arg, args.threads,
+            # one key per client (the one-client phase, C clients, four hostile ones), in a file only this user
+            # reads: the server's per-client limits see each client as one user; no key on a command line
+            keys = [secrets.token_urlsafe(24) for _ in range(args.clients + 5)]
+            key_file = os.path.join(key_dir.name, "keys")
+            with open(os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="ascii") as f:
+                f.write("\n".join(keys) + "\n")
+            proc = start_server(model, port, ["--api-key-file", key_file, *args.server_arg], args.threads,
                                 log=lambda m: print(m, file=sys.stderr, flush=True))
             url = f"http://127.0.0.1:{port}"
         url = url.rstrip("/")
         if model is None:
             try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+                request = urllib.request.Request(url + "/v1/models", headers=(
+                    {"Authorization": f"Bearer {keys[0]}"} if keys else {}))
+                with urllib.request.urlopen(request, timeout=30) as r:
                     model = json.loads(r.read())["data"][0]["id"]
             except OSError as exc:
                 raise UsageError(f"--url {url}: no server answers there ({exc})") from None
@@ -158,7 +196,8 @@ def _run_bench(args) -> int:
                                        "fastforward (OpenAI-compatible) server? (or give --model)") from None
         report = run_load(url, model, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,
                           methods=methods, timeout=args.timeout, log=lambda m: print(m, file=sys.stderr, flush=True),
-                          server_pid=None if proc is None else proc.pid, hostile=args.hostile)
+                          server_pid=None if proc is None else proc.pid, hostile=args.hostile,
+                          hostile_kinds=kinds, keys=keys)
     except FastForwardError:
         raise
     except (OSError, ValueError) as exc:  # the server went away, or answered what a server of ours does not
@@ -171,6 +210,7 @@ def _run_bench(args) -> int:
                 proc.wait(30)
             except Exception:
                 proc.kill()
+        key_dir.cleanup()
     print(format_report(report))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
@@ -178,6 +218,20 @@ def _run_bench(args) -> int:
     ok = report["failures"] == 0 and report["greedy_mismatches"] == 0 and report["sampled_disagreements"] == 0 \
         and not report.get("hostile", {}).get("problems")
     return 0 if ok else 1
+
+
+def _hostile_kinds(text: str | None) -> tuple[str, ...]:
+    """``--hostile-kinds`` as kinds of :mod:`fastforward.bench.hostile`, checked."""
+    from ..bench.hostile import KINDS
+
+    if text is None:
+        return KINDS
+    kinds = tuple(dict.fromkeys(k.strip() for k in text.split(",") if k.strip()))
+    unknown = [k for k in kinds if k not in KINDS]
+    if not kinds or unknown:
+        raise UsageError(f"--hostile-kinds: unknown kind(s) {', '.join(unknown) or '(none given)'}; known: "
+                         f"{', '.join(KINDS)}")
+    return kinds
 
 
 def launch_options(pairs: list[str] | None, default_method: str) -> dict[str, dict]:
@@ -215,7 +269,8 @@ def allowed_hosts(text: str, host: str) -> tuple[str, ...]:
 
 
 def _check_serve_arguments(args) -> None:
-    """Everything about ``serve``'s flags that can be refused before the (slow) model load."""
+    """Everything about ``serve``'s flags that can be refused before the (slow) model load (the API keys and the
+    per-client limits are checked later, after the check that the server's packages are there, still before it)."""
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if not args.host.strip():
@@ -261,10 +316,14 @@ def run(args, name: str) -> int:
     except ModuleNotFoundError:
         raise UsageError(f"'fastforward serve' needs fastapi and uvicorn: {SERVE_HINT}") from None
     from ..proposers import available_methods
+    from ..server.auth import load_keys
+    from ..server.scheduler import check_client_limits
 
     if args.method not in available_methods():
         raise UsageError(f"unknown method '{args.method}'; available: {', '.join(available_methods())}")
     method_options = launch_options(args.option, args.method)  # the names now; the values once it is loaded
+    api_keys = load_keys(args.api_key, args.api_key_file)
+    check_client_limits(args.max_running, args.max_waiting, args.max_client_requests, args.max_client_waiting)
     hosts = allowed_hosts(args.allowed_hosts, args.host)
     import fastforward as ff
 
@@ -279,9 +338,14 @@ def run(args, name: str) -> int:
                      max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                      max_waiting=args.max_waiting, prefix_cache_tokens=args.prefix_cache_tokens,
                      method_options=method_options, allowed_hosts=hosts,
-                     cors_origins=tuple(args.cors_origin))
+                     cors_origins=tuple(args.cors_origin), api_keys=api_keys,
+                     max_client_requests=args.max_client_requests, max_client_waiting=args.max_client_waiting)
+    keys = f"{len(api_keys)} API key{'s' if len(api_keys) != 1 else ''}" if api_keys else "no API key"
     print(f"fastforward serve: {model_name} on http://{args.host}:{args.port} (page at /, OpenAI API at /v1, "
-          f"{app.state.max_batch_tokens} rows per shared forward)", file=sys.stderr, flush=True)
+          f"{app.state.max_batch_tokens} rows per shared forward, {keys})", file=sys.stderr, flush=True)
+    if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print("fastforward serve: no API key: whoever reaches this address can generate; give --api-key or "
+              "--api-key-file", file=sys.stderr, flush=True)
     if args.host in ("0.0.0.0", "::") and not args.allowed_hosts:
         print("fastforward serve: listening on every address, but answering only requests sent to a loopback name "
               "(Host: localhost, 127.0.0.1, [::1]); give --allowed-hosts with the names clients use",

@@ -3,8 +3,9 @@
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as server-sent events ending
 in ``data: [DONE]``), ``GET /health``, ``GET /metrics`` (Prometheus text) and the page at ``/``. Every error is
 OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 bad input (a ``Host`` the server was
-not started for included), 404 unknown model, method or route, 413 body too large, 415 a body not sent as JSON,
-429 queue full, 500 a bug (never a traceback in the body; the log has it).
+not started for included), 401 no or a wrong API key (when the server has keys, :mod:`.auth`), 404 unknown model,
+method or route, 413 body too large, 415 a body not sent as JSON, 429 the queue or the client's share of it full
+(with ``Retry-After``), 500 a bug (never a traceback in the body; the log has it).
 
 Requests a web page makes a browser send are kept out (see docs/serving.md, Security): the ``Host`` header must name
 the server (loopback names unless ``allowed_hosts`` says more: DNS rebinding), generation endpoints take only
@@ -31,6 +32,7 @@ from ..api import batch_token_budget
 from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
 from ..proposers import available_methods, make_proposer
 from ..version import __version__
+from .auth import APIKeys, needs_key
 from .metrics import Metrics
 from .page import PAGE
 from .scheduler import Scheduler
@@ -90,8 +92,10 @@ class ServerState:
     def __init__(self, target, *, model_name: str, default_method: str, limits: Limits | None,
                  max_batch_tokens: int | None, max_running: int, max_waiting: int, aliases: tuple[str, ...],
                  prefix_cache_tokens: int, default_options: dict | None, method_options: dict[str, dict] | None,
-                 allowed_hosts: tuple[str, ...]):
+                 allowed_hosts: tuple[str, ...], api_keys: tuple[str, ...] = (),
+                 max_client_requests: int | None = None, max_client_waiting: int | None = None):
         self.target, self.model_name, self.default_method = target, model_name, default_method
+        self.keys = APIKeys(api_keys) if api_keys else None
         self.limits = limits or Limits()
         self.hosts = {h.lower().strip("[]") for h in (*LOOPBACK_HOSTS, *allowed_hosts)}
         self.any_host = "*" in self.hosts
@@ -114,13 +118,14 @@ class ServerState:
                                    max_waiting=max_waiting, metrics=self.metrics,
                                    prefix_cache_tokens=prefix_cache_tokens,
                                    max_request_seconds=self.limits.max_request_seconds,
-                                   max_request_cpu_seconds=self.limits.max_request_cpu_seconds)
+                                   max_request_cpu_seconds=self.limits.max_request_cpu_seconds,
+                                   max_client_requests=max_client_requests, max_client_waiting=max_client_waiting)
         self.created = int(time.time())
 
     def error_response(self, exc: APIError, endpoint: str | None = None) -> JSONResponse:
         if endpoint:
             self.metrics.request(metrics_endpoint(endpoint), exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
     def model_card(self, name: str) -> dict:
         methods = {m.name: {"summary": m.summary, "lossless": m.lossless,
@@ -175,21 +180,57 @@ class _HostGuard:
         await self.app(scope, receive, send)
 
 
+class _KeyGuard:
+    """An ASGI middleware inside the ``Host`` check and CORS (a preflight carries no key): with API keys, a path
+    other than the page and ``/health`` needs ``Authorization: Bearer KEY`` (else a 401); the request then carries
+    the number of its key (``scope["fastforward.client"]``), by which the per-client limits count it."""
+
+    def __init__(self, app, server: ServerState):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        keys = self.server.keys
+        if scope["type"] == "http" and keys is not None and needs_key(scope.get("path", "")):
+            number, problem = keys.client([v for k, v in scope.get("headers") or () if k == b"authorization"])
+            if number is None:
+                response = self.server.error_response(APIError(
+                    401, f"{problem}; this server needs an API key (Authorization: Bearer KEY)",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}), scope.get("path", ""))
+                await response(scope, receive, send)
+                return
+            scope["fastforward.client"] = f"key {number}"
+        await self.app(scope, receive, send)
+
+
+def client_of(request: Request) -> str:
+    """Who sent ``request``, for the per-client limits: the number of its API key when the server has keys, else
+    its address (the proxy's ``X-Forwarded-For`` client behind a trusted proxy, as uvicorn reads it)."""
+    client = request.scope.get("fastforward.client")
+    if client:
+        return client
+    return f"address {request.client.host}" if request.client else "address unknown"
+
+
 def create_app(target, *, model_name: str, default_method: str = "ar", limits: Limits | None = None,
                max_batch_tokens: int | None = None, max_running: int = 16, max_waiting: int = 64,
                aliases: tuple[str, ...] = (), prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                default_options: dict | None = None, method_options: dict[str, dict] | None = None,
-               allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = ()) -> FastAPI:
+               allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+               api_keys: tuple[str, ...] = (), max_client_requests: int | None = None,
+               max_client_waiting: int | None = None) -> FastAPI:
     """The server's app for a loaded ``target``; the decode thread starts and stops with the app. ``default_options``
     are options of ``default_method`` and ``method_options`` (method -> options) those of any method, applied under
     a request's own: the server's files (trees, drafters, draft models, datastores) are named here, at launch, as a
     request may not name one. Each is checked by building that method's proposer once (a bad value is a
     :class:`UsageError` before the server listens). ``allowed_hosts``: ``Host`` names answered beside the loopback
-    ones (``*``: any); ``cors_origins``: the origins whose pages may call the API (none: no CORS)."""
+    ones (``*``: any); ``cors_origins``: the origins whose pages may call the API (none: no CORS); ``api_keys``: the
+    keys a request must carry (none: no authentication; :mod:`.auth`); ``max_client_requests`` and
+    ``max_client_waiting``: what one client may have in flight and waiting (see :class:`Scheduler`)."""
     server = ServerState(target, model_name=model_name, default_method=default_method, limits=limits,
                          max_batch_tokens=max_batch_tokens, max_running=max_running, max_waiting=max_waiting,
                          aliases=aliases, prefix_cache_tokens=prefix_cache_tokens, default_options=default_options,
-                         method_options=method_options, allowed_hosts=allowed_hosts)
+                         method_options=method_options, allowed_hosts=allowed_hosts, api_keys=tuple(api_keys),
+                         max_client_requests=max_client_requests, max_client_waiting=max_client_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -204,6 +245,7 @@ def create_app(target, *, model_name: str, default_method: str = "ar", limits: L
     app.state.server = server
     app.state.scheduler, app.state.metrics = server.scheduler, server.metrics
     app.state.max_batch_tokens = server.max_batch_tokens
+    app.add_middleware(_KeyGuard, server=server)  # innermost: inside CORS (preflights carry no key) and Host
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 
@@ -323,7 +365,7 @@ async def generate(request: Request, kind: str, endpoint: str):
     body = await read_json(request, server.limits)
     parsed = parse(kind, body, served=server.served, default_method=server.default_method, limits=server.limits,
                    launch_options=server.launch_options)
-    ticket = server.scheduler.submit(parsed, asyncio.get_running_loop())
+    ticket = server.scheduler.submit(parsed, asyncio.get_running_loop(), client=client_of(request))
     try:
         kind_, payload = await ticket.queue.get()
     except asyncio.CancelledError:

@@ -1,8 +1,10 @@
 """The decode loop of the server: one thread owns the model and drives every live request together.
 
-Requests arrive from the HTTP handlers (:meth:`Scheduler.submit`, which answers 429 when the waiting queue is
-full) and wait in order. Between two steps the loop admits waiting requests while fewer than ``max_running``
-decode (prompt ids and proposer are made here, in the thread that owns the model and the tokenizer), drops
+Requests arrive from the HTTP handlers (:meth:`Scheduler.submit`, which answers 429 with ``Retry-After`` when the
+waiting queue is full or the client is over its limits: ``max_client_requests`` in flight, ``max_client_waiting``
+waiting for a slot) and wait. Between two steps the loop admits waiting requests while fewer than ``max_running``
+decode -- the oldest request of the client with the fewest decoding first, so one client's burst does not hold the
+others back; prompt ids and proposer are made here, in the thread that owns the model and the tokenizer -- drops
 the cancelled ones (their client went away), reads about one chunk of new prompts (:data:`PREFILL_CHUNK` tokens,
 the shortest first: a long prompt is read over several rounds, never holding the others up for its whole
 length), and runs one verification step of every running sequence through
@@ -10,13 +12,20 @@ length), and runs one verification step of every running sequence through
 ``max_batch_tokens`` rows. Each sequence decodes exactly as it would alone, so a greedy answer never depends on
 who else is being served.
 
-Bounds per request: the decode loop's CPU time is shared fairly. Each sequence's steps are charged to it (a round's
-CPU time split by rows), and a sequence more than :data:`FAIR_SHARE_SECONDS` ahead of the least-served one
-sits out rounds until the others catch up. A sequence whose steps are wide (a Jacobi window, a large tree, a long
-draft) therefore gets about its share of the machine, not a forward per round on top of everyone's; and each
-request ends (finish reason ``length``) once it has used
-``max_request_seconds`` of wall time or ``max_request_cpu_seconds`` of the decode loop's CPU time (its prefill, and a
-share of every step it was in, by rows). Output never depends on either: only when it comes.
+**A fair share of the decode loop per request.** Every piece of the loop's work is charged to the request it serves:
+each prompt chunk to its request, each request's own drafting (its method's propose and observe time) to itself, and
+the rest of a step (the shared forwards, verification) to the requests in it by rows. A request more than
+:data:`FAIR_SHARE_SECONDS` ahead of the least-served one sits out rounds (reading or decoding) until the others catch
+up; one that has had more than :data:`SHORT_REQUEST_SECONDS` of the loop counts its time :data:`LONG_REQUEST_FACTOR`
+times, so that a long answer or a long prompt gets that much less than the newer requests beside it (never none).
+And in a shared step no sequence puts more than its share of the forward's rows in it (:func:`row_share`): its
+draft or window is cut to that (the answer is the same: greedy verification keeps the target's tokens, sampling
+draws keyed numbers), and a draft that may not be cut (drafts with draft probabilities: ``sps`` when sampling) is
+verified in a forward of its own after the others'. A request whose steps are wide, whose drafting is slow or whose
+prompt is long thus gets its share of the machine, and the others' steps stay about as long as they would be
+without it. Each request also ends (finish reason ``length``) once it has used ``max_request_seconds`` of wall time
+or ``max_request_cpu_seconds`` of the decode loop's CPU time (what it was charged). Output never depends on any of
+it: only when it comes.
 
 Every request has a :class:`Ticket`, which holds its :class:`~fastforward.engine.Generation` once admitted (the
 request, its run, its text streamer: the same object ``stream`` and ``generate_batch`` drive); the loop puts its
@@ -30,12 +39,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import threading
 import time
 import traceback
 
 from ..engine import PREFILL_CHUNK, BatchDecoder, Generation, Run
-from ..errors import FastForwardError
+from ..errors import FastForwardError, UsageError
 from ..model.prefix_cache import prefix_cache_for
 from ..stopping import IncrementalDetokenizer
 from .metrics import Metrics
@@ -43,21 +53,53 @@ from .schemas import APIError, ParsedRequest, without_server_paths
 
 log = logging.getLogger("fastforward.server")
 
-#: how far (decode-loop CPU seconds) a sequence may run ahead of the least-served one before it sits out rounds:
-#: large enough that ordinary sequences keep stepping together (sharing forwards), small against a wide step
-FAIR_SHARE_SECONDS = 0.5
+#: how far (decode-loop seconds, weighted) a request may run ahead of the least-served one before it sits out
+#: rounds: some rounds' worth, so that ordinary requests keep stepping together (sharing forwards) while one whose
+#: steps cost more than theirs steps less often
+FAIR_SHARE_SECONDS = 0.1
+#: decode-loop seconds a request is served at full weight (more than a typical answer takes); beyond them its time
+#: counts LONG_REQUEST_FACTOR times, so that a long request (thousands of tokens, a prompt of thousands of words)
+#: gets that much less of the loop than the newer requests beside it, never none
+SHORT_REQUEST_SECONDS = 0.25
+LONG_REQUEST_FACTOR = 4.0
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "cancelled",
                   "wall budget": "length", "cpu budget": "length"}
+
+
+def _take(counts: collections.Counter, key: str) -> None:
+    """One fewer of ``key`` (gone from ``counts`` at zero: the counters hold only clients with requests)."""
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]
+
+
+def check_client_limits(max_running: int, max_waiting: int, max_client_requests: int | None,
+                        max_client_waiting: int | None) -> tuple[int, int]:
+    """The per-client limits, checked (a one-line :class:`UsageError`), with their defaults: waiting for a slot,
+    half of ``max_waiting`` (at least 1), so that one client cannot fill the queue; in flight, every slot and that
+    (a client alone may use the whole server)."""
+    for name, value in (("max_running", max_running), ("max_waiting", max_waiting)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    waiting = max(1, max_waiting // 2) if max_client_waiting is None else max_client_waiting
+    requests = max_running + waiting if max_client_requests is None else max_client_requests
+    for flag, value, high in (("--max-client-waiting", waiting, max_waiting),
+                              ("--max-client-requests", requests, max_running + max_waiting)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+            raise UsageError(f"{flag} must be an integer in [1, {high}], got {value!r}")
+    return requests, waiting
 
 
 class Ticket:
     """One request in the server: its parsed form, its generation (once admitted), its event queue, its timing,
     draft counts and CPU account."""
 
-    def __init__(self, parsed: ParsedRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, parsed: ParsedRequest, loop: asyncio.AbstractEventLoop, client: str = ""):
         self.parsed = parsed
         self.loop = loop
+        self.client = client  # who sent it (an API key's number, else an address): the per-client limits count it
+        self.admitted = False  # taken from the waiting queue (a slot of max_running)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.t_arrival = time.perf_counter()
@@ -70,12 +112,22 @@ class Ticket:
         self.done = False
         self.rows = 1  # rows of its last step in the target forward
         self.prompt_reading = None  # while its prompt is read: the generator of its chunks (BatchDecoder.add_in_chunks)
-        self.served = 0.0  # decode-loop CPU seconds charged to it, counted from the least-served one's at admission
+        self.served = 0.0  # decode-loop seconds charged to it (weighted), counted from the least-served one's at
+        # admission: who sits out a round
+        self.attained = 0.0  # decode-loop (wall) seconds charged to it: its prefill, its drafting, its part of forwards
         self.cpu_seconds = 0.0  # decode-loop CPU time charged to it
 
     @property
     def run(self) -> Run | None:
         return None if self.generation is None else self.generation.sequence
+
+    def charge(self, seconds: float, cpu: float, short_seconds: float, long_factor: float) -> None:
+        """Charge it ``seconds`` of the decode loop (and ``cpu`` CPU seconds, for its budget): at full weight up to
+        ``short_seconds`` in all, ``long_factor`` times beyond."""
+        short = max(0.0, min(seconds, short_seconds - self.attained))
+        self.attained += seconds
+        self.cpu_seconds += cpu
+        self.served += short + (seconds - short) * long_factor
 
     def cancel(self) -> None:
         """The client went away: the loop drops the sequence before its next step."""
@@ -127,6 +179,12 @@ class Ticket:
         }
 
 
+def row_share(max_batch_tokens: int, sequences: int) -> int | None:
+    """The most rows one of ``sequences`` sequences stepping together may put in the shared forward: an equal
+    share of the forward's ``max_batch_tokens`` rows, at least its root (None, no cap, for one sequence alone)."""
+    return None if sequences < 2 else max(1, max_batch_tokens // sequences)
+
+
 def _positions_read(run: Run) -> int:
     """How many of the prompt's positions are in the run's cache (all of them once it is read, cache freed or not)."""
     if run.cache is None:
@@ -139,8 +197,11 @@ class Scheduler:
 
     def __init__(self, target, *, max_batch_tokens: int, max_running: int = 16, max_waiting: int = 64,
                  metrics: Metrics | None = None, prefix_cache_tokens: int = 0, max_request_seconds: float = 600.0,
-                 max_request_cpu_seconds: float = 300.0):
+                 max_request_cpu_seconds: float = 300.0, max_client_requests: int | None = None,
+                 max_client_waiting: int | None = None):
         self.target = target
+        self.max_client_requests, self.max_client_waiting = check_client_limits(
+            max_running, max_waiting, max_client_requests, max_client_waiting)
         self.max_batch_tokens = max_batch_tokens
         self.max_request_seconds, self.max_request_cpu_seconds = max_request_seconds, max_request_cpu_seconds
         # prompts' KV kept for later prompts that start the same way (a chat template's system prompt, earlier
@@ -152,6 +213,10 @@ class Scheduler:
         self._pending: collections.deque[Ticket] = collections.deque()
         self._active: dict[int, Ticket] = {}  # id(run) -> ticket
         self._cond = threading.Condition()
+        # per client (under _cond): requests waiting, requests holding a slot
+        self._waiting_by: collections.Counter[str] = collections.Counter()
+        self._running_by: collections.Counter[str] = collections.Counter()
+        self._latency = None  # a running mean of recent requests' latency: what Retry-After says
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="fastforward-decode", daemon=True)
         self.steps = 0
@@ -171,18 +236,38 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def submit(self, parsed: ParsedRequest, loop: asyncio.AbstractEventLoop) -> Ticket:
-        ticket = Ticket(parsed, loop)
+    def submit(self, parsed: ParsedRequest, loop: asyncio.AbstractEventLoop, client: str = "") -> Ticket:
+        """Queue a request of ``client``; a 429 (with ``Retry-After``) when the client already has
+        ``max_client_requests`` in flight, or ``max_client_waiting`` waiting while no slot is free, or the queue is
+        full."""
+        ticket = Ticket(parsed, loop, client)
         with self._cond:
             if self._stopping:
                 raise APIError(503, "the server is shutting down")
+            waiting, running = self._waiting_by[client], self._running_by[client]
+            if waiting + running >= self.max_client_requests:
+                raise self._busy(f"this client already has {waiting + running} requests in flight ({running} "
+                                 f"decoding), the most one client may have here ({self.max_client_requests}); retry "
+                                 "once one has ended", "rate_limit_exceeded")
+            slots_taken = sum(self._running_by.values()) + len(self._pending)
+            if slots_taken >= self.max_running and waiting >= self.max_client_waiting:
+                raise self._busy(f"this client already has {waiting} requests waiting for a slot, the most one "
+                                 f"client may have waiting here ({self.max_client_waiting}); retry later",
+                                 "rate_limit_exceeded")
             if len(self._pending) >= self.max_waiting:
-                raise APIError(429, f"the server is busy: {len(self._pending)} requests are already waiting "
-                                    f"(and {len(self._active)} decoding); retry later", code="queue_full")
+                raise self._busy(f"the server is busy: {len(self._pending)} requests are already waiting "
+                                 f"(and {len(self._active)} decoding); retry later", "queue_full")
             self._pending.append(ticket)
+            self._waiting_by[client] += 1
             self._cond.notify()
         self.metrics.queue(len(self._pending), len(self._active))
         return ticket
+
+    def _busy(self, message: str, code: str) -> APIError:
+        """A 429 whose ``Retry-After`` is the recent requests' mean latency (1 to 60 s): about when a request in
+        flight ends."""
+        seconds = 1 if self._latency is None else min(60, max(1, math.ceil(self._latency)))
+        return APIError(429, message, code=code, headers={"Retry-After": str(seconds)})
 
     # -- the decode thread -----------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -203,11 +288,19 @@ class Scheduler:
         """One round of the decode loop (its thread calls it while there is work): admit what fits, drop the
         cancelled, read a chunk of new prompts, step the running sequences, end those over budget."""
         with self._cond:
-            room = self.max_running - len(self._active)
-            admit = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            admit = []
+            for _ in range(min(self.max_running - len(self._active), len(self._pending))):
+                # the client with the fewest requests decoding first, then the oldest request: a client's own
+                # burst cannot keep the others' requests waiting
+                ticket = min(self._pending, key=lambda t: self._running_by[t.client])
+                self._pending.remove(ticket)
+                _take(self._waiting_by, ticket.client)
+                self._running_by[ticket.client] += 1
+                ticket.admitted = True
+                admit.append(ticket)
         for ticket in admit:
             if ticket.cancelled.is_set():
-                ticket.done = True
+                self._done(ticket)
                 continue
             waited = time.perf_counter() - ticket.t_arrival
             if waited > self.max_request_seconds:
@@ -229,21 +322,33 @@ class Scheduler:
     def _decoding(self) -> list[Ticket]:
         return [t for t in self._active.values() if t.prompt_reading is None]
 
+    def _eligible(self, tickets: list[Ticket]) -> list[Ticket]:
+        """Those of ``tickets`` not sitting out this round: within :data:`FAIR_SHARE_SECONDS` of the least-served
+        request (reading its prompt or decoding)."""
+        least = self._level()
+        return [t for t in tickets if t.served <= least + FAIR_SHARE_SECONDS]
+
+    def _level(self) -> float:
+        """Where a request admitted now starts: level with the least-served request (owed nothing for the time
+        before it came)."""
+        return min((t.served for t in self._active.values()), default=0.0)
+
+    def _charge(self, ticket: Ticket, seconds: float, cpu: float) -> None:
+        ticket.charge(seconds, cpu, SHORT_REQUEST_SECONDS, LONG_REQUEST_FACTOR)
+
     def _read_prompts(self) -> None:
         """About :data:`~fastforward.engine.PREFILL_CHUNK` prompt tokens a round, a chunk at a time, of the prompts
-        being read, the fewest tokens left first among the least-served (within :data:`FAIR_SHARE_SECONDS`): a
-        long prompt is read between rounds of the others' steps instead of holding them all up, and a short one
-        arriving behind it goes first. The CPU time is charged to each."""
+        being read, the fewest tokens left first among those not sitting out: a long prompt is read between rounds of
+        the others' steps instead of holding them all up, and a short one arriving behind it goes first. Each chunk's
+        time is charged to its request (the fair share, module docstring)."""
         budget = PREFILL_CHUNK
         while budget > 0:
-            reading = self._reading()
+            reading = self._eligible(self._reading())
             if not reading:
                 return
-            least = min(t.served for t in reading)  # the fewest tokens left first, among the least-served
-            ticket = min((t for t in reading if t.served <= least + FAIR_SHARE_SECONDS),
-                         key=lambda t: t.run.stats.prompt_tokens - _positions_read(t.run))
+            ticket = min(reading, key=lambda t: t.run.stats.prompt_tokens - _positions_read(t.run))
             before = _positions_read(ticket.run)
-            cpu_start = time.process_time()
+            wall_start, cpu_start = time.perf_counter(), time.process_time()
             try:
                 next(ticket.prompt_reading)
                 tokens = None
@@ -253,23 +358,25 @@ class Scheduler:
                 log.error("prefill failed:\n%s", traceback.format_exc())
                 self._fail(ticket, APIError(500, "internal error while reading the prompt (see the server log)"))
                 continue
-            spent = time.process_time() - cpu_start
-            ticket.cpu_seconds += spent
-            ticket.served += spent
+            self._charge(ticket, time.perf_counter() - wall_start, time.process_time() - cpu_start)
             budget -= max(1, _positions_read(ticket.run) - before)
             if tokens is not None:
                 ticket.prompt_reading = None
                 self._prompt_read(ticket, tokens)
 
     def _step(self) -> None:
-        """One round: a step of every running sequence but those sitting out (see the module docstring); the
-        round's CPU time is charged to the sequences stepped, by their rows."""
-        decoding = self._decoding()
-        least = min((t.served for t in decoding), default=0.0)
-        stepping = [t for t in decoding if t.served <= least + FAIR_SHARE_SECONDS]
-        cpu_start = time.process_time()
+        """One round: a step of every running sequence but those sitting out, each with at most its share of the
+        shared forward's rows (:func:`row_share`); the round's time is charged to the sequences stepped: each its
+        own drafting, the rest (the forwards, verification) by rows (module docstring)."""
+        stepping = self._eligible(self._decoding())
+        if not stepping:
+            return
+        runs = [t.run for t in stepping]
+        share = row_share(self.max_batch_tokens, len(stepping))
+        drafted = [t.run.stats.draft_time for t in stepping]
+        wall_start, cpu_start = time.perf_counter(), time.process_time()
         try:
-            steps = self.batch.step([t.run for t in stepping])
+            steps = self.batch.step(runs, None if share is None else [share] * len(runs))
         except Exception:  # a bug: fail the requests in flight, keep serving
             log.error("decode step failed:\n%s", traceback.format_exc())
             for ticket in list(self._active.values()):
@@ -277,12 +384,13 @@ class Scheduler:
             self.batch.runs.clear()
             return
         self.steps += 1
-        cpu = time.process_time() - cpu_start
+        wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
+        own = [max(0.0, t.run.stats.draft_time - d) for t, d in zip(stepping, drafted, strict=True)]
+        rest = max(0.0, wall - sum(own))
         rows = sum(t.rows for t in stepping)
-        for ticket in stepping:
-            share = cpu * ticket.rows / rows
-            ticket.cpu_seconds += share
-            ticket.served += share
+        for ticket, mine in zip(stepping, own, strict=True):
+            seconds = mine + rest * ticket.rows / rows
+            self._charge(ticket, seconds, cpu * seconds / wall if wall > 0 else 0.0)
         for run, tokens in steps:
             ticket = self._active.get(id(run))
             if ticket is None:
@@ -308,8 +416,7 @@ class Scheduler:
 
     def _admit(self, ticket: Ticket) -> None:
         ticket.t_admit = time.perf_counter()
-        # it starts level with the least-served sequence: owed nothing for the time before it came
-        ticket.served = min((t.served for t in self._active.values()), default=0.0)
+        ticket.served = self._level()
         try:
             generation = ticket.parsed.generation.start(self.target, observers=(ticket.observe,),
                                                         prefix_cache=self.prefix_cache)
@@ -373,12 +480,22 @@ class Scheduler:
         if ticket.tracer is not None:
             rest = ticket.tracer.flush()
             event["pieces"] = [[rest, 0]] if rest else []
-        ticket.done = True
+        self._done(ticket)
         ticket.put("done", event)
         self._account(ticket, now, cancelled=False)
 
+    def _done(self, ticket: Ticket) -> None:
+        """The ticket has its answer (or its client went away): its client's count goes down."""
+        with self._cond:
+            if not ticket.done:
+                _take(self._running_by if ticket.admitted else self._waiting_by, ticket.client)
+            ticket.done = True
+
     def _account(self, ticket: Ticket, now: float, cancelled: bool) -> None:
         s = ticket.run.stats
+        if not cancelled:
+            latency = now - ticket.t_arrival
+            self._latency = latency if self._latency is None else 0.9 * self._latency + 0.1 * latency
         self.metrics.finished(
             ticket.parsed.method, prompt_tokens=s.prompt_tokens, completion_tokens=s.new_tokens,
             forwards=s.target_forwards, drafts=ticket.drafts, draft_tokens=ticket.draft_tokens,
@@ -392,7 +509,7 @@ class Scheduler:
                 self._stop_reading(ticket)
                 self.batch.remove(ticket.run)
                 self._active.pop(key, None)
-                ticket.done = True
+                self._done(ticket)
                 self._account(ticket, time.perf_counter(), cancelled=True)
 
     def _fail(self, ticket: Ticket, error: APIError) -> None:
@@ -400,7 +517,7 @@ class Scheduler:
             self._active.pop(id(ticket.run), None)
             self._stop_reading(ticket)
             self.batch.remove(ticket.run)
-        ticket.done = True
+        self._done(ticket)
         ticket.put("error", error)
 
     @staticmethod

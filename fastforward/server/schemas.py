@@ -21,13 +21,15 @@ MAX_STOP_STRINGS = 4  # as OpenAI's API
 class APIError(Exception):
     """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-             413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
-             500: "server_error", 503: "server_error"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = dict(headers or {})  # sent with the answer: Retry-After (429), WWW-Authenticate (401)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
