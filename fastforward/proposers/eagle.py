@@ -115,7 +115,7 @@ class EagleProposer(FeatureDrafterProposer):
         return self._sampled_chain(state, k, next_q)
 
     def _commit(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        self.last_h = self.runner.commit(self.runner.fuse(taps), tokens, positions)[-1:]
+        self.last_h = self.runner.commit(self.runner.fuse(taps), tokens, positions, last_only=True)
 
     def propose(self, state: DecodeState) -> Proposal | None:
         curve_ms = self._curve_ms()
