@@ -293,7 +293,7 @@ def test_a_model_without_a_chat_template_is_refused(capsys, monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 
 PROMPT = "\r\n> "
-STATS = re.compile(r"last answer: (\d+) tokens.*?prompt (\d+) tokens: (\d+) read now, (\d+) from earlier", re.S)
+STATS = re.compile(r"last answer: (\d+) tokens .*?prompt (\d+) tokens: (\d+) read now, (\d+) from earlier", re.S)
 
 
 def test_chat_in_a_terminal(endless, endless_file, tmp_path):
@@ -350,3 +350,24 @@ def test_chat_in_a_terminal(endless, endless_file, tmp_path):
         ar = ff.generate(endless, messages, "ar", max_new_tokens=400).token_ids
         assert (ar[: len(turn["token_ids"])] if turn["interrupted"] else ar) == turn["token_ids"], i
     assert turns[3]["cached_prompt_tokens"] == turns[2]["prompt_tokens"] + turns[2]["new_tokens"]
+
+
+@pytest.mark.parametrize("when", ["at the prompt", "in an answer"])
+def test_sigterm_ends_the_chat(endless_file, when):
+    """SIGTERM (kill, a scheduler's notice) leaves, where Ctrl-C only stops an answer."""
+    import signal
+
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-m", "fastforward.cli", "chat", "--model", str(endless_file),
+                                           "--max-new-tokens", "2000"], env=dict(os.environ), encoding="utf-8",
+                          timeout=180)
+    try:
+        child.expect_exact("> ")
+        if when == "in an answer":
+            child.sendline("hello there")
+            child.expect(r"[ -~]{12}")
+        child.kill(signal.SIGTERM)
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 143 and "fastforward: terminated" in child.before

@@ -406,6 +406,8 @@ class Terminal:
         while True:
             try:
                 text = self.read()
+            except Terminated:
+                raise
             except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt
                 self.write("\n")
                 _say("(Ctrl-D or /exit leaves)")
@@ -497,8 +499,9 @@ class Terminal:
             return
         stats = last["stats"]
         context = last["prompt_tokens"] + last["new_tokens"]
+        ended = "shown, stopped" if last["interrupted"] else stats.finish_reason
         lines = [
-            f"last answer: {last['new_tokens']} tokens, {stats.finish_reason or 'stopped'}, method "
+            f"last answer: {last['new_tokens']} tokens {ended}, method "
             f"{_method_text(last['method'], last['method_options'])}",
             f"  prompt {last['prompt_tokens']} tokens: {last['read_prompt_tokens']} read now, "
             f"{last['cached_prompt_tokens']} from earlier turns' KV entries",
