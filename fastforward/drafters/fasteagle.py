@@ -213,10 +213,13 @@ class FastEagleRunner(DrafterRunner):
         if end > self.capacity or int(positions.max()) >= self.cos.shape[0]:
             self._alloc(max(2 * self.capacity, end, int(positions.max()) + 1), keep=self.length)
         g = self.fc(taps.reshape(r, -1).float().contiguous())
+        if self.ops is not None:
+            ops, eps = self.ops, self.eps
+            x = torch.cat([ops.rms_norm(self.embed(tokens).contiguous(), self.e_norm, eps),
+                           ops.rms_norm(g, self.g_norm, eps)], dim=-1)
+            return self._layers_native(self.fc_in(x) + self.fc_in_bias, positions, start, end)
         x = torch.cat([self.norm(self.embed(tokens), self.e_norm), self.norm(g, self.g_norm)], dim=-1)
         x = self.fc_in(x.contiguous()) + self.fc_in_bias
-        if self.ops is not None:
-            return self._layers_native(x, positions, start, end)
         cos, sin = self.cos[positions], self.sin[positions]
         causal = torch.ones(r, end, dtype=torch.bool).tril(start)  # [r, end]: committed rows + causal new rows
         last = []
@@ -233,24 +236,31 @@ class FastEagleRunner(DrafterRunner):
         return torch.stack(last)
 
     def _layers_native(self, x: torch.Tensor, positions: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """The N layers of :meth:`_rows` through the native layer ops (causal over the new rows after the committed
-        ones): the last row's outputs h_1..h_N [N, d]."""
+        """The N layers of :meth:`_rows` through the native layer ops (each layer one native call when its weights
+        are packed; causal over the new rows after the committed ones): the last row's outputs h_1..h_N [N, d]. The
+        last layer takes only the last row past its attention (the others' keys and values are all it needs)."""
         ops, cfg, eps = self.ops, self.cfg, self.eps
         positions = positions.to(torch.long).contiguous()
-        last, h, first = [], x.contiguous(), None
+        n = len(self.layers)
+        last = torch.empty(n, x.shape[1])
+        h = x.contiguous()  # the residual stream, updated in place layer after layer
+        normed = ops.rms_norm(h, self.layers[0].in_norm, eps)
+        first = None
         for i, w in enumerate(self.layers):
-            src = h if (cfg.cascade or i <= 1) else first
-            qkv = w.project_qkv(ops.rms_norm(src, w.in_norm, eps)).contiguous()
-            o = ops.attention(qkv, self.cos, self.sin, positions, self.k[i], self.v[i], start, None,
-                              cfg.num_attention_heads, cfg.num_key_value_heads, None)
-            h = src.clone()  # the residual stream, updated in place as the target's forward does
-            h_norm = ops.add_rms_norm(h, w.attention_output(o), w.post_norm, eps)
-            h += w.mlp(h_norm, ops)
-            if i == 0:
-                first = h
-            last.append(h[-1])
+            if not cfg.cascade and i >= 1:  # the "w/o cascade" ablation: layers 2.. read layer 1's output
+                if i == 1:
+                    first = h.clone()
+                else:
+                    h = first.clone()
+                    normed = ops.rms_norm(h, w.in_norm, eps)
+            chained = cfg.cascade and i + 1 < n  # the next layer reads this one's output, normed by its in_norm
+            next_norm = self.layers[i + 1].in_norm if chained or (i == 0 and n > 1) else w.post_norm
+            out = self.native_layer(w, h, normed, next_norm, positions, self.k, self.v, i, start, None, None,
+                                    last_only=i + 1 == n)
+            normed = out
+            last[i] = h[-1]
         self.length = end
-        return torch.stack(last)
+        return last
 
     def probs(self, h: torch.Tensor) -> torch.Tensor:
         """[N, d] -> [N, draft_vocab] next-token probabilities of depths 1..N (one head matmul)."""
