@@ -258,7 +258,7 @@ def test_slash_commands_and_bad_input_go_on(chat, capsys, tmp_path):
     saved = json.loads((tmp_path / "chat.json").read_text())
     assert next(iter(saved)) == TRANSCRIPT_KEY  # how /save knows a file it may overwrite
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant"] * 3
-    assert [t["method"] for t in saved["turns"]] == ["ar", "pld", "pld"]
+    assert [t["method"] for t in saved["turns"]] == [DEFAULT_METHOD, "pld", "pld"]
     assert saved["turns"][1]["read_prompt_tokens"] < saved["turns"][1]["prompt_tokens"]
     assert "system prompt: 'be brief'" in out and conversation.system == "be brief"
     assert "/method" in out and "/save FILE" in out  # /help
