@@ -12,7 +12,7 @@ from .engine import Generation, GenerationResult, decode_batch
 from .errors import InputTypeError, UsageError
 from .model import TargetModel, load
 from .model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS, prefix_cache_for
-from .request import GenerationRequest
+from .request import DEFAULT_METHOD, GenerationRequest
 from .validation import check_observers
 
 MIN_BATCH_TOKENS = 16
@@ -28,8 +28,8 @@ def _target(model) -> TargetModel:
 
 
 #: what :func:`stream` and :func:`generate_batch` set on the requests they build when an argument is left out
-REQUEST_DEFAULTS = dict(method="ar", max_new_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
-                        chat=True, system=None, method_options=None)
+REQUEST_DEFAULTS = dict(method=DEFAULT_METHOD, max_new_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=None,
+                        stop=None, chat=True, system=None, method_options=None)
 
 
 def _left_out(value, default) -> bool:
@@ -53,7 +53,7 @@ def _request(prompt, method, options, where: str = "prompt") -> GenerationReques
 def stream(
     model,
     prompt,
-    method="ar",
+    method=DEFAULT_METHOD,
     *,
     max_new_tokens: int = 256,
     temperature: float = 0.0,
@@ -84,7 +84,7 @@ def stream(
     return request.start(_target(model), on_prefill=on_prefill, observers=observers)
 
 
-def generate(model, prompt, method="ar", **kwargs) -> GenerationResult:
+def generate(model, prompt, method=DEFAULT_METHOD, **kwargs) -> GenerationResult:
     """Generate a continuation of ``prompt`` with a decoding ``method``; the arguments are :func:`stream`'s.
 
     Every lossless method returns exactly what ``method="ar"`` returns at temperature 0, and samples from the
@@ -114,7 +114,7 @@ def batch_token_budget(target: TargetModel) -> int:
 def generate_batch(
     model,
     prompts,
-    method="ar",
+    method=DEFAULT_METHOD,
     *,
     max_new_tokens: int = 256,
     temperature: float = 0.0,

@@ -534,13 +534,16 @@ def _measured(target, path: Path, announce: bool) -> tuple[CostCurve, Path, str 
     if announce:
         print(f"fastforward: measuring this machine's forward cost curve for {target.name} "
               f"({torch.get_num_threads()} threads; once, a few seconds; cached in {path.parent})", file=sys.stderr)
-    kv = min(CURVE_KV, max(1, target.max_context - max(CURVE_QS) - 1))
+    # the row counts a forward of this model can take after at least one cached token (a tiny test model's context
+    # may be shorter than the largest)
+    qs = tuple(q for q in CURVE_QS if q + 2 <= target.max_context) or (1,)
+    kv = min(CURVE_KV, max(1, target.max_context - max(qs) - 1))
     ms: dict = {}
     quiet: LoadReading | None = None
     worst: LoadReading | None = None
     for _ in range(CURVE_ATTEMPTS):
         with LoadMeter() as meter:
-            again = measure_forward_costs(target, CURVE_QS, kv=kv, repeats=3)
+            again = measure_forward_costs(target, qs, kv=kv, repeats=3)
         reading = meter.reading
         if reading.loaded:
             worst = reading

@@ -46,12 +46,17 @@ def check_method(method, method_options) -> dict:
     return dict(options)
 
 
+#: the method of a request that names none: ``auto`` (each step the best of the context, the datastore, the trained
+#: drafter or no draft, priced by this machine's cost curve; lossless like every method)
+DEFAULT_METHOD = "auto"
+
+
 @dataclass
 class GenerationRequest:
     """What to generate and how; validated on construction (see the module docstring)."""
 
     prompt: object
-    method: object = "ar"
+    method: object = DEFAULT_METHOD
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_k: int = 0

@@ -10,6 +10,7 @@ import pytest
 import fastforward as ff
 from fastforward.engine import SequenceRun
 from fastforward.errors import UsageError
+from fastforward.request import DEFAULT_METHOD
 
 OK = [1, 2, 3]
 
@@ -205,7 +206,8 @@ def test_settings_beside_a_generation_request_are_refused(tiny, monkeypatch):
     seen = []
     result = ff.generate(tiny, request, observers=[lambda state, step: seen.append(step)], on_prefill=lambda d, t: 0)
     assert len(result.token_ids) == 4 and seen
-    results = ff.generate_batch(tiny, [request, [4, 5]], method=["ar", "pld"], seed=[None, 7], max_batch_tokens=16)
+    results = ff.generate_batch(tiny, [request, [4, 5]], method=[DEFAULT_METHOD, "pld"], seed=[None, 7],
+                                max_batch_tokens=16)
     assert len(results[0].token_ids) == 4
 
 

@@ -152,8 +152,8 @@ def test_generate_stream_and_no_stream_agree(capsys, tiny_folder):
 
 def test_generate_json_and_stats(capsys, tiny_folder):
     code, out, err = run(capsys, "generate", "t4 t5", "--model", tiny_folder, "--max-new-tokens", "6", "--json",
-                         "--stats", "--backend", "hf")
-    assert code == 0
+                         "--stats", "--backend", "hf", "--method", "ar")
+    assert code == 0, err
     data = json.loads(out)
     assert len(data["token_ids"]) == 6
     assert data["stats"]["tau"] == 1.0 and data["stats"]["finish_reason"] == "length"

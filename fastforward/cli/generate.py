@@ -13,6 +13,7 @@ import fastforward as ff
 from ..errors import UsageError
 from ..model import DEFAULT_MODEL, DEFAULT_PASTA_MODEL
 from ..proposers import available_methods
+from ..request import DEFAULT_METHOD
 from ..stats import draft_source_lines, pool_draft_sources
 from .options import (
     add_batch_arguments,
@@ -58,7 +59,8 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--prompts", metavar="FILE", help="decode every prompt of FILE together, several per forward "
                    "(one per line, or JSON lines: a string or {\"prompt\": ...}); each output equals its solo output")
     add_batch_arguments(p, "--prompts")
-    p.add_argument("--method", default="ar", help="decoding method, see 'fastforward methods' (default: ar)")
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help=f"decoding method, see 'fastforward methods' (default: {DEFAULT_METHOD})")
     add_method_option_argument(p)
     add_model_arguments(p)
     p.set_defaults(model=_DefaultModel(DEFAULT_MODEL))
