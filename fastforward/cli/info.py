@@ -99,6 +99,7 @@ def render(facts: dict) -> str:
     def row(label: str, text: str) -> None:
         indent = " " * (len(text) - len(text.lstrip()) + 2)
         for i, part in enumerate(textwrap.wrap(text, WIDTH - 13, subsequent_indent=indent, break_on_hyphens=False,
+                                               break_long_words=False,
                                                drop_whitespace=True) or [""]):
             lines.append(f"{label if i == 0 else '':<13}{part}")
 
