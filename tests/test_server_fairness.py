@@ -195,7 +195,7 @@ class _Clients:
     def round(self, cost) -> list[Ticket]:
         stepping = self.scheduler._eligible(list(self.scheduler._active.values()))
         for ticket in stepping:
-            self.scheduler._charge(ticket, cost(ticket), 0.0)
+            self.scheduler._charge(ticket, cost(ticket))
         return stepping
 
 
@@ -229,13 +229,13 @@ def test_a_long_request_gets_a_quarter_of_a_newer_ones_share(tiny):
                 clients.remove(ticket)
                 del light[ticket]
                 light[clients.add()] = 0
-    assert long.attained > scheduling.SHORT_REQUEST_SECONDS
+    assert long.cpu_seconds > scheduling.SHORT_REQUEST_SECONDS
     assert 0.15 * rounds < steps_long < 0.40 * rounds
 
 
 def test_charges_weigh_past_the_short_request_seconds():
     ticket = Ticket(None, None)
-    ticket.charge(0.2, 0.1, 0.25, 4.0)
-    assert ticket.served == pytest.approx(0.2) and ticket.cpu_seconds == pytest.approx(0.1)
-    ticket.charge(0.1, 0.0, 0.25, 4.0)  # 0.05 at full weight, 0.05 four times
-    assert ticket.served == pytest.approx(0.45) and ticket.attained == pytest.approx(0.3)
+    ticket.charge(0.2, 0.25, 4.0)
+    assert ticket.served == pytest.approx(0.2) and ticket.cpu_seconds == pytest.approx(0.2)
+    ticket.charge(0.1, 0.25, 4.0)  # 0.05 at full weight, 0.05 four times
+    assert ticket.served == pytest.approx(0.45) and ticket.cpu_seconds == pytest.approx(0.3)

@@ -12,9 +12,9 @@ length), and runs one verification step of every running sequence through
 ``max_batch_tokens`` rows. Each sequence decodes exactly as it would alone, so a greedy answer never depends on
 who else is being served.
 
-**A fair share of the decode loop per request.** Every piece of the loop's work is charged to the request it serves:
-each prompt chunk to its request, each request's own drafting (its method's propose and observe time) to itself, and
-the rest of a step (the shared forwards, verification) to the requests in it by rows. A request more than
+**A fair share of the decode loop per request.** The loop's CPU time is charged to the requests it serves: each
+prompt chunk to its request, and each step's time split between the requests in it -- each its own drafting (its
+method's propose and observe time), the rest (the shared forwards, verification) by rows. A request more than
 :data:`FAIR_SHARE_SECONDS` ahead of the least-served one sits out rounds (reading or decoding) until the others catch
 up; one that has had more than :data:`SHORT_REQUEST_SECONDS` of the loop counts its time :data:`LONG_REQUEST_FACTOR`
 times, so that a long answer or a long prompt gets that much less than the newer requests beside it (never none).
@@ -53,13 +53,14 @@ from .schemas import APIError, ParsedRequest, without_server_paths
 
 log = logging.getLogger("fastforward.server")
 
-#: how far (decode-loop seconds, weighted) a request may run ahead of the least-served one before it sits out
+#: how far (decode-loop CPU seconds, weighted) a request may run ahead of the least-served one before it sits out
 #: rounds: some rounds' worth, so that ordinary requests keep stepping together (sharing forwards) while one whose
 #: steps cost more than theirs steps less often
 FAIR_SHARE_SECONDS = 0.1
-#: decode-loop seconds a request is served at full weight (more than a typical answer takes); beyond them its time
-#: counts LONG_REQUEST_FACTOR times, so that a long request (thousands of tokens, a prompt of thousands of words)
-#: gets that much less of the loop than the newer requests beside it, never none
+#: decode-loop CPU seconds a request is served at full weight (about what a short answer takes); beyond them its
+#: time counts LONG_REQUEST_FACTOR times, so that a long request (thousands of tokens, a prompt of thousands of
+#: words) gets that much less of the loop than the newer requests beside it, never none. CPU time, not wall time:
+#: other load on the machine does not make every request look long
 SHORT_REQUEST_SECONDS = 0.25
 LONG_REQUEST_FACTOR = 4.0
 
@@ -112,22 +113,20 @@ class Ticket:
         self.done = False
         self.rows = 1  # rows of its last step in the target forward
         self.prompt_reading = None  # while its prompt is read: the generator of its chunks (BatchDecoder.add_in_chunks)
-        self.served = 0.0  # decode-loop seconds charged to it (weighted), counted from the least-served one's at
-        # admission: who sits out a round
-        self.attained = 0.0  # decode-loop (wall) seconds charged to it: its prefill, its drafting, its part of forwards
-        self.cpu_seconds = 0.0  # decode-loop CPU time charged to it
+        self.served = 0.0  # decode-loop CPU seconds charged to it (weighted), counted from the least-served one's
+        # at admission: who sits out a round
+        self.cpu_seconds = 0.0  # decode-loop CPU time charged to it: its prefill, its drafting, its part of forwards
 
     @property
     def run(self) -> Run | None:
         return None if self.generation is None else self.generation.sequence
 
-    def charge(self, seconds: float, cpu: float, short_seconds: float, long_factor: float) -> None:
-        """Charge it ``seconds`` of the decode loop (and ``cpu`` CPU seconds, for its budget): at full weight up to
-        ``short_seconds`` in all, ``long_factor`` times beyond."""
-        short = max(0.0, min(seconds, short_seconds - self.attained))
-        self.attained += seconds
+    def charge(self, cpu: float, short_seconds: float, long_factor: float) -> None:
+        """Charge it ``cpu`` seconds of the decode loop's CPU time: towards its budget, and towards its share at
+        full weight up to ``short_seconds`` in all, ``long_factor`` times beyond."""
+        short = max(0.0, min(cpu, short_seconds - self.cpu_seconds))
         self.cpu_seconds += cpu
-        self.served += short + (seconds - short) * long_factor
+        self.served += short + (cpu - short) * long_factor
 
     def cancel(self) -> None:
         """The client went away: the loop drops the sequence before its next step."""
@@ -333,8 +332,8 @@ class Scheduler:
         before it came)."""
         return min((t.served for t in self._active.values()), default=0.0)
 
-    def _charge(self, ticket: Ticket, seconds: float, cpu: float) -> None:
-        ticket.charge(seconds, cpu, SHORT_REQUEST_SECONDS, LONG_REQUEST_FACTOR)
+    def _charge(self, ticket: Ticket, cpu: float) -> None:
+        ticket.charge(cpu, SHORT_REQUEST_SECONDS, LONG_REQUEST_FACTOR)
 
     def _read_prompts(self) -> None:
         """About :data:`~fastforward.engine.PREFILL_CHUNK` prompt tokens a round, a chunk at a time, of the prompts
@@ -348,7 +347,7 @@ class Scheduler:
                 return
             ticket = min(reading, key=lambda t: t.run.stats.prompt_tokens - _positions_read(t.run))
             before = _positions_read(ticket.run)
-            wall_start, cpu_start = time.perf_counter(), time.process_time()
+            cpu_start = time.process_time()
             try:
                 next(ticket.prompt_reading)
                 tokens = None
@@ -358,7 +357,7 @@ class Scheduler:
                 log.error("prefill failed:\n%s", traceback.format_exc())
                 self._fail(ticket, APIError(500, "internal error while reading the prompt (see the server log)"))
                 continue
-            self._charge(ticket, time.perf_counter() - wall_start, time.process_time() - cpu_start)
+            self._charge(ticket, time.process_time() - cpu_start)
             budget -= max(1, _positions_read(ticket.run) - before)
             if tokens is not None:
                 ticket.prompt_reading = None
@@ -385,12 +384,14 @@ class Scheduler:
             return
         self.steps += 1
         wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
+        # each one's part of the round: its own drafting, and the rest by rows (wall times: their ratios hold under
+        # other load on the machine), of the round's CPU time
         own = [max(0.0, t.run.stats.draft_time - d) for t, d in zip(stepping, drafted, strict=True)]
         rest = max(0.0, wall - sum(own))
         rows = sum(t.rows for t in stepping)
         for ticket, mine in zip(stepping, own, strict=True):
-            seconds = mine + rest * ticket.rows / rows
-            self._charge(ticket, seconds, cpu * seconds / wall if wall > 0 else 0.0)
+            part = (mine + rest * ticket.rows / rows) / wall if wall > 0 else 1 / len(stepping)
+            self._charge(ticket, cpu * part)
         for run, tokens in steps:
             ticket = self._active.get(id(run))
             if ticket is None:
