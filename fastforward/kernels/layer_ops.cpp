@@ -76,6 +76,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
@@ -115,6 +116,32 @@ inline __m256 exp8(__m256 x) {
 }
 
 inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
+
+#if defined(FF_ISA_AVX512) && !defined(FF_ISA_EMULATED)
+// exp8's operations on 16 lanes at once (lane by lane the same IEEE operations, so the same results).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i ni = _mm512_cvtps_epi32(n);  // in [-150, 128]
+  const __m512i n1 = _mm512_srai_epi32(ni, 1);
+  const __m512i n2 = _mm512_sub_epi32(ni, n1);
+  const __m512i bias = _mm512_set1_epi32(127);
+  const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
+  const __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
+  return _mm512_mul_ps(_mm512_mul_ps(y, s1), s2);
+}
+#endif
 
 // tanh, lane by lane (see the header): Cephes' tanhf polynomial below |x| = 0.625, 1 - 2/(e^2|x| + 1) above, the
 // sign of x copied back. Within a few ulp of tanh; NaN passes through, +-inf gives +-1.
@@ -454,6 +481,101 @@ inline void scores(const float* const* qs, int nq, const T* const* k, int n, int
     scores_t<0>(qs, nq, k, n, d, scale, softcap, S, off);
 }
 
+// ---- many queries over the keys every row shares ----------------------------------------------------------------
+//
+// A task with many queries (several rows, each with its group of heads) over the keys every row shares: the keys and
+// values are widened to fp32 once for all of them (exactly), and four queries share each key and value load. Every
+// (query, key) pair keeps scores()' arithmetic (one accumulator, fma over d ascending, fold8, reduce8, scale, cap)
+// and every output pv_queries' (fma over t ascending from zero), so the results are bitwise those of the narrow
+// path; only the loads and the registers they land in change.
+constexpr int kWideQueries = 6;  // queries in a task from which the shared keys and values are widened once
+
+template <typename T>
+inline void widen_rows(const T* src, int n, int64_t d, float* dst) {  // dst[t * d + e] = fp32 of src[t * d + e]
+  if constexpr (std::is_same<T, float>::value) {
+    std::memcpy(dst, src, sizeof(float) * n * d);
+  } else {
+    int64_t i = 0;
+    for (; i + kLanes <= n * d; i += kLanes) Isa::store(dst + i, load_kv(src + i));
+    for (; i < n * d; ++i) dst[i] = _cvtsh_ss(src[i]);
+  }
+}
+
+// Four queries x four keys (fp32 rows): lanes [qa.k0..qa.k3, qb.k0..qb.k3] of ra and the same for qc, qd in rc.
+template <int64_t DC>
+inline void dot_4x4(const float* const* q, const float* const* k, int64_t d_, __m256& ra, __m256& rc) {
+  const int64_t d = DC ? DC : d_;
+  Reg acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = Isa::zero();
+  const int64_t full = d / kLanes * kLanes;
+#pragma GCC unroll 8
+  for (int64_t e = 0; e < full; e += kLanes) {
+    const Reg a = Isa::load(q[0] + e), b = Isa::load(q[1] + e), c = Isa::load(q[2] + e), dd = Isa::load(q[3] + e);
+    for (int j = 0; j < 4; ++j) {
+      const Reg kv = Isa::load(k[j] + e);
+      acc[j] = Isa::fma(a, kv, acc[j]);
+      acc[4 + j] = Isa::fma(b, kv, acc[4 + j]);
+      acc[8 + j] = Isa::fma(c, kv, acc[8 + j]);
+      acc[12 + j] = Isa::fma(dd, kv, acc[12 + j]);
+    }
+  }
+  if (full < d) {
+    const auto m = Isa::mask(static_cast<int>(d - full));
+    const Reg a = Isa::load(q[0] + full, m), b = Isa::load(q[1] + full, m), c = Isa::load(q[2] + full, m),
+              dd = Isa::load(q[3] + full, m);
+    for (int j = 0; j < 4; ++j) {
+      const Reg kv = Isa::load(k[j] + full, m);
+      acc[j] = Isa::fma(a, kv, acc[j]);
+      acc[4 + j] = Isa::fma(b, kv, acc[4 + j]);
+      acc[8 + j] = Isa::fma(c, kv, acc[8 + j]);
+      acc[12 + j] = Isa::fma(dd, kv, acc[12 + j]);
+    }
+  }
+  __m256 f[8];
+  for (int j = 0; j < 8; ++j) f[j] = fold8(acc[j]);
+  ra = reduce8(f);
+  for (int j = 0; j < 8; ++j) f[j] = fold8(acc[8 + j]);
+  rc = reduce8(f);
+}
+
+// scores() for queries qs[0..nq) against n fp32 key rows k (k[t] = kf + t * d, 8 valid pointers past n): four
+// queries at a time, the rest through scores_t.
+template <int64_t DC>
+inline void scores_wide_t(const float* const* qs, int nq, const float* const* k, int n, int64_t d, float scale,
+                          float softcap, float* S) {
+  const __m256 vs = _mm256_set1_ps(scale), vcap = _mm256_set1_ps(softcap);
+  const bool capped = softcap > 0.0f;
+  int j = 0;
+  for (; j + 4 <= nq; j += 4) {
+    float* s0 = S + j * kStride;
+    for (int t = 0; t < n; t += 4) {
+      __m256 ra, rc;
+      dot_4x4<DC>(qs + j, k + t, d, ra, rc);
+      ra = _mm256_mul_ps(ra, vs);
+      rc = _mm256_mul_ps(rc, vs);
+      if (capped) {
+        ra = softcap8(ra, vcap);
+        rc = softcap8(rc, vcap);
+      }
+      _mm_storeu_ps(s0 + t, _mm256_castps256_ps128(ra));
+      _mm_storeu_ps(s0 + kStride + t, _mm256_extractf128_ps(ra, 1));
+      _mm_storeu_ps(s0 + 2 * kStride + t, _mm256_castps256_ps128(rc));
+      _mm_storeu_ps(s0 + 3 * kStride + t, _mm256_extractf128_ps(rc, 1));
+    }
+  }
+  if (j < nq) scores_t<DC>(qs + j, nq - j, k, n, d, scale, softcap, S + j * kStride, 0);
+}
+
+inline void scores_wide(const float* const* qs, int nq, const float* const* k, int n, int64_t d, float scale,
+                        float softcap, float* S) {
+  if (d == 64)
+    scores_wide_t<64>(qs, nq, k, n, d, scale, softcap, S);
+  else if (d == 128)
+    scores_wide_t<128>(qs, nq, k, n, d, scale, softcap, S);
+  else
+    scores_wide_t<0>(qs, nq, k, n, d, scale, softcap, S);
+}
+
 // Steps 3b-3c on one score row of n entries: p in place, returns m and l. Masked (a window): p = 0 exactly where
 // s = -inf (a key outside the window; exp8 alone would give e^-104 there).
 template <bool Masked>
@@ -470,7 +592,22 @@ inline void softmax_row(float* s, int n, float* m_out, float* l_out) {
   for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
   const __m256 vm = _mm256_set1_ps(m);
   __m256 lsum = _mm256_setzero_ps();
-  for (int b = 0; b < full; b += 8) {
+  int b0 = 0;
+#if defined(FF_ISA_AVX512) && !defined(FF_ISA_EMULATED)
+  // Sixteen at a time: exp16 is exp8 lane by lane, and the two halves go into lsum in t order.
+  const __m512 vm16 = _mm512_set1_ps(m);
+  for (; b0 + 16 <= full; b0 += 16) {
+    const __m512 x = _mm512_loadu_ps(s + b0);
+    __m512 p = exp16(_mm512_sub_ps(x, vm16));
+    if (Masked)
+      p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                                 _CMP_NEQ_UQ), p);
+    _mm512_storeu_ps(s + b0, p);
+    lsum = _mm256_add_ps(lsum, _mm512_castps512_ps256(p));
+    lsum = _mm256_add_ps(lsum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+  }
+#endif
+  for (int b = b0; b < full; b += 8) {
     const __m256 x = _mm256_loadu_ps(s + b);
     __m256 p = exp8(_mm256_sub_ps(x, vm));
     if (Masked) p = _mm256_and_ps(p, _mm256_cmp_ps(x, ninf, _CMP_NEQ_UQ));
@@ -559,6 +696,44 @@ inline void pv_queries(const float* const* ps, float* const* os, int nq, const T
     if (e + kLanes <= full) { pv_1<1>(ps[j], v, n, e, os[j], init); e += kLanes; }
     if (rest) pv_tail(ps[j], v, n, full, rest, os[j], init);
   }
+}
+
+// pv_queries (init) for four queries at a time over n fp32 value rows: every output element the same fma chain over t
+// ascending from zero, four queries sharing each value load.
+template <int NR>
+inline void pv_4(const float* const* p, const float* const* v, int n, int64_t e0, float* const* o) {
+  Reg a[4][NR];
+  for (int q = 0; q < 4; ++q)
+    for (int r = 0; r < NR; ++r) a[q][r] = Isa::zero();
+  for (int t = 0; t < n; ++t) {
+    const float* vt = v[t] + e0;
+    const Reg w0 = Isa::bcast(p[0] + t), w1 = Isa::bcast(p[1] + t), w2 = Isa::bcast(p[2] + t),
+              w3 = Isa::bcast(p[3] + t);
+    for (int r = 0; r < NR; ++r) {
+      const Reg vv = Isa::load(vt + r * kLanes);
+      a[0][r] = Isa::fma(w0, vv, a[0][r]);
+      a[1][r] = Isa::fma(w1, vv, a[1][r]);
+      a[2][r] = Isa::fma(w2, vv, a[2][r]);
+      a[3][r] = Isa::fma(w3, vv, a[3][r]);
+    }
+  }
+  for (int q = 0; q < 4; ++q)
+    for (int r = 0; r < NR; ++r) Isa::store(o[q] + e0 + r * kLanes, a[q][r]);
+}
+
+inline void pv_wide(const float* const* ps, float* const* os, int nq, const float* const* v, int n, int64_t d) {
+  const int64_t full = d / kLanes * kLanes;
+  const int rest = static_cast<int>(d - full);
+  int j = 0;
+  for (; j + 4 <= nq; j += 4) {
+    int64_t e = 0;
+    for (; e + 4 * kLanes <= full; e += 4 * kLanes) pv_4<4>(ps + j, v, n, e, os + j);
+    if (e + 2 * kLanes <= full) { pv_4<2>(ps + j, v, n, e, os + j); e += 2 * kLanes; }
+    if (e + kLanes <= full) { pv_4<1>(ps + j, v, n, e, os + j); e += kLanes; }
+    if (rest)
+      for (int q = 0; q < 4; ++q) pv_tail(ps[j + q], v, n, full, rest, os[j + q], true);
+  }
+  if (j < nq) pv_queries(ps + j, os + j, nq - j, v, n, d, true);
 }
 
 // Step 4 for one (row, head): nc >= 1 chunks' partials -> out[d] (out doubles as the accumulator). present (a
@@ -650,8 +825,11 @@ void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t
     thread_local std::vector<float*> os;
     thread_local std::vector<int64_t> rows;
     thread_local std::vector<int> rn;
+    thread_local std::vector<float> kf, vf;  // the shared keys and values widened to fp32 (wide tasks)
     const T* sk[kChunk + 8];
     const T* sv[kChunk + 8];
+    const float* skf[kChunk + 8];
+    const float* svf[kChunk + 8];
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t g = task / NCw, c = c_lo + task % NCw, cw = c - c_lo, p0 = c * kChunk;
       const T* kg = kc + g * cap * d;
@@ -682,7 +860,22 @@ void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t
           os[j] = po.get() + (r * NCw + cw) * d;
         }
       const int nsh = static_cast<int>(std::clamp<int64_t>(start - p0, 0, kChunk));
-      if (nsh > 0) {
+      // Many queries over the shared keys: keys and values widened to fp32 once for all of them (scores_wide,
+      // pv_wide: bitwise the narrow path's results).
+      const bool wide = nsh > 0 && nq >= kWideQueries;
+      if (wide) {
+        if (static_cast<int64_t>(kf.size()) < d * kChunk) {
+          kf.resize(static_cast<size_t>(d * kChunk));
+          vf.resize(static_cast<size_t>(d * kChunk));
+        }
+        widen_rows(kg + p0 * d, nsh, d, kf.data());
+        widen_rows(vg + p0 * d, nsh, d, vf.data());
+        for (int t = 0; t < nsh + 8; ++t) {
+          skf[t] = kf.data() + std::min(t, nsh - 1) * d;
+          svf[t] = vf.data() + std::min(t, nsh - 1) * d;
+        }
+        scores_wide(qs.data(), nq, skf, nsh, d, scale, softcap, S.data());
+      } else if (nsh > 0) {
         for (int t = 0; t < nsh + 8; ++t) {
           const int64_t slot = p0 + std::min(t, nsh - 1);
           sk[t] = kg + slot * d;
@@ -729,7 +922,10 @@ void attend_rows(const float* qr, const T* kc, const T* vc, int64_t cap, int64_t
           else
             softmax_row<false>(srow, rn[a], &pm[r], &pl[r]);
         }
-      if (nsh > 0) pv_queries(ps.data(), os.data(), nq, sv, nsh, d, true);
+      if (wide)
+        pv_wide(ps.data(), os.data(), nq, svf, nsh, d);
+      else if (nsh > 0)
+        pv_queries(ps.data(), os.data(), nq, sv, nsh, d, true);
       for (int a = 0; a < nr; ++a) {
         const int n_own = rn[a] - nsh;
         if (n_own <= 0) continue;
