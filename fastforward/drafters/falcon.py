@@ -50,6 +50,7 @@ from .pieces import (
     rope_cos_sin,
     target_layer_shape,
     target_meta,
+    top_k_rows,
 )
 from .vocab import DraftVocab
 
@@ -288,6 +289,12 @@ class FalconRunner(DrafterRunner):
         """[..., d] -> [..., draft_vocab] next-token probabilities (one head matmul)."""
         shape = h.shape[:-1]
         return self.head(h.reshape(-1, h.shape[-1]).contiguous()).softmax(-1).view(*shape, -1)
+
+    def top(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` most likely next tokens after each row of ``h`` [..., d]: their probabilities and draft ids
+        [..., k], best first."""
+        values, ids = top_k_rows(self.probs(h.reshape(-1, h.shape[-1])), k)
+        return values.view(*h.shape[:-1], k), ids.view(*h.shape[:-1], k)
 
 
 def lstm_cell_packed(x: torch.Tensor, w, b: torch.Tensor) -> torch.Tensor:

@@ -425,6 +425,21 @@ def residual_mlp(layer: LlamaLayer, residual: torch.Tensor, attn: torch.Tensor, 
     return h + layer.down((F.silu(gate) * up).contiguous())
 
 
+def top_k_rows(x: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest values of each row of ``x`` [r, V] and their columns, best first (``torch.topk``'s answer up
+    to the order of equal values). Found through the blocks of ``block`` columns with the ``k`` largest maxima --
+    every one of the k largest values lies in such a block -- so that only ``k * block`` columns are ranked: over a
+    draft vocabulary of 8,192-16,384 columns a third of the time of ``topk`` over whole rows."""
+    r, V = x.shape
+    if V % block or V // block <= k:
+        best = x.topk(k, dim=-1)
+        return best.values, best.indices
+    blocks = x.view(r, V // block, block).amax(-1).topk(k, dim=-1).indices  # [r, k]
+    cols = (blocks.unsqueeze(-1) * block + torch.arange(block)).view(r, k * block)
+    best = x.gather(1, cols).topk(k, dim=-1)
+    return best.values, cols.gather(1, best.indices)
+
+
 class DrafterRunner:
     """What the decode-time runners share: the drafter's config and target, its head as a linear, its draft ->
     target id map, and the torch-op steps of a decoder layer over rows (the native layer ops are the runners' own).
