@@ -135,65 +135,60 @@ class EagleProposer(FeatureDrafterProposer):
     def expand(self, state: DecodeState, depth: int, curve_ms) -> tuple[list[torch.Tensor], ...]:
         """Step 1 of the module docstring (the accepted rows committed first): the candidates of every depth up to
         ``depth`` as lists per depth of draft ids, log path scores, global parent indices (-1: the root) and depths
-        (``curve_ms``: t(1..) for the priced calls, or None)."""
+        (``curve_ms``: t(1..) for the priced calls, or None). The bookkeeping between drafter calls is a few numbers
+        per depth, kept in numpy (a torch operation on a tiny tensor costs several times more)."""
         run, k = self.runner, self.topk
         root_pos = state.root_position
         self._catch_up()
-        lp = run.log_probs(self.last_h)[0]  # [draft_vocab]
-        top = lp.topk(k)
-        cand_tok = [top.indices]  # per depth: draft ids [c_d]
-        cand_score = [self._chance(top.values, 1)]  # log chance of acceptance of the path
-        cand_parent = [torch.full((k,), -1, dtype=torch.long)]  # global candidate index of the parent (-1: root)
-        cand_depth = [torch.ones(k, dtype=torch.long)]
-        src_h = self.last_h.expand(k, -1)  # the h each depth-1 node's row reads: the root's
-        rows_vis = torch.zeros(0, 0, dtype=torch.bool)  # [rows, rows] ancestor-or-self among draft rows
-        row_of = torch.full((k + (self.depth - 1) * k * k,), -1, dtype=torch.long)  # candidate -> its draft row
+        values, ids = (t.numpy() for t in run.top(self.last_h, k))  # [1, k]
+        cand_tok = [ids[0]]  # per depth: draft ids [c_d]
+        cand_score = [self._chance_np(values[0], 1)]  # log chance of acceptance of the path
+        cand_parent = [np.full(k, -1, dtype=np.int64)]  # global candidate index of the parent (-1: root)
+        src_h, src_row = self.last_h, np.zeros(k, dtype=np.int64)  # the h each candidate's row reads: row of src_h
+        max_rows = k * (depth - 1)
+        sees = np.zeros((max_rows, max_rows), dtype=bool)  # ancestor-or-self among draft rows
+        row_of = np.full(k + (depth - 1) * k * k, -1, dtype=np.int64)  # candidate -> its draft row
+        n_rows = 0
         offset = 0  # global index of the first candidate of the current depth
         for d in range(2, depth + 1):
             scores = cand_score[-1]
-            r = min(k, scores.numel())
-            best = scores.topk(r)
-            if float(best.values[0].exp()) < self.min_prob:
+            r = min(k, scores.size)
+            sel = np.argsort(-scores, kind="stable")[:r]  # local indices at depth d-1, best first
+            best = scores[sel]
+            chances = np.exp(best.astype(np.float64))
+            if chances[0] < self.min_prob:
                 break
-            if self.call_cost is not None and not self.call_cost.pays(float(best.values.exp().sum()),
-                                                                      float(curve_ms[0])):
+            if self.call_cost is not None and not self.call_cost.pays(float(chances.sum()), float(curve_ms[0])):
                 self._n["unpaid_stops"] += 1
                 break
-            sel = best.indices  # local indices at depth d-1
             glob = sel + offset  # global candidate indices
-            feat = src_h[sel]
-            tokens = run.to_target(cand_tok[-1][sel])
-            n_rows = rows_vis.shape[0]
+            parents = cand_parent[-1][sel]
             # each new row sees its parent's row and that row's ancestors (depth-1 nodes: only the committed rows),
             # and itself
-            vis = torch.zeros(r, n_rows + r, dtype=torch.bool)
-            parents = cand_parent[-1][sel]
+            new = slice(n_rows, n_rows + r)
             inner = parents >= 0
-            if n_rows and bool(inner.any()):
-                vis[inner, :n_rows] = rows_vis[row_of[parents[inner]]]
-            vis[:, n_rows:] = torch.eye(r, dtype=torch.bool)
-            grown = torch.zeros(n_rows + r, n_rows + r, dtype=torch.bool)
-            grown[:n_rows, :n_rows] = rows_vis
-            grown[n_rows:] = vis
-            rows_vis = grown
-            row_of[glob] = torch.arange(n_rows, n_rows + r)
+            if inner.any():
+                sees[new][inner, :n_rows] = sees[row_of[parents[inner]], :n_rows]
+            sees[new, new] = np.eye(r, dtype=bool)
+            row_of[glob] = np.arange(n_rows, n_rows + r)
             if self.call_cost is not None:
                 self.call_cost.start()
-            h = run.rows(feat, tokens, torch.full((r,), root_pos + d - 2, dtype=torch.long),
-                         run.length + n_rows, vis)
-            lp = run.log_probs(h)  # [r, draft_vocab]
+            h = run.rows(src_h[torch.from_numpy(src_row[sel])], run.to_target(torch.from_numpy(cand_tok[-1][sel])),
+                         torch.full((r,), root_pos + d - 2, dtype=torch.long), run.length + n_rows,
+                         torch.from_numpy(sees[new, : n_rows + r]))
+            values, ids = (t.numpy() for t in run.top(h, k))  # [r, k]
             if self.call_cost is not None:
                 self.call_cost.stop()
+            n_rows += r
             self._n["draft_rows"] += r
             self._n["draft_calls"] += 1
-            top = lp.topk(k, dim=-1)
-            offset += cand_tok[-1].numel()
-            cand_tok.append(top.indices.reshape(-1))
-            cand_score.append((best.values.unsqueeze(1) + self._chance(top.values, d)).reshape(-1))
-            cand_parent.append(glob.repeat_interleave(k))
-            cand_depth.append(torch.full((r * k,), d, dtype=torch.long))
-            src_h = h.repeat_interleave(k, dim=0)
-        return cand_tok, cand_score, cand_parent, cand_depth
+            offset += cand_tok[-1].size
+            cand_tok.append(ids.reshape(-1))
+            cand_score.append((best[:, None] + self._chance_np(values, d)).reshape(-1))
+            cand_parent.append(np.repeat(glob, k))
+            src_h, src_row = h, np.repeat(np.arange(r), k)
+        cand_depth = [np.full(t.size, i, dtype=np.int64) for i, t in enumerate(cand_tok, 1)]
+        return tuple([torch.from_numpy(a) for a in lists] for lists in (cand_tok, cand_score, cand_parent, cand_depth))
 
     def _tree_proposal(self, cand_tok: list[torch.Tensor], cand_score: list[torch.Tensor],
                        cand_parent: list[torch.Tensor], cand_depth: list[torch.Tensor],
@@ -233,6 +228,10 @@ class EagleProposer(FeatureDrafterProposer):
             return False
         self.back_off.drafted(n)
         return True
+
+    def _chance_np(self, log_q: np.ndarray, depth: int) -> np.ndarray:
+        """:meth:`_chance` of a numpy array."""
+        return log_q if self.greedy_map is None else self._chance(torch.from_numpy(log_q), depth).numpy()
 
     def _chance(self, log_q: torch.Tensor, depth: int) -> torch.Tensor:
         """log chance that the target accepts each of a node's top-k children (``log_q`` [..., k], best first) given
