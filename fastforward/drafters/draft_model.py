@@ -4,8 +4,10 @@
 The default target (SmolLM2-135M-Instruct: 30 layers, hidden 576, a tied 49152-token embedding) has no smaller
 sibling, so fastforward makes one: a Llama of the target's own architecture with a few decoder layers (default 4),
 **sharing the target's embedding and LM head** -- frozen during training and never stored: the embedding alone is
-56 MB in fp16, more than a shipped drafter may weigh (40 MB), and at decode time the draft multiplies the target's
-own head (packed, for a GGUF target) rather than a copy.
+56 MB in fp16, more than a shipped drafter may weigh (40 MB). At decode time the draft reads the target's own
+embedding, and multiplies the target's head rows repacked as a drafter weight (``Q4_0`` on the native integer kernel:
+half the bytes of the default target's ``Q8_0`` head, which is most of a draft token's cost; ``weights="fp32"`` keeps
+the target's head object itself).
 
 **The folder** (what ``-o draft=PATH`` reads):
 
