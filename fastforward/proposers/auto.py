@@ -13,8 +13,9 @@ each step, the tree that maximises expected tokens per millisecond on this machi
   target's own features (as ``eagle``).
 * **Calibrated chances.** Each candidate node gets the chance that it lies on the target's path, from a table per
   source learned online (:class:`~fastforward.proposers.rest.ScoreCalibration`: by the source's key -- the n-gram
-  length, the datastore match length -- the node's depth and its raw value -- the datastore share, the drafter's
-  path probability; with a prior at the raw value itself). After every verification *every* source that made
+  length, the datastore match length -- the node's depth and its raw value -- alpha^depth for the context, alpha the
+  run's own rate of agreement of its chains so far (as ``pld`` sizes its drafts), the datastore share, the
+  drafter's path probability; with a prior at the raw value itself). After every verification *every* source that made
   candidates learns from the target's tokens, whichever source drafted: a node at depth d whose parent lay on the
   target's path is counted as accepted or not as soon as the target's token at depth d is known. Tables are shared
   by the runs of a target (greedy and sampled runs apart), so a server or a benchmark keeps what it learned.
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..costs import best_draft, cost_model
+from ..costs import AcceptanceEstimate, best_draft, cost_model
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..paths import made_data_dir
 from ..stats import draft_source_rates
@@ -57,8 +58,7 @@ CONTEXT, DATASTORE, DRAFTER = range(3)
 MAX_DEPTH = 16
 MAX_CANDIDATES = 1024
 MAX_PROBE = 64
-#: the raw value of a context node: the n-gram length is its key, and each depth its own cell
-CONTEXT_RAW = 0.5
+CONTEXT_NGRAM = 3  # the longest n-gram of the context matched (as pld's default)
 
 
 @dataclass
@@ -269,7 +269,7 @@ class SourceStats:
 class AutoProposer(Proposer):
     name = "auto"
 
-    def __init__(self, target, *, drafter=None, store=None, max_depth: int = 8, max_nodes: int = 24,
+    def __init__(self, target, *, drafter=None, store=None, max_depth: int = 10, max_nodes: int = 24,
                  candidates: int = 64, probe: int = 8, context: bool = True, learn: bool = False):
         self.drafter = drafter  # an EagleProposer driven for its candidates (or None)
         self.store = store  # a TokenStore (or None)
@@ -278,7 +278,7 @@ class AutoProposer(Proposer):
         self.vocab_size = target.vocab_size
         self.max_depth, self.max_nodes, self.candidates = max_depth, max_nodes, candidates
         self.probe = probe
-        self.context = NgramIndex(3, 1) if context else None
+        self.context = NgramIndex(CONTEXT_NGRAM, 1) if context else None
         self.hidden_layers = () if drafter is None else drafter.hidden_layers
         self.costs = None
         self.calibrations: dict = {}
@@ -286,6 +286,9 @@ class AutoProposer(Proposer):
 
     def _reset(self) -> None:
         self.live = list(self.has)  # the sources this run still asks (one that raised is dropped)
+        # this run's rate of agreement of the context's chains with the target, per n-gram length (as pld's): a
+        # context node's raw value is alpha^depth -- a run that copies its context agrees far more than the average
+        self.context_alpha = {n: AcceptanceEstimate() for n in range(1, CONTEXT_NGRAM + 1)}
         self.gate = DrafterGate(self.probe)
         self.stats_by_source = [SourceStats() for _ in SOURCES]
         self.steps = self.undrafted = 0
@@ -329,8 +332,9 @@ class AutoProposer(Proposer):
         if n == 0:
             return None
         k = chain.numel()
-        return Candidates(CONTEXT, chain.numpy().astype(np.int64), np.arange(-1, k - 1), np.arange(1, k + 1),
-                          np.full(k, CONTEXT_RAW), n)
+        depths = np.arange(1, k + 1)
+        return Candidates(CONTEXT, chain.numpy().astype(np.int64), np.arange(-1, k - 1), depths,
+                          self.context_alpha[n].alpha ** depths, n)
 
     def _from_datastore(self, state: DecodeState, depth: int) -> Candidates | None:
         rows, matched = self.store.continuations(state.tokens[-MATCH_WINDOW:].numpy(), self.candidates, depth)
@@ -344,7 +348,7 @@ class AutoProposer(Proposer):
 
     def _from_drafter(self, state: DecodeState, depth: int) -> Candidates:
         d = self.drafter
-        tok, score, parent, dep = d.expand(state, depth, d._curve_ms())
+        tok, score, parent, dep = d.expand(state, min(depth, d.depth), d._curve_ms())
         return Candidates(DRAFTER, d.runner.to_target(torch.cat(tok)).numpy().astype(np.int64),
                           torch.cat(parent).numpy(), torch.cat(dep).numpy(),
                           torch.cat(score).double().exp().numpy(), 1)
@@ -425,7 +429,13 @@ class AutoProposer(Proposer):
         parts, tree, choice, cheap, cheap_choice, cheap_drafts, drafter_ms = self.pending
         self.pending = None
         target_tokens = np.asarray(step.new_tokens, dtype=np.int64)
+        for estimate in self.context_alpha.values():
+            estimate.tick()
         for c in parts:  # every source learns from the target's tokens, whichever drafted
+            if c.source == CONTEXT:
+                known = min(c.tokens.size, target_tokens.size)
+                agree = int(np.cumprod(c.tokens[:known] == target_tokens[:known]).sum())
+                self.context_alpha[c.key].update(known, agree)
             known, on = on_target_path(c, target_tokens)
             if known.any():
                 self.calibrations[c.source].update(c.raw[known], c.depths[known], c.key, on[known])
@@ -499,7 +509,7 @@ def _store_for(target, datastore, learn: bool):
         Option("learn", "bool", False,
                help="each finished generation joins the datastore for the requests after it (a server's answers)"),
         Option("context", "bool", True, help="draft from the context's own n-gram matches (as pld)"),
-        Option("max_depth", "int", 8, 1, MAX_DEPTH, bound="drafter calls and datastore reads per step",
+        Option("max_depth", "int", 10, 1, MAX_DEPTH, bound="drafter calls and datastore reads per step",
                help="the deepest draft"),
         max_nodes_option(24),
         Option("candidates", "int", 64, 1, MAX_CANDIDATES, bound="datastore continuations read per step",
@@ -509,7 +519,7 @@ def _store_for(target, datastore, learn: bool):
     ),
 )
 def auto(target, *, drafter: str | None = None, datastore: str = "", learn: bool = False, context: bool = True,
-         max_depth: int = 8, max_nodes: int = 24, candidates: int = 64, probe: int = 8) -> AutoProposer:
+         max_depth: int = 10, max_nodes: int = 24, candidates: int = 64, probe: int = 8) -> AutoProposer:
     """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`); a drafter folder or
     datastore that does not load is a one-line error."""
     drafter = None if drafter is None else str(drafter)
