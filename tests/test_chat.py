@@ -298,7 +298,7 @@ def test_a_model_without_a_chat_template_is_refused(capsys, monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------
 
 PROMPT = "\r\n> "
-STATS = re.compile(r"last answer: (\d+) tokens .*?prompt (\d+) tokens: (\d+) read now, (\d+) from earlier", re.S)
+STATS = re.compile(r"last answer: (\d+) tokens, .*?prompt (\d+) tokens: (\d+) read now, (\d+) from earlier", re.S)
 
 
 def test_chat_in_a_terminal(endless, endless_file, tmp_path):

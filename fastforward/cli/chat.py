@@ -335,11 +335,12 @@ def run(args, name: str) -> int:
     resolve_model(args.model)  # an unknown model: one line now
     t0 = time.perf_counter()
     target = ff.load(args.model, **model_load_kwargs(args))
+    load_seconds = time.perf_counter() - t0
     conversation = Conversation(target, method=args.method, method_options=options, system=args.system, **settings)
     if args.system:
         conversation.set_system(args.system)
     prepare_method(args.method, options, target)  # its option values checked, its cost curve read or measured
-    _say(f"fastforward chat: {target.name} (loaded in {time.perf_counter() - t0:.1f} s), method "
+    _say(f"fastforward chat: {target.name} (loaded in {load_seconds:.1f} s), method "
          f"{_method_text(conversation.method, conversation.method_options)}; /help lists the commands, Ctrl-C stops "
          "an answer, Ctrl-D leaves")
     if conversation.prefix_cache is None:
@@ -499,9 +500,9 @@ class Terminal:
             return
         stats = last["stats"]
         context = last["prompt_tokens"] + last["new_tokens"]
-        ended = "shown, stopped" if last["interrupted"] else stats.finish_reason
+        ended = "shown, then stopped" if last["interrupted"] else f"finish: {stats.finish_reason}"
         lines = [
-            f"last answer: {last['new_tokens']} tokens {ended}, method "
+            f"last answer: {last['new_tokens']} tokens, {ended}, method "
             f"{_method_text(last['method'], last['method_options'])}",
             f"  prompt {last['prompt_tokens']} tokens: {last['read_prompt_tokens']} read now, "
             f"{last['cached_prompt_tokens']} from earlier turns' KV entries",
