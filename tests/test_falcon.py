@@ -177,6 +177,37 @@ def test_runner_first_pass_and_tree_passes_equal_the_training_forward(target, k)
     assert torch.allclose(out3[0], ref[L + k :], atol=1e-4)
 
 
+def test_native_layer_ops_give_the_torch_rows(target):
+    """The runner through the native layer ops (packed weights: one native call per pass) equals the plain torch ops
+    on the same weights -- commit, a first pass, two branches' later pass, and a third pass that sees one branch's
+    scratch rows -- up to summation order."""
+    k = 2
+    drafter = _drafter(target, seed=6, k=k)
+    native = FalconRunner(drafter, target, capacity=2, weights="auto").fresh(4)  # grows on the way
+    if native.ops is None:
+        pytest.skip("the native kernels did not build on this machine")
+    plain = native.fresh(4)
+    plain.ops = None
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(9, drafter.cfg.target_hidden_size, generator=g)
+    ids = torch.randint(0, VOCAB, (9,), generator=g)
+    branches = torch.tensor([[11, 12], [21, 22]])
+    for run in (native, plain):
+        run.commit(feats[:6], ids[:6], torch.arange(6))
+        run.commit(feats[6:], ids[6:], torch.arange(6, 9))
+        out1 = run.first_block()
+        out2, rows = run.extend(branches, torch.stack([out1, out1.flip(0)]), run.length, torch.zeros(2, 0).bool())
+        sees = torch.zeros(1, 2 * k, dtype=torch.bool)
+        sees[0, rows[1]] = True
+        out3, _ = run.extend(torch.tensor([[31, 32]]), out2[1:2], run.length + k, sees)
+        run.out = (out1, out2, out3, run.probs(out3))
+    for a, b in zip(native.out, plain.out, strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    n = native.length + native.scratch
+    assert torch.allclose(native.kc[:, :n], plain.kc[:, :n], atol=1e-5)
+    assert torch.allclose(native.vc[:, :n], plain.vc[:, :n], atol=1e-5)
+
+
 def F_embed(embed, ids):
     return torch.nn.functional.embedding(ids, embed).unsqueeze(0)
 

@@ -192,6 +192,7 @@ class FalconRunner(DrafterRunner):
         self.w1, self.b1 = linear(lstm.w1), lstm.b1.detach().float()
         self.w2, self.b2 = linear(lstm.w2), lstm.b2.detach().float()
         self.layer = decode_layer(linear, drafter.layer)
+        self.ops = linear.layer_ops  # the target's native layer ops, or None: plain torch ops
         self.length = 0  # committed rows
         self.scratch = 0  # rows of the current draft's later passes, after the committed ones
         self._alloc(capacity)
@@ -203,12 +204,13 @@ class FalconRunner(DrafterRunner):
         v = torch.zeros_like(k)
         q = torch.zeros(cfg.num_attention_heads, capacity, cfg.head_dim)
         x = torch.zeros(capacity, cfg.hidden_size)
+        pos = torch.zeros(capacity, dtype=torch.long)
         if keep:
             k[:, :keep], v[:, :keep] = self.kc[:, :keep], self.vc[:, :keep]
-            q[:, :keep], x[:keep] = self.qc[:, :keep], self.x[:keep]
-        # [nkv, capacity, hd] x2; the committed rows' queries [nh, capacity, hd] and layer inputs [capacity, d], which
-        # a first pass re-reads
-        self.kc, self.vc, self.qc, self.x = k, v, q, x
+            q[:, :keep], x[:keep], pos[:keep] = self.qc[:, :keep], self.x[:keep], self.pos[:keep]
+        # [nkv, capacity, hd] x2; the committed rows' queries [nh, capacity, hd], layer inputs [capacity, d] and
+        # positions [capacity], which a first pass re-reads
+        self.kc, self.vc, self.qc, self.x, self.pos = k, v, q, x, pos
         self.rope(capacity)
 
     @property
@@ -250,6 +252,7 @@ class FalconRunner(DrafterRunner):
         x = self._inputs(tokens, feats)
         q, k, v = self._project(x, positions)
         self.x[start:end], self.qc[:, start:end], self.kc[:, start:end], self.vc[:, start:end] = x, q, k, v
+        self.pos[start:end] = positions
         self.length = end
 
     def first_block(self) -> torch.Tensor:
@@ -258,6 +261,9 @@ class FalconRunner(DrafterRunner):
         self.scratch = 0
         n = min(self.k, self.length)
         a = self.length - n
+        if self.ops is not None:  # the block's rows again, their keys and values rewritten in place
+            return self._layer_native(self.x[a : self.length].clone(), self.pos[a : self.length], a,
+                                      torch.ones(n, n, dtype=torch.bool), torch.arange(a, self.length))
         return self._attend(self.x[a : self.length], self.qc[:, a : self.length],
                             torch.ones(n, self.length, dtype=torch.bool))
 
@@ -272,18 +278,35 @@ class FalconRunner(DrafterRunner):
         self._ensure(max(base + r, start + kk))
         positions = (start + torch.arange(kk)).repeat(Fb)
         x = self._inputs(tokens.reshape(-1), feats.reshape(r, -1))
-        q, k, v = self._project(x, positions)
-        self.kc[:, base : base + r], self.vc[:, base : base + r] = k, v
         own = torch.arange(Fb).repeat_interleave(kk)  # [r]: each row's branch
-        mask = torch.zeros(r, base + r, dtype=torch.bool)
-        mask[:, : self.length] = True
-        if self.scratch:
-            mask[:, self.length : base] = sees[own]
-        mask[:, base:] = own.unsqueeze(1) == own.unsqueeze(0)
-        out = self._attend(x, q, mask)
+        if self.ops is not None:  # the rows see every committed row, and what ``visible`` names after them
+            visible = torch.zeros(r, self.scratch + r, dtype=torch.bool)
+            if self.scratch:
+                visible[:, : self.scratch] = sees[own]
+            visible[:, self.scratch :] = own.unsqueeze(1) == own.unsqueeze(0)
+            out = self._layer_native(x, positions, self.length, visible, torch.arange(base, base + r))
+        else:
+            q, k, v = self._project(x, positions)
+            self.kc[:, base : base + r], self.vc[:, base : base + r] = k, v
+            mask = torch.zeros(r, base + r, dtype=torch.bool)
+            mask[:, : self.length] = True
+            if self.scratch:
+                mask[:, self.length : base] = sees[own]
+            mask[:, base:] = own.unsqueeze(1) == own.unsqueeze(0)
+            out = self._attend(x, q, mask)
         new_rows = (self.scratch + torch.arange(r)).view(Fb, kk)
         self.scratch += r
         return out.view(Fb, kk, -1), new_rows
+
+    def _layer_native(self, h: torch.Tensor, positions: torch.Tensor, start: int, visible: torch.Tensor,
+                      write: torch.Tensor) -> torch.Tensor:
+        """The layer through the native layer ops for rows with inputs ``h`` [r, d] (updated in place and returned)
+        at ``positions``, their keys and values written to cache slots ``write``; each row sees the first ``start``
+        slots and those after them that ``visible`` [r, W] names."""
+        normed = self.ops.rms_norm(h, self.layer.in_norm, self.eps)
+        self.native_layer(self.layer, h, normed, self.layer.post_norm, positions.to(torch.long).contiguous(),
+                          self.kc.unsqueeze(0), self.vc.unsqueeze(0), 0, start, visible.contiguous(), write)
+        return h
 
     def probs(self, h: torch.Tensor) -> torch.Tensor:
         """[..., d] -> [..., draft_vocab] next-token probabilities (one head matmul)."""
