@@ -304,6 +304,26 @@ def test_native_layer_ops_give_the_torch_rows(target):
     assert torch.allclose(native.k[:, :16], plain.k[:, :16], atol=1e-5)
 
 
+@pytest.mark.parametrize("weights", ["fp32", "auto"])
+def test_a_commit_of_the_last_row_only_gives_that_row_and_the_same_cache(target, weights):
+    """``commit(..., last_only=True)`` -- what the proposer asks for -- returns the last row's output as the full
+    commit does and leaves the same keys and values, over several chunks (300 rows) and a short commit after."""
+    drafter = _drafter(target, seed=9).float()
+    full = Eagle3Runner(drafter, target, capacity=8, weights=weights)
+    last = full.fresh(8)
+    g = torch.Generator().manual_seed(2)
+    taps = torch.randn(303, 3, drafter.cfg.target_hidden_size, generator=g)
+    toks = torch.randint(0, VOCAB, (303,), generator=g)
+    # with AMX a 256-row chunk's last row takes the tile kernel in the full commit, the integer one alone
+    tol = 1e-4 if getattr(full.head, "many", None) is None else 5e-2
+    for a, b in ((0, 300), (300, 303)):
+        want = full.commit(full.fuse(taps[a:b]), toks[a:b], torch.arange(a, b))
+        got = last.commit(last.fuse(taps[a:b]), toks[a:b], torch.arange(a, b), last_only=True)
+        assert got.shape == (1, drafter.cfg.hidden_size) and torch.allclose(got, want[-1:], atol=tol, rtol=tol)
+        assert full.length == last.length == b
+        assert torch.equal(full.k[:, :b], last.k[:, :b]) and torch.equal(full.v[:, :b], last.v[:, :b])
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), depth=st.integers(1, 6),
        nodes=st.sampled_from([0, 0, 2, 4]))

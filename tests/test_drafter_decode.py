@@ -1,0 +1,62 @@
+"""What the trained drafters' decode-time runners share (fastforward/drafters/pieces.py): the top-k of draft-vocabulary
+rows, and the drafter weights on the native integer kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastforward.drafters.pieces import DrafterLinear, decode_linear_factory, top_k_rows
+from fastforward.linear import DenseLinear
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), blocks=st.integers(1, 12), block=st.sampled_from([1, 4, 8, 32]), extra=st.integers(0, 3),
+       k=st.integers(1, 6), levels=st.sampled_from([3, 50, 10**6]), seed=st.integers(0, 2**31 - 1))
+def test_top_k_rows_finds_topk_values(rows, blocks, block, extra, k, levels, seed):
+    """The k largest values of every row, best first, and columns holding them -- whatever the block size, the
+    number of blocks (fewer than k included), a width that is no multiple of it, and ties (``levels`` distinct
+    values: many ties at 3)."""
+    g = torch.Generator().manual_seed(seed)
+    V = blocks * block + extra
+    k = min(k, V)
+    x = torch.randint(0, levels, (rows, V), generator=g).float() / levels
+    values, cols = top_k_rows(x, k, block=block)
+    want = x.topk(k, dim=-1).values
+    assert torch.equal(values, want) and torch.equal(x.gather(1, cols), values)
+    assert all(len(set(r)) == k for r in cols.tolist())  # k distinct columns per row
+
+
+def test_top_k_rows_of_a_draft_vocabulary_row():
+    x = torch.randn(5, 16384, generator=torch.Generator().manual_seed(0))
+    values, cols = top_k_rows(x, 4)
+    want = x.topk(4, dim=-1)
+    assert torch.equal(values, want.values) and torch.equal(cols, want.indices)  # no ties: the same columns
+
+
+@pytest.mark.parametrize("weights", ["auto", "q4_0", "q8_0"])
+def test_packed_drafter_weights_run_on_the_integer_kernel(weights):
+    """A packed drafter weight is multiplied by the integer (q8) kernel: close to the fp32 product of its rounded
+    weights (activations rounded to 8 bits), each row what it is alone."""
+    linear = decode_linear_factory(weights)
+    if linear.layer_ops is None:
+        pytest.skip("the native kernels did not build on this machine")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 96, generator=g) * 0.05
+    lin = linear(w)
+    assert isinstance(lin, DrafterLinear) and lin.few.arithmetic == "q8"
+    assert lin.format_name == ("Q8_0" if weights == "q8_0" else "Q4_0")
+    x = torch.randn(5, 96, generator=g)
+    y = lin(x)
+    ref = x @ lin.dense().T
+    assert float((y - ref).abs().max()) < 0.02 * float(ref.abs().max())
+    assert torch.equal(lin(x[2:3]), y[2:3])  # rows of the integer kernel are independent of the call's other rows
+    assert lin.for_rows(1) is lin.few
+
+
+def test_fp32_drafter_weights_stay_dense():
+    w = torch.randn(16, 64)
+    lin = decode_linear_factory("fp32")(w)
+    assert isinstance(lin, DenseLinear) and torch.equal(lin.dense(), w)
