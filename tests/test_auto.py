@@ -25,6 +25,7 @@ from fastforward.proposers.auto import (
     DRAFTER,
     AutoProposer,
     Candidates,
+    DrafterAverages,
     DrafterGate,
     accepted_depth,
     choose,
@@ -355,7 +356,7 @@ def test_scores_never_rise_down_a_path_and_the_choice_prices_every_size():
 
 
 def test_the_drafter_gate_asks_when_its_rate_beats_the_cheap_tree_and_probes_otherwise():
-    gate = DrafterGate(probe=4, prior_gain=0.5, prior_ms=1.0)  # 0.5 tokens per ms
+    gate = DrafterGate(probe=4, averages=DrafterAverages(prior_gain=0.5, prior_ms=1.0))  # 0.5 tokens per ms
     assert gate.ask(False, cheap_rate=0.1)  # a plain step gets 0.1 tokens per ms: worth asking
     gate.outcome(False, extra_tokens=0.0, extra_ms=2.0, cheap_rate=0.1)  # it bought nothing: wait 2 steps
     asked = []

@@ -123,7 +123,12 @@ class MergedTree:
 
 
 def merge(parts: list[Candidates], vocab_size: int) -> MergedTree:
-    """One trie of ``parts`` (each already scored): nodes with the same path are one node, depth by depth."""
+    """One trie of ``parts`` (each already scored): nodes with the same path are one node, depth by depth. (Each
+    source's own candidates are a trie already: one part is taken as it is.)"""
+    if len(parts) == 1:
+        p = parts[0]
+        return MergedTree(p.tokens.astype(np.int64), p.parents.astype(np.int64), p.depths.astype(np.int64), p.scores,
+                          np.full(p.tokens.size, 1 << p.source, dtype=np.int64))
     tokens = np.concatenate([p.tokens for p in parts]).astype(np.int64)
     depths = np.concatenate([p.depths for p in parts]).astype(np.int64)
     scores = np.concatenate([p.scores for p in parts])
@@ -195,27 +200,42 @@ def accepted_depth(tree: MergedTree, nodes: np.ndarray, target_tokens: np.ndarra
     return int(tree.depths[hit].max(initial=0))
 
 
-class DrafterGate:
-    """Whether to ask the drafter this step (see the module docstring): the average extra tokens its drafts added
-    over the cheap sources' tree and the extra milliseconds they cost, apart for steps where the cheap sources had a
-    draft and where they had none; probes after 1, 2, 4, ... ``probe`` steps when the average says no."""
+class DrafterAverages:
+    """What asking the drafter has bought, on average: the extra tokens its drafts added over the cheap sources'
+    tree and the extra milliseconds they cost, apart for steps where the cheap sources had a draft and where they had
+    none. Shared by the runs of a target (greedy and sampled apart), so a new request starts from what the earlier
+    ones learned; the first start from an optimistic prior, so that the drafter is tried."""
 
     DECAY = 0.85  # weight of the old average at each drafter step
 
-    def __init__(self, probe: int, prior_gain: float = 0.6, prior_ms: float = 1.0):
-        self.probe = probe
+    def __init__(self, prior_gain: float = 0.6, prior_ms: float = 1.0):
         self.gain = {False: prior_gain, True: prior_gain}
         self.cost = {False: prior_ms, True: prior_ms}
-        self.interval = 1
-        self.waited = 0
-        self.asked = self.probes = 0
 
     def rate(self, cheap_drafts: bool) -> float:
         return self.gain[cheap_drafts] / max(self.cost[cheap_drafts], 1e-3)
 
+    def add(self, cheap_drafts: bool, extra_tokens: float, extra_ms: float) -> None:
+        k = self.DECAY
+        self.gain[cheap_drafts] = k * self.gain[cheap_drafts] + (1 - k) * extra_tokens
+        self.cost[cheap_drafts] = k * self.cost[cheap_drafts] + (1 - k) * max(extra_ms, 1e-3)
+
+
+class DrafterGate:
+    """Whether a run asks the drafter this step (see the module docstring): when its average rate
+    (:class:`DrafterAverages`) beats the cheap tree's, else after 1, 2, 4, ... ``probe`` steps (reset when a probe
+    pays)."""
+
+    def __init__(self, probe: int, averages: DrafterAverages | None = None):
+        self.probe = probe
+        self.averages = averages if averages is not None else DrafterAverages()
+        self.interval = 1
+        self.waited = 0
+        self.asked = self.probes = 0
+
     def ask(self, cheap_drafts: bool, cheap_rate: float) -> bool:
         self.waited += 1
-        if self.rate(cheap_drafts) > cheap_rate:
+        if self.averages.rate(cheap_drafts) > cheap_rate:
             self.asked += 1
             return True
         if self.waited >= self.interval:
@@ -227,9 +247,7 @@ class DrafterGate:
     def outcome(self, cheap_drafts: bool, extra_tokens: float, extra_ms: float, cheap_rate: float) -> None:
         """What asking bought: ``extra_tokens`` accepted beyond the cheap tree's, for ``extra_ms``."""
         self.waited = 0
-        k = self.DECAY
-        self.gain[cheap_drafts] = k * self.gain[cheap_drafts] + (1 - k) * extra_tokens
-        self.cost[cheap_drafts] = k * self.cost[cheap_drafts] + (1 - k) * max(extra_ms, 1e-3)
+        self.averages.add(cheap_drafts, extra_tokens, extra_ms)
         if extra_tokens >= cheap_rate * extra_ms:
             self.interval = 1
         else:
@@ -289,7 +307,7 @@ class AutoProposer(Proposer):
         # this run's rate of agreement of the context's chains with the target, per n-gram length (as pld's): a
         # context node's raw value is alpha^depth -- a run that copies its context agrees far more than the average
         self.context_alpha = {n: AcceptanceEstimate() for n in range(1, CONTEXT_NGRAM + 1)}
-        self.gate = DrafterGate(self.probe)
+        self.gate = DrafterGate(self.probe)  # (its averages: the target's shared ones, from start())
         self.stats_by_source = [SourceStats() for _ in SOURCES]
         self.steps = self.undrafted = 0
         self.pending: tuple | None = None
@@ -311,6 +329,7 @@ class AutoProposer(Proposer):
         self.calibrations = {
             source: state.target.shared(("auto calibration", name, greedy), ScoreCalibration)
             for source, name in enumerate(SOURCES)}
+        self.gate.averages = state.target.shared(("auto drafter averages", greedy), DrafterAverages)
         if self.has[CONTEXT]:
             self.context.reset()
             self.context.sync(state.tokens)
