@@ -1,0 +1,134 @@
+"""The docs hold together: every relative link in README.md and docs/*.md reaches a file, every #anchor a heading of
+that file (GitHub's slugs), docs/*.md stays a reference a reader can finish (at most 3,000 lines; docs/results/ not
+counted), and no page names a machine path. Text only: no model loads."""
+
+import re
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MAX_DOC_LINES = 3000
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(([^()\s]*(?:\([^()\s]*\))?[^()\s]*)(?:\s+\"[^\"]*\")?\)")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def _prose_lines(text):
+    """The lines outside fenced code blocks, with inline code spans blanked (a link inside code is not a link)."""
+    fenced = False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield _INLINE_CODE.sub(" ", line)
+
+
+def slug(heading):
+    """GitHub's anchor for a heading's text: the rendered text (code, emphasis and link markup dropped), lower-cased,
+    every character but letters, digits, marks, underscores, hyphens and spaces dropped, spaces made hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link renders as its text
+    text = text.replace("`", "")
+    text = re.sub(r"(\*\*|__|\*)", "", text)
+    text = re.sub(r"<[^>]+>", "", text)  # inline HTML tags
+    text = text.strip().lower()
+    kept = []
+    for ch in text:
+        category = unicodedata.category(ch)
+        if ch in "-_ " or category[0] in "LMN":
+            kept.append(ch)
+    return "".join(kept).replace(" ", "-")
+
+
+def anchors(path):
+    """Every anchor a page offers: its headings' slugs, repeated slugs numbered -1, -2, ... as GitHub does."""
+    seen = {}
+    result = set()
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        match = None if fenced else _HEADING.match(line)
+        if not match:
+            continue
+        base = slug(match.group(2))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        result.add(base if count == 0 else f"{base}-{count}")
+    return result
+
+
+def links(path):
+    """(line number, target) of every relative link of a page (web links and mail addresses left out)."""
+    found = []
+    for number, line in enumerate(_prose_lines(path.read_text(encoding="utf-8")), 1):
+        for match in _LINK.finditer(line):
+            target = match.group(1)
+            if not target or re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
+                continue
+            found.append((number, target))
+    return found
+
+
+def test_slug_follows_github():
+    assert slug("`rest` — retrieval from a datastore (REST)") == "rest--retrieval-from-a-datastore-rest"
+    assert slug("2. `--method eagle` and `fastforward train eagle`") == "2---method-eagle-and-fastforward-train-eagle"
+    assert slug("Load test: `fastforward serve-bench`") == "load-test-fastforward-serve-bench"
+    assert slug("The default for GGUF files: llama.cpp's integer arithmetic (`--arithmetic q8`)") == (
+        "the-default-for-gguf-files-llamacpps-integer-arithmetic---arithmetic-q8")
+    assert slug("**Bold** and [a link](x.md)") == "bold-and-a-link"
+
+
+def test_links_are_found_outside_code_only(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("see [a](a.md#x) and `[b](b.md)`\n```\n[c](c.md)\n```\n![d](d.png) [e](https://e.org)\n")
+    assert [target for _, target in links(page)] == ["a.md#x", "d.png"]
+
+
+def broken_links(page):
+    """One line per relative link of the page that reaches no file, or no heading of the file it names."""
+    broken = []
+    for number, target in links(page):
+        file_part, _, anchor = target.partition("#")
+        dest = (page.parent / file_part).resolve() if file_part else page
+        if not dest.exists():
+            broken.append(f"line {number}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"line {number}: {target} (no heading #{anchor} in {dest.name})")
+    return broken
+
+
+def test_a_broken_link_is_reported(tmp_path):
+    (tmp_path / "other.md").write_text("# Title\n## A `code` part (here)\n## Twice\n## Twice\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](other.md#a-code-part-here) [ok](other.md#twice-1) [ok](#local)\n# Local\n"
+                    "[bad](other.md#nope) [bad](missing.md) [bad](#elsewhere)\n")
+    assert broken_links(page) == ["line 3: other.md#nope (no heading #nope in other.md)",
+                                  "line 3: missing.md (no such file)",
+                                  "line 3: #elsewhere (no heading #elsewhere in page.md)"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    broken = broken_links(page)
+    assert not broken, f"{page.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+def test_docs_fit_a_reader():
+    counts = {p.name: p.read_text(encoding="utf-8").count("\n") for p in (ROOT / "docs").glob("*.md")}  # wc -l
+    total = sum(counts.values())
+    largest = ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1])[:4])
+    assert total <= MAX_DOC_LINES, f"docs/*.md holds {total} lines (at most {MAX_DOC_LINES}); largest: {largest}"
+
+
+def test_docs_name_no_machine_paths():
+    pattern = re.compile(r"(?<![\w.])(/tmp/|/root\b|~/ffwork|/work/|/home/)")
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in PAGES
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert not found, "machine paths in the docs (use placeholders such as DATA_DIR, OUT_DIR):\n" + "\n".join(found)
