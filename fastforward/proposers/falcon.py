@@ -110,8 +110,8 @@ class FalconProposer(FeatureDrafterProposer):
 
     def _top(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Block outputs [..., d] -> top-``topk`` probabilities and target ids [..., topk]."""
-        top = self.runner.probs(out).topk(self.topk, dim=-1)
-        return top.values.double(), self.runner.to_target(top.indices)
+        values, ids = self.runner.top(out, self.topk)
+        return values.double(), self.runner.to_target(ids)
 
     def _choose(self, cands: Candidates, state: DecodeState):
         tokens, scores, parents, depths = cands.cat()
@@ -135,9 +135,11 @@ class FalconProposer(FeatureDrafterProposer):
         root = torch.tensor([-1])
         ends, end_scores, end_paths = cands.add_blocks(values.unsqueeze(0), ids.unsqueeze(0), root,
                                                        torch.ones(1, dtype=torch.float64), torch.zeros_like(root))
-        # the outputs holding each block-end node's block features, and its branch's scratch rows (earlier blocks)
-        feats = out.unsqueeze(0).expand(ends.shape[1], kk, -1)  # [w^kk, kk, d]
-        branch_rows = [torch.zeros(0, dtype=torch.long)] * ends.shape[1]
+        # each block-end node's branch: the pass outputs holding its block's features (branch_out[branch]) and the
+        # scratch rows of its earlier blocks (branch_rows[branch]); a pass's block-end nodes under one frontier node
+        # share a branch
+        branch_out, branch_rows = out.unsqueeze(0), [torch.zeros(0, dtype=torch.long)]  # [branches, kk, d]
+        branch_of = [0] * ends.shape[1]
         ends, end_scores, end_paths = ends[0], end_scores[0], end_paths[0]
         self._n["passes"] += 1
         chosen, flat = self._choose(cands, state)
@@ -149,19 +151,21 @@ class FalconProposer(FeatureDrafterProposer):
             picked = picked[torch.sort(end_scores[picked], descending=True, stable=True).indices][: self.frontier]
             if picked.numel() == 0:
                 break
+            picked_branches = [branch_of[i] for i in picked.tolist()]
             sees = torch.zeros(picked.numel(), run.scratch, dtype=torch.bool)
-            for b, i in enumerate(picked.tolist()):
-                sees[b, branch_rows[i]] = True
-            out, rows = run.extend(end_paths[picked], feats[picked], run.length + (p - 2) * run.k, sees)
+            for b, branch in enumerate(picked_branches):
+                sees[b, branch_rows[branch]] = True
+            out, rows = run.extend(end_paths[picked], branch_out[picked_branches], run.length + (p - 2) * run.k,
+                                   sees)
             self._n["passes"] += 1
             values, ids = self._top(out)  # [F, k, w]
             parent_depth = torch.full((picked.numel(),), (p - 1) * run.k, dtype=torch.long)
             new_ends, new_scores, new_paths = cands.add_blocks(values, ids, ends[picked], end_scores[picked],
                                                                parent_depth)
             per = new_ends.shape[1]
-            feats = out.repeat_interleave(per, dim=0)  # [F * per, k, d]
-            branch_rows = [torch.cat([branch_rows[int(picked[b])], rows[b]]) for b in range(picked.numel())
-                           for _ in range(per)]
+            branch_out = out  # [F, k, d]: frontier node b's new block-end nodes are branch b
+            branch_rows = [torch.cat([branch_rows[branch], rows[b]]) for b, branch in enumerate(picked_branches)]
+            branch_of = [b for b in range(picked.numel()) for _ in range(per)]
             ends, end_scores = new_ends.reshape(-1), new_scores.reshape(-1)
             end_paths = new_paths.reshape(-1, run.k)
             chosen, flat = self._choose(cands, state)
