@@ -100,22 +100,21 @@ class FastEagleProposer(FeatureDrafterProposer):
             return self._sampled_chain_proposal(state, room)
         self._catch_up()
         self._n["looks"] += 1
-        probs = run.probs(self.last_h[:room])  # [levels, draft_vocab]: one head matmul for every depth
-        top = probs.topk(self.topk, dim=-1)
+        top_probs, top_ids = run.top(self.last_h[:room], self.topk)  # [levels, topk]: one head matmul for every depth
         limit = self.max_proposal_size()
         if self.fixed:
             levels, k = room, self.topk
             while levels * k + 1 > limit and levels > 1:
                 levels -= 1
         else:
-            levels, k = self._best_shape(top.values.double(), room, limit)
+            levels, k = self._best_shape(top_probs.double(), room, limit)
         self._n["levels"] += levels
         self._n["k"] += k
         if levels == 0:
             self._n["nodes"] += 1
             self.back_off.drafted_nothing()
             return None
-        tree = backbone_tree(run.to_target(top.indices), state.root, levels, k)
+        tree = backbone_tree(run.to_target(top_ids), state.root, levels, k)
         self.back_off.drafted(len(tree))
         self._n["nodes"] += len(tree)
         return Proposal(tree)
