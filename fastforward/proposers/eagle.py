@@ -150,6 +150,7 @@ class EagleProposer(FeatureDrafterProposer):
         row_of = np.full(k + (depth - 1) * k * k, -1, dtype=np.int64)  # candidate -> its draft row
         n_rows = 0
         offset = 0  # global index of the first candidate of the current depth
+        d2t = run.d2t.numpy()  # draft id -> target id offset (the runner's to_target, in numpy)
         for d in range(2, depth + 1):
             scores = cand_score[-1]
             r = min(k, scores.size)
@@ -173,7 +174,8 @@ class EagleProposer(FeatureDrafterProposer):
             row_of[glob] = np.arange(n_rows, n_rows + r)
             if self.call_cost is not None:
                 self.call_cost.start()
-            h = run.rows(src_h[torch.from_numpy(src_row[sel])], run.to_target(torch.from_numpy(cand_tok[-1][sel])),
+            draft_ids = cand_tok[-1][sel]
+            h = run.rows(src_h[torch.from_numpy(src_row[sel])], torch.from_numpy(draft_ids + d2t[draft_ids]),
                          torch.full((r,), root_pos + d - 2, dtype=torch.long), run.length + n_rows,
                          torch.from_numpy(sees[new, : n_rows + r]))
             values, ids = (t.numpy() for t in run.top(h, k))  # [r, k]
@@ -199,10 +201,11 @@ class EagleProposer(FeatureDrafterProposer):
             return self._chain_proposal(cand_tok, cand_score, state)
         # a step's candidates are tens of numbers: numpy does the rerank's small operations several times faster
         # than torch, with the same result (tests/test_rerank.py)
-        tokens = self.runner.to_target(torch.cat(cand_tok)).numpy()
-        scores = torch.cat(cand_score).double().numpy()
-        parents = torch.cat(cand_parent).numpy()
-        depths = torch.cat(cand_depth).numpy()
+        draft_ids = np.concatenate([t.numpy() for t in cand_tok])
+        tokens = draft_ids + self.runner.d2t.numpy()[draft_ids]  # the runner's to_target, in numpy
+        scores = np.concatenate([t.numpy() for t in cand_score]).astype(np.float64)
+        parents = np.concatenate([t.numpy() for t in cand_parent])
+        depths = np.concatenate([t.numpy() for t in cand_depth])
         order = rank(scores, depths)
         n = self._tree_size(np.exp(scores[order]), state)
         if not self._counted(n):
