@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, run_cli
@@ -22,6 +23,7 @@ from fastforward.errors import UsageError
 from fastforward.proposers import make_proposer
 from fastforward.proposers.fasteagle import backbone_tree, expected_tokens
 from fastforward.testing import backoff_outcomes, tiny_hf_folder, tiny_target, write_tiny_make_data
+from fastforward.tree import TreeShape
 
 VOCAB = 96
 
@@ -97,8 +99,9 @@ def test_backbone_tree_shape():
     tree = backbone_tree(tokens, 5, levels=3, k=2)
     assert tree.tokens.tolist() == [5, 10, 11, 20, 21, 30, 31]
     assert tree.shape.parents.tolist() == [-1, 0, 0, 1, 1, 3, 3]  # N * k nodes + root, side nodes are leaves
+    assert tree.shape.depths.tolist() == [0, 1, 1, 2, 2, 3, 3] == TreeShape(tree.shape.parents).depths.tolist()
     chain = backbone_tree(tokens, 5, levels=3, k=1)
-    assert chain.shape.parents.tolist() == [-1, 0, 1, 2]
+    assert chain.shape.parents.tolist() == [-1, 0, 1, 2] and chain.shape.depths.tolist() == [0, 1, 2, 3]
 
 
 def test_expected_tokens_of_the_backbone_tree():
@@ -107,6 +110,7 @@ def test_expected_tokens_of_the_backbone_tree():
     assert e[0, 0] == pytest.approx(1.5) and e[0, 1] == pytest.approx(1.8)
     assert e[1, 0] == pytest.approx(1.5 + 0.5 * 0.4)  # depth 2 needs the depth-1 backbone node accepted
     assert e[1, 1] == pytest.approx(1.8 + 0.5 * 0.6)
+    assert np.allclose(expected_tokens(q.numpy()), e.numpy())  # numpy arrays as torch tensors
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -29,6 +29,7 @@ is unchanged (only which steps draft).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..costs import best_draft
@@ -53,17 +54,20 @@ def fasteagle_runner(target, drafter: str | None, weights: str) -> FastEagleRunn
 def backbone_tree(tokens: torch.Tensor, root: int, levels: int, k: int) -> DraftTree:
     """The constrained tree: ``tokens`` [levels, >= k] draft candidates per depth (best first) -> root + levels * k
     nodes, depth-major, each depth's nodes children of the previous depth's first (backbone) node."""
-    depth = torch.arange(levels).repeat_interleave(k)  # 0-based depth of each node
-    parents = torch.where(depth == 0, 0, 1 + (depth - 1) * k)
-    return DraftTree(torch.cat([torch.tensor([root]), tokens[:levels, :k].reshape(-1)]),
-                     TreeShape(torch.cat([torch.tensor([-1]), parents])))
+    depth = np.repeat(np.arange(levels), k)  # 0-based depth of each node
+    parents = np.concatenate([[-1], np.where(depth == 0, 0, 1 + (depth - 1) * k)])
+    shape = TreeShape.from_checked(torch.from_numpy(parents), torch.from_numpy(np.concatenate([[0], depth + 1])))
+    return DraftTree(torch.cat([torch.tensor([root]), tokens[:levels, :k].reshape(-1)]), shape)
 
 
-def expected_tokens(top_probs: torch.Tensor) -> torch.Tensor:
+def expected_tokens(top_probs: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """``top_probs`` [N, K] (each depth's top-K probabilities, best first) -> [N, K]: expected tokens per step (the
     bonus included) of the tree with ``levels = n + 1`` and ``k = c + 1``: the backbone reaches depth i - 1 with
     probability prod_{l < i} q_l(top-1), and then one of depth i's k candidates is right with probability
-    sum_{c < k} q_i(c)."""
+    sum_{c < k} q_i(c). A torch tensor or a numpy array, as given."""
+    if isinstance(top_probs, np.ndarray):
+        reach = np.concatenate([[1.0], np.cumprod(top_probs[:-1, 0])])  # [N]
+        return 1.0 + np.cumsum(reach[:, None] * np.cumsum(top_probs, axis=1), axis=0)
     reach = torch.cat([torch.ones(1, dtype=top_probs.dtype), top_probs[:-1, 0].cumprod(0)])  # [N]
     per_depth = reach.unsqueeze(1) * top_probs.cumsum(1)  # [N, K]
     return 1.0 + per_depth.cumsum(0)
@@ -138,13 +142,14 @@ class FastEagleProposer(FeatureDrafterProposer):
     def _best_shape(self, top_probs: torch.Tensor, room: int, limit: int) -> tuple[int, int]:
         """(levels, k) of the backbone tree the cost model prices best (:func:`~fastforward.costs.best_draft`), from
         each depth's top-K draft probabilities ``top_probs`` [room, K]; (0, 0) when drafting nothing is best."""
-        curve_ms = self._curve_ms()
-        gain = expected_tokens(self._chances(top_probs))  # [levels, K]
-        nodes = (torch.arange(1, room + 1).unsqueeze(1) * torch.arange(1, self.topk + 1)) + 1  # [levels, K]
+        # a few numbers: numpy does these small operations several times faster than torch
+        curve_ms = self._curve_ms(numpy=True)
+        gain = expected_tokens(self._chances(top_probs).numpy())  # [levels, K]
+        nodes = np.arange(1, room + 1)[:, None] * np.arange(1, self.topk + 1) + 1  # [levels, K]
         # option 0 is drafting nothing (one plain step), then every (levels, k), level-major
-        tokens = torch.cat([torch.ones(1, dtype=gain.dtype), gain.reshape(-1)])
-        ms = torch.cat([curve_ms[:1], curve_ms[(nodes - 1).clamp(max=limit - 1)].reshape(-1)])
-        allowed = torch.cat([torch.ones(1, dtype=torch.bool), (nodes <= limit).reshape(-1)])
+        tokens = np.concatenate([[1.0], gain.reshape(-1)])
+        ms = np.concatenate([curve_ms[:1], curve_ms[np.minimum(nodes - 1, limit - 1)].reshape(-1)])
+        allowed = np.concatenate([[True], (nodes <= limit).reshape(-1)])
         best = best_draft(tokens, ms, allowed)
         return (0, 0) if best == 0 else ((best - 1) // self.topk + 1, (best - 1) % self.topk + 1)
 
