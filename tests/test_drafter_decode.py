@@ -13,12 +13,13 @@ from fastforward.linear import DenseLinear
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 6), blocks=st.integers(1, 12), block=st.sampled_from([1, 4, 8, 32]), extra=st.integers(0, 3),
+@given(rows=st.integers(1, 6), blocks=st.integers(1, 12), block=st.sampled_from([1, 64, 512, 2048]),
+       extra=st.integers(0, 3),
        k=st.integers(1, 6), levels=st.sampled_from([3, 50, 10**6]), seed=st.integers(0, 2**31 - 1))
 def test_top_k_rows_finds_topk_values(rows, blocks, block, extra, k, levels, seed):
     """The k largest values of every row, best first, and columns holding them -- whatever the block size, the
-    number of blocks (fewer than k included), a width that is no multiple of it, and ties (``levels`` distinct
-    values: many ties at 3)."""
+    number of blocks (fewer than k included), a width that is no multiple of it, rows small enough for plain
+    ``topk``, and ties (``levels`` distinct values: many ties at 3)."""
     g = torch.Generator().manual_seed(seed)
     V = blocks * block + extra
     k = min(k, V)
