@@ -12,11 +12,12 @@ Per method (ms per decoding step, calls per step, ms per call):
   "drafting ms / step" (steps: the target's forwards, the prefill's one included) -- beside the verification
   forwards (the prefill's chunks excluded) and, from the ``ar`` spec when it is listed first, drafting as a share of
   ``ar``'s forward per step;
-* the drafter's calls, each timed on its own (a call inside another counts in both): ``commit`` (accepted rows
-  into the drafter's cache: EAGLE's ``fuse`` + ``commit``, FastEagle's and Falcon's ``commit``), ``layer`` (draft
-  rows through the drafter's layer: EAGLE's ``rows``, Falcon's ``first_block`` / ``extend``), ``head`` (the draft
-  vocabulary's logits and their normalisation: ``log_probs`` / ``probs``), ``top-k`` (``top``: the head and the k
-  best per row), and for ``sps`` the draft model's forwards (``draft forward``);
+* the drafter's calls: ``commit`` (accepted rows into the drafter's cache: EAGLE's ``fuse`` + ``commit``,
+  FastEagle's and Falcon's ``commit``; whatever they call inside), ``layer`` (draft rows through the drafter's
+  layer: EAGLE's ``rows``, Falcon's ``first_block`` / ``extend``), ``head`` (the draft vocabulary's logits and
+  their normalisation: ``log_probs`` / ``probs``), ``top-k`` (what ``top`` adds to the head: the k best per row;
+  before the runners had ``top``, the proposers' ``topk`` counted in ``other``), and for ``sps`` the draft model's
+  forwards (``draft forward``);
 * ``other``: drafting outside those calls (the proposer's own bookkeeping, tree assembly, taps, back-off).
 
 Method specs are the benchmark's (``LABEL=METHOD:KEY=VALUE``): ``eagle:nodes=16`` drafts a tree of 16 every step, so
@@ -43,27 +44,44 @@ PROPOSER_CALLS = ("start", "propose", "observe")
 
 
 class Clock:
+    """Time per phase. The proposer's calls and the forwards are timed whole; the drafter's calls by what they do
+    themselves: a call inside ``commit``, ``layer`` or ``draft forward`` belongs to that phase (EAGLE's commit runs
+    its rows through ``rows``), while ``top-k`` counts only what ``top`` adds to the ``head`` it calls."""
+
+    ABSORB = ("commit", "layer", "draft forward")
+
     def __init__(self, cpu: bool):
         self.now = time.process_time if cpu else time.perf_counter
         self.total = collections.defaultdict(float)
         self.calls = collections.Counter()
-        self.depth = collections.Counter()  # nested calls of one phase count once
+        self.stack: list[list] = []  # [phase, time spent in the phases called inside it]
 
-    def wrap(self, owner, name: str, phase: str) -> None:
+    def wrap(self, owner, name: str, phase: str, drafter: bool = True) -> None:
         f = getattr(owner, name)
 
         @functools.wraps(f)
         def timed(*args, **kwargs):
-            if self.depth[phase]:
+            if not drafter:
+                t0 = self.now()
+                try:
+                    return f(*args, **kwargs)
+                finally:
+                    self.total[phase] += self.now() - t0
+                    self.calls[phase] += 1
+            if any(frame[0] in self.ABSORB or frame[0] == phase for frame in self.stack):
                 return f(*args, **kwargs)
-            self.depth[phase] += 1
+            frame = [phase, 0.0]
+            self.stack.append(frame)
             t0 = self.now()
             try:
                 return f(*args, **kwargs)
             finally:
-                self.total[phase] += self.now() - t0
+                spent = self.now() - t0
+                self.stack.pop()
+                self.total[phase] += spent - frame[1]
                 self.calls[phase] += 1
-                self.depth[phase] -= 1
+                if self.stack:
+                    self.stack[-1][1] += spent
 
         setattr(owner, name, timed)
 
@@ -104,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, phase in PHASES[cls.__name__].items():
             if hasattr(cls, name):
                 clock.wrap(cls, name, phase)
-    clock.wrap(target, "forward_many", "forward")
+    clock.wrap(target, "forward_many", "forward", drafter=False)
     print(f"{args.model}: {len(questions)} questions, {args.max_new_tokens} new tokens, {args.threads} threads, "
           f"{'CPU' if args.cpu_time else 'wall'} ms")
     ar_forward = None
@@ -115,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for q in questions:
             proposer = make_proposer(spec.method, target, **spec.options)
             for name in PROPOSER_CALLS:
-                clock.wrap(proposer, name, name)
+                clock.wrap(proposer, name, name, drafter=False)
             prompt = GenerationRequest(q.turns[0], spec.method, max_new_tokens=args.max_new_tokens).prompt_ids(target)
             gen = Generation(target, prompt, proposer, max_new_tokens=args.max_new_tokens,
                              sampling=SamplingConfig(temperature=0.0), seed=0)
@@ -127,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec.label == "ar":
             ar_forward = forward
         drafting = sum(per_step.get(name, 0.0) for name in PROPOSER_CALLS)
-        named = sum(per_step.get(p, 0.0) for p in ("commit", "layer", "top-k", "draft forward"))
-        named += 0.0 if "top-k" in per_step else per_step.get("head", 0.0)
+        named = sum(per_step.get(p, 0.0) for p in ("commit", "layer", "head", "top-k", "draft forward"))
         line = (f"\n{spec.label}: {steps} steps, {tokens / steps:.2f} tokens/step; drafting {drafting:.3f} ms/step"
                 f" (verification forward {forward:.3f} ms/step")
         if ar_forward:
