@@ -149,8 +149,8 @@ class FeatureDrafterProposer(Proposer):
         r = len(path)
         root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
         tokens = state.ids[root_pos + 1 : root_pos + 1 + r].clone()
-        self.pending.append((self._taps(step.hidden, torch.as_tensor(path)), tokens,
-                             torch.arange(root_pos, root_pos + r)))
+        rows = slice(0, r) if path == list(range(r)) else torch.as_tensor(path)  # a prefix (a chain's): views
+        self.pending.append((self._taps(step.hidden, rows), tokens, torch.arange(root_pos, root_pos + r)))
         if self.counts_committed_rows:
             self._n["draft_rows"] += r
         self.back_off.verdict(step.verdict.accepted, self._curve_ms())
@@ -185,7 +185,10 @@ class FeatureDrafterProposer(Proposer):
     def _catch_up(self) -> None:
         """Give the drafter the accepted rows that wait (one pass over all of them)."""
         if self.pending:
-            taps, tokens, positions = (torch.cat(parts) for parts in zip(*self.pending, strict=True))
+            if len(self.pending) == 1:
+                taps, tokens, positions = self.pending[0]
+            else:
+                taps, tokens, positions = (torch.cat(parts) for parts in zip(*self.pending, strict=True))
             self.pending.clear()
             self._commit(taps, tokens, positions)
 
