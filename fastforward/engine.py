@@ -219,9 +219,12 @@ def read_prompt(target, prompt, cache, hidden_layers, on_prefill=None,
     return to_the_end(read_prompt_in_chunks(target, prompt, cache, hidden_layers, on_prefill, prefix_cache))
 
 
-def read_prompt_in_chunks(target, prompt, cache, hidden_layers, on_prefill=None, prefix_cache=None):
+def read_prompt_in_chunks(target, prompt, cache, hidden_layers, on_prefill=None, prefix_cache=None, chunk=None):
     """:func:`read_prompt` a chunk at a time: a generator that yields ``(positions read, prompt length)`` after each
-    chunk's forward and returns what :func:`read_prompt` returns (a server interleaves other work between chunks)."""
+    chunk's forward and returns what :func:`read_prompt` returns (a server interleaves other work between chunks).
+    ``chunk``: a callable asked before each chunk how many tokens it reads (at most :data:`PREFILL_CHUNK`, the
+    default): on a backend that computes that many rows exactly as alone (``batch_rows_limit``), the entries are the
+    same whatever the chunks."""
     n = prompt.numel()
     hidden: dict[int, list] = {}
     begin = 0
@@ -233,8 +236,9 @@ def read_prompt_in_chunks(target, prompt, cache, hidden_layers, on_prefill=None,
                 if layer in entry.hidden:  # (a tap index the model does not have is absent in both)
                     hidden[layer] = [entry.hidden[layer][:begin]]
     out = None
-    for start in range(begin, n, PREFILL_CHUNK):
-        end = min(n, start + PREFILL_CHUNK)
+    start = begin
+    while start < n:
+        end = min(n, start + (PREFILL_CHUNK if chunk is None else max(1, min(PREFILL_CHUNK, chunk()))))
         out = target.forward(prompt[start:end], torch.arange(start, end), cache, hidden_layers=hidden_layers,
                              last_only=True)
         cache.keep(range(end - start))
@@ -244,6 +248,7 @@ def read_prompt_in_chunks(target, prompt, cache, hidden_layers, on_prefill=None,
             on_prefill(end, n)
         if end < n:
             yield end, n
+        start = end
     if len(hidden) and any(len(parts) > 1 for parts in hidden.values()):
         out = ForwardOutput(out.logits, {layer: torch.cat(parts) for layer, parts in hidden.items()})
     if prefix_cache is not None:
@@ -280,6 +285,9 @@ class Run:
 
     #: layers whose hidden states the run wants from every target forward (see ``TargetModel.forward``)
     hidden_layers: tuple[int, ...] = ()
+    #: prompt tokens its prefill reads in its next chunk (at most PREFILL_CHUNK; a server reading prompts between
+    #: decode steps may make it smaller where the backend is row-exact, see :func:`read_prompt_in_chunks`)
+    prefill_chunk: int = PREFILL_CHUNK
 
     def __init__(self, target: TargetModel, prompt_ids: list[int], name: str, *, max_new_tokens: int,
                  sampling: SamplingConfig, seed: int | None, stops=(), stats: GenerationStats | None = None,
@@ -369,7 +377,7 @@ class Run:
         self._t_start = t0 = time.perf_counter()
         self.cache = target.new_cache(capacity)
         chunks = read_prompt_in_chunks(target, self.ids[:n_prompt], self.cache, hidden_layers, self.on_prefill,
-                                       self.prefix_cache)
+                                       self.prefix_cache, lambda: self.prefill_chunk)
         stats.prefill_time = 0.0
         while True:
             try:

@@ -514,6 +514,26 @@ def test_load_test_small(server):
     assert "aggregate tokens/s" in format_report(report)
 
 
+def test_load_test_names_the_hostile_kind_beside_each_honest_request():
+    """The per-kind report: each honest request goes to the kind with the most requests in flight beside it on
+    average (none when nothing overlapped it); its p95 over the p95 without hostile requests."""
+    from fastforward.bench.serve_load import Outcome, _by_kind
+
+    honest = []
+    for i in range(10):  # one second each, back to back; the last five twice as slow
+        o = Outcome(0, i, 0, "ar", False, False, ok=True, latency=1.0 + (i >= 5), start=float(i), end=i + 1.0)
+        honest.append(o)
+    hostile = [{"kind": "row-hungry", "start": 0.0, "end": 4.5}, {"kind": "long-prompts", "start": 4.0, "end": 9.0},
+               {"kind": "long-prompts", "start": 4.2, "end": 4.4}, {"kind": "malformed", "start": 5.0, "end": 5.1}]
+    kinds = ("row-hungry", "longest-outputs", "long-prompts", "malformed")
+    report = _by_kind(hostile, honest, {"latency_p95_s": 1.0}, kinds)
+    assert report["row-hungry"]["honest_beside"] == 4 and report["row-hungry"]["latency_p95_ratio"] == 1.0
+    assert report["long-prompts"]["honest_beside"] == 5 and report["long-prompts"]["latency_p95_ratio"] == 2.0
+    assert report["long-prompts"]["hostile_requests"] == 2 and report["malformed"]["honest_beside"] == 0
+    assert report["longest-outputs"]["latency_p95_ratio"] is None and report["none"]["honest_beside"] == 1
+    assert report["row-hungry"]["mean_in_flight"] == pytest.approx(0.45)
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["serve", "--method", "warp"], "unknown method 'warp'"),
     (["serve", "--port", "70000"], "--port"),

@@ -211,10 +211,10 @@ def test_a_request_whose_steps_cost_ten_times_more_steps_far_less_often(tiny):
     assert 2000 / 20 < steps[id(heavy)] < 2000 / 7  # ten times the cost: about one round in ten
 
 
-def test_a_long_request_gets_a_quarter_of_a_newer_ones_share(tiny):
+def test_a_long_request_gets_a_fraction_of_the_short_ones_share(tiny):
     """Light requests of 64 rounds each, replaced as they end (new ones start level with the least-served), beside
-    one long request costing the same per round: past SHORT_REQUEST_SECONDS of the loop, it steps in about a
-    quarter of the rounds; never in none."""
+    one long request costing the same per round: past SHORT_REQUEST_SECONDS of the loop, it steps in about one
+    round in LONG_REQUEST_FACTOR; never in none."""
     clients = _Clients(tiny)
     long = clients.add()
     light = {clients.add(): 0 for _ in range(4)}
@@ -229,8 +229,9 @@ def test_a_long_request_gets_a_quarter_of_a_newer_ones_share(tiny):
                 clients.remove(ticket)
                 del light[ticket]
                 light[clients.add()] = 0
+    factor = scheduling.LONG_REQUEST_FACTOR
     assert long.cpu_seconds > scheduling.SHORT_REQUEST_SECONDS
-    assert 0.15 * rounds < steps_long < 0.40 * rounds
+    assert 0.6 * rounds / factor < steps_long < 1.6 * rounds / factor
 
 
 def test_charges_weigh_past_the_short_request_seconds():
@@ -239,3 +240,25 @@ def test_charges_weigh_past_the_short_request_seconds():
     assert ticket.served == pytest.approx(0.2) and ticket.cpu_seconds == pytest.approx(0.2)
     ticket.charge(0.1, 0.25, 4.0)  # 0.05 at full weight, 0.05 four times
     assert ticket.served == pytest.approx(0.45) and ticket.cpu_seconds == pytest.approx(0.3)
+    asking = Ticket(None, None)
+    asking.long = True  # it asked for more than LONG_REQUEST_TOKENS tokens: long from the start
+    asking.charge(0.1, 0.25, 4.0)
+    assert asking.served == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("prompt_words,max_tokens,long", [(5, 64, False), (5, 950, False), (5, 1100, True),
+                                                          (80, 600, True)])
+def test_requests_asking_for_many_tokens_are_long_from_the_start(tiny, prompt_words, max_tokens, long):
+    """More than LONG_REQUEST_TOKENS tokens asked for, prompt (a byte a token here) and max_tokens together."""
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(tiny, max_batch_tokens=16)
+        prompt = " ".join(["cache"] * prompt_words)
+        ticket = scheduler.submit(parse("completion", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens},
+                                        served=("tiny",), default_method="ar", limits=Limits(max_tokens=4096)), loop)
+        scheduler.round()
+        assert ticket.long is long
+        ticket.cancel()
+        scheduler.round()
+    finally:
+        loop.close()

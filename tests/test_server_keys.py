@@ -332,3 +332,16 @@ def test_admission_takes_the_client_with_the_fewest_running(target):
         assert all(t.done for t in [*burst, late]) and not scheduler._running_by and not scheduler._waiting_by
     finally:
         loop.close()
+
+
+def test_the_load_test_sends_each_client_its_key(server):
+    """serve-bench against a server with keys: every honest and hostile client sends its key (no failure: without
+    one every request would be a 401), and the report names the kinds drawn."""
+    from fastforward.bench.serve_load import run_load
+
+    report = run_load(server, MODEL, clients=2, requests=2, max_tokens=4, methods=["ar", "pld"], hostile=12,
+                      hostile_kinds=("malformed",), keys=list(KEYS), log=lambda message: None)
+    assert report["failures"] == 0 and report["greedy_mismatches"] == 0
+    hostile = report["hostile"]
+    assert hostile["problems"] == 0 and hostile["kinds"] == ["malformed"]
+    assert set(hostile["by_kind"]) == {"malformed", "none"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 import fastforward as ff
 from fastforward.engine import PREFILL_CHUNK, BatchDecoder
@@ -95,3 +96,58 @@ def test_prefill_in_chunks_beside_steps_changes_nothing(target):
         batch.step()
     for run, prompt in zip(runs, prompts, strict=True):
         assert run.emitted == ff.generate(target, prompt, "ar", max_new_tokens=12).token_ids
+
+
+def test_smaller_chunks_read_the_same_entries(packed):
+    """Engine: a prompt read in chunks of any size (here 7, then 5 and 300 asked) on a row-exact backend writes
+    bitwise the same cache entries and ends with the same logits as in PREFILL_CHUNK chunks."""
+    from fastforward.engine import read_prompt_in_chunks, to_the_end
+
+    prompt = torch.arange(3, 40) % 90 + 1
+    outs, caches = [], []
+    for sizes in ([PREFILL_CHUNK], [7], [5, 300]):
+        cache = packed.new_cache(64)
+        asked = iter(sizes * 20)
+        out, _ = to_the_end(read_prompt_in_chunks(packed, prompt, cache, (), chunk=asked.__next__))
+        outs.append(out.logits)
+        caches.append(cache)
+    for out, cache in zip(outs[1:], caches[1:], strict=True):
+        assert torch.equal(out, outs[0])
+        n = prompt.numel()
+        assert cache.length == caches[0].length == n
+        assert torch.equal(cache.k[..., :n, :], caches[0].k[..., :n, :])
+        assert torch.equal(cache.v[..., :n, :], caches[0].v[..., :n, :])
+
+
+def test_while_others_decode_a_prompt_is_read_a_shared_forward_at_a_time(packed):
+    """Server, on a row-exact backend: beside a decoding request, a long prompt advances at most max_batch_tokens
+    tokens a round; alone, a PREFILL_CHUNK a round. Every answer is what it is alone."""
+    from fastforward.server.scheduler import _positions_read
+
+    assert packed.batch_rows_limit() >= PREFILL_CHUNK
+    long_prompt = [(7 * i) % 90 + 3 for i in range(300)]
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(packed, max_batch_tokens=16)
+        short = scheduler.submit(completion([5, 6, 7, 8], 100), loop)
+        scheduler.round()
+        long = scheduler.submit(completion(long_prompt, 4), loop)
+        scheduler.round()  # admitted: its first chunk is read
+        beside = []
+        while long.prompt_reading is not None:
+            decoding, before = not short.run.finished, _positions_read(long.run)
+            scheduler.round()
+            if decoding:
+                beside.append(_positions_read(long.run) - before)
+        assert len(beside) >= 5 and max(beside) <= 16
+        while scheduler._active or scheduler._pending:
+            scheduler.round()
+        alone = scheduler.submit(completion(long_prompt[1:], 4), loop)  # nothing else decodes
+        scheduler.round()
+        assert _positions_read(alone.run) == PREFILL_CHUNK
+        while scheduler._active:
+            scheduler.round()
+    finally:
+        loop.close()
+    for ticket, n in ((short, 100), (long, 4), (alone, 4)):
+        assert ticket.run.emitted == ff.generate(packed, ticket.generation.prompt_ids, "ar", max_new_tokens=n).token_ids

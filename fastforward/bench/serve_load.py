@@ -328,17 +328,28 @@ def _ratio(x, y):
 
 
 def _by_kind(results: list[dict], outcomes3: list[Outcome], many: dict, kinds) -> dict:
-    """Per hostile kind: its requests, and the honest requests of phase 3 that were in flight while one of them was
-    (sent before it was answered, answered after it was sent): how many, their latency p95 and its ratio to phase
-    2's p95. A request can be beside several kinds; a regression shows in the kind it follows."""
+    """Per hostile kind: its requests, and the honest requests of phase 3 it was the main company of -- for each
+    honest request, the kind with the most hostile requests in flight on average while it was (their overlap with it
+    over its latency), none when no hostile request overlapped it -- how many, their latency p95 and its ratio to
+    phase 2's p95; and how many requests of the kind were in flight beside an honest request on average. A
+    regression shows in the kind it follows."""
+    ok = [o for o in outcomes3 if o.ok and o.end > o.start]
+    exposure = {kind: [] for kind in kinds}
+    for o in ok:
+        for kind in kinds:
+            overlap = sum(max(0.0, min(o.end, r["end"]) - max(o.start, r["start"])) for r in results
+                          if r["kind"] == kind)
+            exposure[kind].append(overlap / (o.end - o.start))
+    main = [max(kinds, key=lambda k, i=i: exposure[k][i]) if any(exposure[k][i] for k in kinds) else None
+            for i in range(len(ok))]
     out = {}
-    ok = [o for o in outcomes3 if o.ok]
-    for kind in kinds:
-        spans = [(r["start"], r["end"]) for r in results if r["kind"] == kind]
-        beside = [o.latency for o in ok if any(o.start < end and start < o.end for start, end in spans)]
-        p95 = _percentile(beside, 0.95)
-        out[kind] = {"hostile_requests": len(spans), "honest_beside": len(beside), "latency_p95_s": _round(p95),
-                     "latency_p95_ratio": _ratio(p95, many["latency_p95_s"])}
+    for kind in (*kinds, None):
+        latencies = [o.latency for o, m in zip(ok, main, strict=True) if m == kind]
+        p95 = _percentile(latencies, 0.95)
+        out["none" if kind is None else kind] = {
+            "hostile_requests": sum(1 for r in results if r["kind"] == kind), "honest_beside": len(latencies),
+            "mean_in_flight": _round(sum(exposure[kind]) / len(ok)) if kind is not None and ok else None,
+            "latency_p95_s": _round(p95), "latency_p95_ratio": _ratio(p95, many["latency_p95_s"])}
     return out
 
 
@@ -525,9 +536,10 @@ def format_report(r: dict) -> str:
             f"{s['requests']}, failures {s['failures']}, tok/s {s['tokens_per_s']} "
             f"({_fmt(h.get('tokens_per_s_ratio'))}x the tok/s without them), latency p50 {_fmt(s['latency_p50_s'])} "
             f"p95 {_fmt(s['latency_p95_s'])} ({_fmt(h['latency_p95_ratio'])}x the p95 without them)",
-            "honest p95 beside each hostile kind: " + "; ".join(
-                f"{kind} {_fmt(k['latency_p95_ratio'])}x ({k['honest_beside']} honest beside "
-                f"{k['hostile_requests']} hostile)" for kind, k in (h.get("by_kind") or {}).items()),
+            "honest p95 by the hostile kind beside them: " + "; ".join(
+                f"{kind} {_fmt(k['latency_p95_ratio'])}x ({k['honest_beside']} honest, {k['hostile_requests']} "
+                f"hostile" + (f", {_fmt(k['mean_in_flight'])} in flight" if k["mean_in_flight"] is not None else "")
+                + ")" for kind, k in (h.get("by_kind") or {}).items()),
             "hostile answers by status: " + ", ".join(f"{k}: {v}" for k, v in h["by_status"].items())
             + f"; not a 2xx or an OpenAI-shaped 4xx: {h['problems']}; slowest {_fmt(h['slowest_s'])} s "
               f"({h['slowest']})",

@@ -16,8 +16,10 @@ who else is being served.
 prompt chunk to its request, and each step's time split between the requests in it -- each its own drafting (its
 method's propose and observe time), the rest (the shared forwards, verification) by rows. A request more than
 :data:`FAIR_SHARE_SECONDS` ahead of the least-served one sits out rounds (reading or decoding) until the others catch
-up; one that has had more than :data:`SHORT_REQUEST_SECONDS` of the loop counts its time :data:`LONG_REQUEST_FACTOR`
-times, so that a long answer or a long prompt gets that much less than the newer requests beside it (never none).
+up. A *long* request -- one that asks for more than :data:`LONG_REQUEST_TOKENS` tokens (prompt and max_tokens) or
+has had more than :data:`SHORT_REQUEST_SECONDS` of the loop -- counts its time :data:`LONG_REQUEST_FACTOR` times, so
+that a long answer, a long prompt or a slow drafter gets that much less than the short requests beside it (never
+none; all of it alone).
 And in a shared step no sequence puts more than its share of the forward's rows in it (:func:`row_share`): its
 draft or window is cut to that (the answer is the same: greedy verification keeps the target's tokens, sampling
 draws keyed numbers), and a draft that may not be cut (drafts with draft probabilities: ``sps`` when sampling) is
@@ -57,12 +59,16 @@ log = logging.getLogger("fastforward.server")
 #: rounds: some rounds' worth, so that ordinary requests keep stepping together (sharing forwards) while one whose
 #: steps cost more than theirs steps less often
 FAIR_SHARE_SECONDS = 0.1
-#: decode-loop CPU seconds a request is served at full weight (about what a short answer takes); beyond them its
-#: time counts LONG_REQUEST_FACTOR times, so that a long request (thousands of tokens, a prompt of thousands of
-#: words) gets that much less of the loop than the newer requests beside it, never none. CPU time, not wall time:
-#: other load on the machine does not make every request look long
+#: decode-loop CPU seconds a request is served at full weight (more than a short chat answer takes); beyond them
+#: it is *long* and its time counts LONG_REQUEST_FACTOR times, so that a long request (thousands of tokens, a prompt
+#: of thousands of words, slow drafting) gets that much less of the loop than the short requests beside it, never
+#: none. CPU time, not wall time: other load on the machine does not make every request look long
 SHORT_REQUEST_SECONDS = 0.25
-LONG_REQUEST_FACTOR = 4.0
+LONG_REQUEST_FACTOR = 8.0
+#: a request that asks for more tokens than this (its prompt and its max_tokens together) is long from the start:
+#: the first chunks of a long prompt and the first steps of a 4,096-token answer do not come out of the short
+#: requests' share either
+LONG_REQUEST_TOKENS = 1024
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "cancelled",
                   "wall budget": "length", "cpu budget": "length"}
@@ -116,6 +122,7 @@ class Ticket:
         self.served = 0.0  # decode-loop CPU seconds charged to it (weighted), counted from the least-served one's
         # at admission: who sits out a round
         self.cpu_seconds = 0.0  # decode-loop CPU time charged to it: its prefill, its drafting, its part of forwards
+        self.long = False  # long from the start (asks for more than LONG_REQUEST_TOKENS tokens)
 
     @property
     def run(self) -> Run | None:
@@ -124,7 +131,7 @@ class Ticket:
     def charge(self, cpu: float, short_seconds: float, long_factor: float) -> None:
         """Charge it ``cpu`` seconds of the decode loop's CPU time: towards its budget, and towards its share at
         full weight up to ``short_seconds`` in all, ``long_factor`` times beyond."""
-        short = max(0.0, min(cpu, short_seconds - self.cpu_seconds))
+        short = 0.0 if self.long else max(0.0, min(cpu, short_seconds - self.cpu_seconds))
         self.cpu_seconds += cpu
         self.served += short + (cpu - short) * long_factor
 
@@ -209,6 +216,10 @@ class Scheduler:
         self.max_running, self.max_waiting = max_running, max_waiting
         self.metrics = metrics or Metrics()
         self.batch = BatchDecoder(max_batch_tokens, on_forward=self.metrics.forward)
+        # prompt tokens a chunk reads while others decode: a shared forward's rows where the backend reads prompts
+        # row-exactly (smaller chunks then write the same entries), else the engine's chunk
+        exact = target.batch_rows_limit() >= PREFILL_CHUNK
+        self.shared_prefill_chunk = min(PREFILL_CHUNK, max_batch_tokens) if exact else PREFILL_CHUNK
         self._pending: collections.deque[Ticket] = collections.deque()
         self._active: dict[int, Ticket] = {}  # id(run) -> ticket
         self._cond = threading.Condition()
@@ -336,16 +347,20 @@ class Scheduler:
         ticket.charge(cpu, SHORT_REQUEST_SECONDS, LONG_REQUEST_FACTOR)
 
     def _read_prompts(self) -> None:
-        """About :data:`~fastforward.engine.PREFILL_CHUNK` prompt tokens a round, a chunk at a time, of the prompts
-        being read, the fewest tokens left first among those not sitting out: a long prompt is read between rounds of
-        the others' steps instead of holding them all up, and a short one arriving behind it goes first. Each chunk's
-        time is charged to its request (the fair share, module docstring)."""
-        budget = PREFILL_CHUNK
+        """About one chunk of prompt tokens a round, of the prompts being read, the fewest tokens left first among
+        those not sitting out: a long prompt is read between rounds of the others' steps instead of holding them all
+        up, and a short one arriving behind it goes first. While others decode, a chunk is at most a shared forward's
+        rows (``max_batch_tokens``, where the backend reads prompts row-exactly: the same entries in any chunks), so
+        that a round with a chunk is not many times longer than one without; else :data:`PREFILL_CHUNK` tokens. Each
+        chunk's time is charged to its request (the fair share, module docstring)."""
+        chunk = self.shared_prefill_chunk if self._decoding() else PREFILL_CHUNK
+        budget = chunk
         while budget > 0:
             reading = self._eligible(self._reading())
             if not reading:
                 return
             ticket = min(reading, key=lambda t: t.run.stats.prompt_tokens - _positions_read(t.run))
+            ticket.run.prefill_chunk = min(chunk, budget)
             before = _positions_read(ticket.run)
             cpu_start = time.process_time()
             try:
@@ -436,6 +451,7 @@ class Scheduler:
             return
         ticket.generation = generation
         run = generation.sequence
+        ticket.long = len(generation.prompt_ids) + ticket.parsed.generation.max_new_tokens > LONG_REQUEST_TOKENS
         if ticket.parsed.trace:
             ticket.tracer = IncrementalDetokenizer(self.target.decode)
         ticket.put("start", {"prompt_tokens": len(generation.prompt_ids)})
