@@ -3,6 +3,7 @@ kernels, alternated round by round in one process, so that the machine's drift w
 
     python scripts/compare_kernel_builds.py --model smollm2-135m --m 1,2,4,8,16 \\
         --build before=OLD_TREE/fastforward/kernels --build after=fastforward/kernels [--build wide=:-DFF_Q8_ZMM_ROWS=8]
+        [--threads 1 --cpu-time]
 
 A build is ``NAME=SOURCE_DIR[:EXTRA_FLAGS]`` (the directory holding the kernel sources, e.g. a worktree of an older
 commit: ``git worktree add /tmp/old REV``; empty for this checkout's), compiled with this CPU's flags plus the extra
@@ -42,10 +43,12 @@ def build(name: str, source: str, extra: str, root: Path):
 
     here = [Path(p) for p in kernels.SOURCES]
     sources = [Path(source) / p.name if source else p for p in here]
+    headers = [Path(source) / p.name if source else p for p in kernels.HEADERS]
     flags = kernels.isa_flags(kernels.pick_isa()) + extra.split()
     if source:
         flags.append(f"-I{source}")
-    digest = hashlib.sha256((" ".join(flags) + "".join(p.read_text() for p in sources)).encode()).hexdigest()[:12]
+    digest = hashlib.sha256((" ".join(flags) + "".join(p.read_text() for p in sources + headers if p.is_file())
+                             ).encode()).hexdigest()[:12]
     directory = root / digest
     directory.mkdir(parents=True, exist_ok=True)
     return cpp.load(f"ff_compare_{name}_{digest}", [str(p) for p in sources], extra_cflags=flags,
@@ -59,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", default="1,2,4,8,16", help="activation rows per call")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--build-dir", default=None,
+                        help="where the builds go, kept and reused by source and flags (default: a new temporary "
+                             "folder)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time in CPU seconds of this process instead of wall time (with --threads 1: what "
+                             "other load on a shared machine leaves unchanged)")
     args = parser.parse_args(argv)
     if not 1 <= args.rounds <= 1000 or not 1 <= args.threads <= 256:
         parser.error("--rounds must be in [1, 1000] and --threads in [1, 256]")
@@ -80,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     linears = packed_linears(target)
     if not linears:
         parser.error(f"{args.model} has no packed weights on the native kernels")
-    root = Path(tempfile.mkdtemp(prefix="ff-kernel-builds-"))
+    root = Path(args.build_dir) if args.build_dir else Path(tempfile.mkdtemp(prefix="ff-kernel-builds-"))
     builds = {name: build(name, source, extra, root) for name, (source, extra) in specs.items()}
     print(f"{args.model}: {len(linears)} packed weights, {sum(lin.nbytes for lin in linears) / 1e6:.1f} MB; "
           f"{args.threads} threads")
@@ -90,19 +99,24 @@ def main(argv: list[str] | None = None) -> int:
         return [module.quant_mm(x, lin.data, lin.kernel_fmt, lin.in_features) for lin, x in
                 zip(linears, xs[m], strict=True)]
 
+    def same(a, b):  # bitwise, NaN where the other has NaN (random weights can overflow fp16 scales)
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
     first = next(iter(builds))
     reference = stack(builds[first], rows[0])
     for name, module in builds.items():
-        if not all(torch.equal(a, b) for a, b in zip(reference, stack(module, rows[0]), strict=True)):
+        if not all(same(a, b) for a, b in zip(reference, stack(module, rows[0]), strict=True)):
             print(f"note: {name}'s outputs differ from {first}'s (another weight layout, or another arithmetic)")
     times = {(name, m): [] for name in builds for m in rows}
+    clock = time.process_time if args.cpu_time else time.perf_counter
     for _ in range(args.rounds):
         for m in rows:
             for name, module in builds.items():
-                t0 = time.perf_counter()
+                t0 = clock()
                 stack(module, m)
-                times[(name, m)].append((time.perf_counter() - t0) * 1e3)
-    print("rows | " + " | ".join(builds) + " (median ms per stack [25th-75th])")
+                times[(name, m)].append((clock() - t0) * 1e3)
+    what = "CPU ms" if args.cpu_time else "ms"
+    print("rows | " + " | ".join(builds) + f" (median {what} per stack [25th-75th])")
     for m in rows:
         cells = []
         for name in builds:

@@ -36,7 +36,7 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("native.cpp", "skinny_gemm.cpp", "quant_gemm.cpp", "layer_ops.cpp", "amx_gemm.cpp",
                                      "q8_gemm.cpp")]
-HEADERS = [HERE / "isa.h"]
+HEADERS = [HERE / "isa.h", HERE / "tiles.h"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c", "-DFF_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DFF_ISA_AVX2"],

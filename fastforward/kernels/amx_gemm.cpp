@@ -235,6 +235,22 @@ bool amx_ready() {
   return ready;
 }
 
+// AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25), for the integer tiles of q8_gemm.cpp.
+bool cpu_has_amx_int8() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d & (1u << 24)) && (d & (1u << 25));
+}
+
+// Once per process: the CPU has the integer tiles and the kernel grants this process the tile state (every thread
+// then gets it on its first tile instruction); false on any failure, and the integer kernel uses its vector path.
+bool amx_int8_ready() {
+  static std::once_flag once;
+  static bool ready = false;
+  std::call_once(once, [] { ready = cpu_has_amx_int8() && request_tile_state(); });
+  return ready;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 
@@ -600,12 +616,14 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, floa
 #else  // no AMX in this build
 
 bool amx_ready() { return false; }
+bool amx_int8_ready() { return false; }
 
 #endif
 
 }  // namespace
 
 bool ff_amx_ready() { return amx_ready(); }
+bool ff_amx_int8_ready() { return amx_int8_ready(); }
 
 // For quant_gemm.cpp's quant_mm / quant_rows: a tiled weight's product and rows.
 bool ff_is_tiled(int64_t fmt) { return fmt > kTiledBase && tileable(static_cast<int>(fmt - kTiledBase)); }

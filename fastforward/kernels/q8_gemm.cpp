@@ -27,6 +27,11 @@
 // Q5_0 / Q5_1's high bits are rearranged so that one shift and one mask put each slice's bits in place: bit
 // 8i + p of qh' is the high bit of element (p & 1) * 16 + 4 (p >> 1) + i. Q5_K's qh bytes need no rearranging:
 // bit p = 2c + h of qh byte k is the high bit of element 64c + 32h + k.
+//
+// Builds with 512-bit VNNI (FF_Q8_ZMM) lay the formats of blocks of 32 out in pairs of panels (in_pairs) and
+// multiply 16 weight rows at once;
+// builds with AMX-INT8 also run the same products on integer tiles ("integer tiles" below). The layout is the
+// build's: packed and unpacked by the same build, and every build computes the same bits from it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -35,15 +40,21 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "isa.h"
+#include "tiles.h"
 
 // quant_gemm.cpp: fp32 values of GGUF-layout rows (the reference dequantisation), for embedding lookups.
 void ff_decode_gguf_rows(const uint8_t* rows, int64_t n_rows, int64_t row_bytes, int fmt, int64_t K, float* out);
+// amx_gemm.cpp: whether this CPU and process have AMX-INT8 (checked, and the tile state requested, once).
+bool ff_amx_int8_ready();
 
 // The one u8 x s8 -> int32 multiply-accumulate of four byte pairs per lane, where the CPU has it.
 #if defined(FF_VNNI_512)
@@ -52,6 +63,15 @@ void ff_decode_gguf_rows(const uint8_t* rows, int64_t n_rows, int64_t row_bytes,
 #elif defined(FF_VNNI_AVX)
 #define FF_Q8_VNNI 1
 #define FF_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#endif
+
+// The vector kernel's name in reports.
+#if defined(FF_VNNI_512)
+#define Q8_DOT_NAME "avx512-vnni"
+#elif defined(FF_VNNI_AVX)
+#define Q8_DOT_NAME "avx-vnni"
+#else
+#define Q8_DOT_NAME "avx2"
 #endif
 
 // AVX-512 VNNI builds multiply two panels at once in 512-bit registers (tile2), from weights laid out in pairs
@@ -120,11 +140,14 @@ constexpr int kQ6ScAt = 16, kQ6HalfAt = 144, kQ6HalfBytes = 768;
 
 int64_t panel_row_bytes(int f, int64_t K) { return K / layout_of(f).qk * layout_of(f).panel_bytes; }
 
-// Whether a weight of format f is laid out in pairs of panels: with FF_Q8_ZMM, the formats of blocks of 32. (K-quant
-// pair tiles were tried, blocks of 2.4-3.4 KB interleaved the same way: on the AMD EPYC (Zen 4), 8 and 16 rows of a
-// 1B Q4_K_M file ran 1.1-1.3x faster but one and two rows 1.7-2.8x slower, reading from memory at half the rate.) Then
+// Whether a weight of format f is laid out in pairs of panels: with FF_Q8_ZMM, the formats of blocks of 32. Then
 // panels 2q and 2q + 1 interleave block by block (block b of the first, block b of the second, block b + 1 of the
 // first...), so that tile2 reads one stream; an odd last panel stands alone. Else panel p is its blocks in order.
+// K-quant pair tiles were built twice and measured on the AMD EPYC (Zen 4), 1B Q4_K_M, the weight products: blocks
+// of 2.4-3.4 KB interleaved like these, 1.1-1.3x faster at 8 and 16 rows but 1.7-2.8x slower at one and two; the two
+// blocks interleaved 32 bytes at a time (one 512-bit load per slice of 16 rows: 46-48 multiply-adds per cycle in L1
+// against 29 for the 256-bit tiles), 1.08-1.23x faster at 8-16 rows but 1.5x slower at one and two, reading from
+// memory at two thirds of the rate. A decoding step is one row: the K-quants keep single panels.
 constexpr bool in_pairs(int f) {
 #if defined(FF_Q8_ZMM)
   return q8_format(f) && !is_k(f);
@@ -962,6 +985,361 @@ inline void tile2_any(int rows, const uint8_t* panel, const Acts a, int64_t m0, 
 }
 #endif
 
+#if defined(FF_HAVE_AMX_INT8)
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8")
+#endif
+// ---- integer tiles: AMX-INT8, or its emulation ------------------------------------------------------------------
+//
+// The same products on AMX tiles (tiles.h: the hardware's tdpbssd, or the same instructions emulated in C++ on CPUs
+// without AMX, which is how the tests run everywhere). C [rows x 16] += A [rows x 32 bytes] . B [8 x 64 bytes]:
+// A is 16 activation rows' quantised bytes of one block (or sub-block) read in place (stride K), B the block of
+// 16 weight rows (a pair of panels) decoded to one signed byte per quant in the VNNI order (B row k holds elements
+// 4k..4k+3 of each weight row: exactly what a panel's slices hold, nibbles apart), so C is, per activation row and
+// weight row, the block's integer sum(q_w * q_a) -- signed x signed, no +128 offset. Then the per-block scaling of
+// the vector kernels, the same fp32 operations in the same order: every output is bitwise what the vector kernels
+// give (and the reference), whatever path, rows, tiles or threads.
+//
+// A call's work: per pair of panels (an odd last panel alone, the second half of B zero), the weight's blocks are
+// decoded once into a buffer (every row block of the call then reads them), then per block of 16 activation rows
+// (up to four: 64 rows a pass) and per weight block: tileloadd B, tilezero C, tileloadd A, tdpbssd, tilestored C,
+// the epilogue for the rows. K-quants: per sub-block of 32 (Q6_K: 16) the integer times its 6-bit (8-bit) scale
+// summed in int32 across the super-block, then the super-block's scaling.
+//
+// The tiles: 0 = C and 2 = A of a full row block (16 rows), 1 = C and 3 = A of the last partial one, 4 = B.
+
+// 16 fp32 / int32 lanes: one 512-bit register, or two 256-bit ones (the same operations lane by lane).
+#if defined(FF_ISA_AVX512) && !defined(FF_ISA_EMULATED)
+struct F16 {
+  __m512 v;
+};
+struct I16 {
+  __m512i v;
+};
+inline F16 f16_zero() { return {_mm512_setzero_ps()}; }
+inline F16 f16_set1(float x) { return {_mm512_set1_ps(x)}; }
+inline F16 f16_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void f16_store(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
+inline F16 operator+(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline F16 operator-(F16 a, F16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline F16 operator*(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F16 f16_cvt(I16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline I16 i16_load(const int32_t* p) { return {_mm512_loadu_si512(p)}; }
+inline void i16_store(int32_t* p, I16 a) { _mm512_storeu_si512(p, a.v); }
+inline I16 i16_set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
+inline I16 operator+(I16 a, I16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline I16 operator-(I16 a, I16 b) { return {_mm512_sub_epi32(a.v, b.v)}; }
+inline I16 operator*(I16 a, I16 b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
+inline F16 f16_join(__m256 lo, __m256 hi) {
+  return {_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1))};
+}
+inline I16 i16_join(__m256i lo, __m256i hi) { return {_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)}; }
+#else
+struct F16 {
+  __m256 lo, hi;
+};
+struct I16 {
+  __m256i lo, hi;
+};
+inline F16 f16_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 f16_set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline F16 f16_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void f16_store(float* p, F16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline F16 operator+(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline F16 operator-(F16 a, F16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline F16 operator*(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16 f16_cvt(I16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline I16 i16_load(const int32_t* p) { return {vload(reinterpret_cast<const uint8_t*>(p)), vload(reinterpret_cast<const uint8_t*>(p + 8))}; }
+inline void i16_store(int32_t* p, I16 a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 8), a.hi);
+}
+inline I16 i16_set1(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+inline I16 operator+(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline I16 operator-(I16 a, I16 b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+inline I16 operator*(I16 a, I16 b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }
+inline F16 f16_join(__m256 lo, __m256 hi) { return {lo, hi}; }
+inline I16 i16_join(__m256i lo, __m256i hi) { return {lo, hi}; }
+#endif
+
+// The 8 fp16 scales at p0 (weight rows 0-7) and at p1 (rows 8-15; zeros where there is no second panel).
+inline F16 scales16(const uint8_t* p0, const uint8_t* p1) {
+  return f16_join(halfs8(p0), p1 ? halfs8(p1) : _mm256_setzero_ps());
+}
+// 8 unsigned / signed bytes of each panel widened to 16 int32 lanes.
+inline I16 bytes16_u8(const uint8_t* p0, const uint8_t* p1) {
+  const __m256i z = _mm256_setzero_si256();
+  return i16_join(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0))),
+                  p1 ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1))) : z);
+}
+inline I16 bytes16_s8(const uint8_t* p0, const uint8_t* p1) {
+  const __m256i z = _mm256_setzero_si256();
+  return i16_join(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0))),
+                  p1 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1))) : z);
+}
+
+constexpr int kTileBytes = 512;  // one decoded B tile: 8 rows of 64 bytes (Q6_K: 4 rows, 256 bytes used)
+
+// Bytes of A per tile product (a block, or a K-quant sub-block) and the decoded B tiles of one weight block.
+template <int F>
+constexpr int tile_k() { return F == kQ6_K ? 16 : 32; }
+template <int F>
+constexpr int tiles_per_block() { return F == kQ6_K ? 16 : is_k(F) ? 8 : 1; }
+
+// B row k = [panel 0's 32 bytes | panel 1's 32 bytes (zeros without one)].
+inline void b_row(uint8_t* dst, V lo, V hi) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), hi);
+}
+
+// The B tiles of block b of two panels (blocks at P0 and P1; P1 null for a lone panel) into dst.
+template <int F>
+void decode_b(const uint8_t* P0, const uint8_t* P1, uint8_t* dst) {
+  const V z = _mm256_setzero_si256();
+  auto ld = [&](const uint8_t* P, int at) { return P ? vload(P + at) : z; };
+  if constexpr (F == kQ8_0) {
+    for (int s = 0; s < 8; ++s) b_row(dst + 64 * s, ld(P0, qs_at(F) + 32 * s), ld(P1, qs_at(F) + 32 * s));
+  } else if constexpr (!is_k(F)) {  // Q4_0 / Q4_1 / Q5_0 / Q5_1: row s the low nibbles of slice s, row 4 + s the high
+    const V qh0 = is_q5(F) ? ld(P0, qh_at(F)) : z, qh1 = is_q5(F) ? ld(P1, qh_at(F)) : z;
+    auto slice = [&](auto sc) {
+      constexpr int s = decltype(sc)::value;
+      const V w0 = ld(P0, qs_at(F) + 32 * s), w1 = ld(P1, qs_at(F) + 32 * s);
+      V lo0 = nib_lo(w0), hi0 = nib_hi(w0), lo1 = nib_lo(w1), hi1 = nib_hi(w1);
+      if constexpr (is_q5(F)) {
+        lo0 = _mm256_or_si256(lo0, bit_to_4<2 * s>(qh0));
+        hi0 = _mm256_or_si256(hi0, bit_to_4<2 * s + 1>(qh0));
+        lo1 = _mm256_or_si256(lo1, bit_to_4<2 * s>(qh1));
+        hi1 = _mm256_or_si256(hi1, bit_to_4<2 * s + 1>(qh1));
+      }
+      b_row(dst + 64 * s, lo0, lo1);
+      b_row(dst + 64 * (4 + s), hi0, hi1);
+    };
+    slice(std::integral_constant<int, 0>{});
+    slice(std::integral_constant<int, 1>{});
+    slice(std::integral_constant<int, 2>{});
+    slice(std::integral_constant<int, 3>{});
+  } else if constexpr (F == kQ4_K || F == kQ5_K) {  // sub-block j = 2c + h: nibble h of chunk c's slices
+    for (int j = 0; j < 8; ++j) {
+      const int c = j / 2, h = j % 2;
+      for (int t = 0; t < 8; ++t) {
+        V x[2];
+        const uint8_t* Ps[2] = {P0, P1};
+        for (int u = 0; u < 2; ++u) {
+          const V w = ld(Ps[u], k_qs_at(F) + 256 * c + 32 * t);
+          x[u] = h ? nib_hi(w) : nib_lo(w);
+          if constexpr (F == kQ5_K) {
+            const V qh = ld(Ps[u], kQ5KQhAt + 32 * t);
+            x[u] = _mm256_or_si256(x[u], _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(qh, j), 4),
+                                                          _mm256_set1_epi8(0x10)));
+          }
+        }
+        b_row(dst + kTileBytes * j + 64 * t, x[0], x[1]);
+      }
+    }
+  } else {  // Q6_K: sub-block j = 8 hf + 2 g + u, slices t = 4u .. 4u + 3 of half hf, pattern g (see q6k_tile)
+    const V m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    for (int j = 0; j < 16; ++j) {
+      const int hf = j / 8, g = (j % 8) / 2, u = j % 2;
+      for (int tt = 0; tt < 4; ++tt) {
+        const int t = 4 * u + tt;
+        V x[2];
+        const uint8_t* Ps[2] = {P0, P1};
+        for (int p = 0; p < 2; ++p) {
+          const int at = kQ6HalfAt + kQ6HalfBytes * hf + 96 * t;
+          const V q4 = ld(Ps[p], at + 32 * (g & 1)), H = ld(Ps[p], at + 64);
+          switch (g) {
+            case 0: x[p] = _mm256_or_si256(_mm256_and_si256(q4, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m2)); break;
+            case 1: x[p] = _mm256_or_si256(_mm256_and_si256(q4, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m2)); break;
+            case 2: x[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), m4), _mm256_and_si256(H, m2)); break;
+            default:
+              x[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), m4),
+                                     _mm256_and_si256(_mm256_srli_epi16(H, 2), m2));
+          }
+        }
+        b_row(dst + kTileBytes * j + 64 * tt, x[0], x[1]);
+      }
+    }
+  }
+}
+
+// The tile configuration for `rows` activation rows (1..64) of format F.
+template <int F>
+ff::tiles::Config tile_config(int rows) {
+  ff::tiles::Config cfg;
+  const int last = rows % 16, kb = tile_k<F>();
+  if (rows >= 16) {
+    cfg.set(0, 16, 64);
+    cfg.set(2, 16, kb);
+  }
+  if (last) {
+    cfg.set(1, last, 64);
+    cfg.set(3, last, kb);
+  }
+  cfg.set(4, kb / 4, 64);
+  return cfg;
+}
+
+// C = A . B for the activation rows [r0, r0 + n) (n = 16: tiles 0/2, else 1/3) and the B tile at bt; C's int32
+// rows into ib [n][16].
+template <class Tiles>
+inline void tile_product(const int8_t* A, int64_t lda, const uint8_t* bt, int n, int32_t* ib) {
+  Tiles::template load<4>(bt, 64);
+  if (n == 16) {
+    Tiles::template zero<0>();
+    Tiles::template load<2>(A, lda);
+    Tiles::template dpbssd<0, 2, 4>();
+    Tiles::template store<0>(ib, 64);
+  } else {
+    Tiles::template zero<1>();
+    Tiles::template load<3>(A, lda);
+    Tiles::template dpbssd<1, 3, 4>();
+    Tiles::template store<1>(ib, 64);
+  }
+}
+
+// Activation rows [0, rows) of `a` (rows <= 64) x the panel pairs [q0, q1) of w, into out (ldo floats a row).
+template <class Tiles, int F>
+void tiles_pairs(const Acts& a, int rows, const uint8_t* w, int64_t K, int64_t n_panels, int64_t q0, int64_t q1,
+                 float* out, int64_t ldo) {
+  constexpr Layout L = layout_of(F);
+  constexpr int kb = tile_k<F>(), per_block = tiles_per_block<F>();
+  const int64_t nb = a.nb;
+  thread_local std::vector<uint8_t> b_store;
+  const size_t need = static_cast<size_t>(nb * per_block * kTileBytes + 64);
+  if (b_store.size() < need) b_store.resize(need);
+  uint8_t* bts = b_store.data() + (64 - reinterpret_cast<uintptr_t>(b_store.data()) % 64) % 64;
+  alignas(64) int32_t ib[16 * 16];
+  alignas(64) int32_t iacc[16 * 16];
+  alignas(64) float acc[16 * 16];
+  for (int64_t q = q0; q < q1; ++q) {
+    const int64_t p = 2 * q;
+    const bool two = p + 1 < n_panels;
+    for (int64_t b = 0; b < nb; ++b)  // every block of the pair decoded once, for all the row blocks
+      decode_b<F>(w + block_at(F, K, n_panels, p, b), two ? w + block_at(F, K, n_panels, p + 1, b) : nullptr,
+                  bts + b * per_block * kTileBytes);
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+      const int n = std::min(16, rows - r0);
+      for (int i = 0; i < n; ++i) f16_store(acc + 16 * i, f16_zero());
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* P0 = w + block_at(F, K, n_panels, p, b);
+        const uint8_t* P1 = two ? w + block_at(F, K, n_panels, p + 1, b) : nullptr;
+        auto at1 = [&](int o) { return P1 ? P1 + o : nullptr; };  // the second panel's byte o, or none
+        const uint8_t* bt = bts + b * per_block * kTileBytes;
+        const F16 dw = scales16(P0, P1);
+        if constexpr (!is_k(F)) {
+          tile_product<Tiles>(a.q + r0 * a.K + L.qk * b, a.K, bt, n, ib);
+          F16 mw = f16_zero();
+          if constexpr (has_min(F)) mw = scales16(P0 + min_at(F), at1(min_at(F)));
+          for (int i = 0; i < n; ++i) {  // legacy_scale's operations
+            const int64_t ab = (r0 + i) * nb + b;
+            I16 t = i16_load(ib + 16 * i);
+            if constexpr (offset_of(F) != 0) t = t - i16_set1(a.off[ab]);
+            F16 term = f16_cvt(t) * (dw * f16_set1(a.d[ab]));
+            if constexpr (has_min(F)) term = term + mw * f16_set1(a.s[ab]);
+            f16_store(acc + 16 * i, f16_load(acc + 16 * i) + term);
+          }
+        } else {
+          for (int i = 0; i < n; ++i) i16_store(iacc + 16 * i, i16_set1(0));
+          for (int j = 0; j < per_block; ++j) {  // I += sc_j * (the sub-block's integer)
+            tile_product<Tiles>(a.q + r0 * a.K + L.qk * b + kb * j, a.K, bt + j * kTileBytes, n, ib);
+            const I16 sc = F == kQ6_K ? bytes16_s8(P0 + kQ6ScAt + 8 * j, at1(kQ6ScAt + 8 * j))
+                                      : bytes16_u8(P0 + kScAt + 8 * j, at1(kScAt + 8 * j));
+            for (int i = 0; i < n; ++i) i16_store(iacc + 16 * i, i16_load(iacc + 16 * i) + i16_load(ib + 16 * i) * sc);
+          }
+          for (int i = 0; i < n; ++i) {
+            const int64_t ab = (r0 + i) * nb + b;
+            const F16 da = f16_set1(a.d[ab]);
+            I16 I = i16_load(iacc + 16 * i);
+            F16 term;
+            if constexpr (F == kQ6_K) {  // less 32 * sum_j sc_j * bsum_j (q6k_tile's offset)
+              const int16_t* bs = a.bs16 + ab * 16;
+              I16 o = i16_set1(0);
+              for (int j = 0; j < 16; ++j)
+                o = o + bytes16_s8(P0 + kQ6ScAt + 8 * j, at1(kQ6ScAt + 8 * j)) * i16_set1(bs[j]);
+              I = I - o * i16_set1(32);
+              term = f16_cvt(I) * (dw * da);
+            } else {  // the mins: sum_j mn_j * bsum32_j (k4_tile's Im)
+              const int16_t* bs = a.bs32 + ab * 8;
+              I16 im = i16_set1(0);
+              for (int j = 0; j < 8; ++j) {
+                const int at = kMnAt + 16 * (j >> 1) + (j & 1);
+                alignas(32) uint8_t m0[8], m1[8];
+                for (int r = 0; r < 8; ++r) {
+                  m0[r] = P0[at + 2 * r];
+                  m1[r] = P1 ? P1[at + 2 * r] : 0;
+                }
+                im = im + bytes16_u8(m0, P1 ? m1 : nullptr) * i16_set1(bs[j]);
+              }
+              const F16 dmin = scales16(P0 + 16, at1(16));
+              term = f16_cvt(I) * (dw * da) - f16_cvt(im) * (dmin * da);
+            }
+            f16_store(acc + 16 * i, f16_load(acc + 16 * i) + term);
+          }
+        }
+      }
+      const int cols = two ? 16 : 8;
+      for (int i = 0; i < n; ++i) std::memcpy(out + (r0 + i) * ldo + p * kRows, acc + 16 * i, cols * sizeof(float));
+    }
+  }
+}
+
+// The tile path of a call: rows [0, rows) of `a` (rows <= 64) over every panel pair, threads over the pairs, each
+// thread configuring its tiles for the call (and, on the hardware, putting back the configuration it found).
+template <class Tiles, int F>
+void tiles_run(const Acts& a, int rows, const uint8_t* w, int64_t K, int64_t n_panels, float* out, int64_t ldo) {
+  const ff::tiles::Config cfg = tile_config<F>(rows);
+  const int64_t pairs = (n_panels + 1) / 2;
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, K * rows));
+  at::parallel_for(0, pairs, grain, [&](int64_t q0, int64_t q1) {
+    if constexpr (Tiles::kHardware) {
+#if defined(FF_HAVE_AMX_INT8)
+      const ff::tiles::Config before = Tiles::saved();
+      Tiles::configure(cfg);
+      tiles_pairs<Tiles, F>(a, rows, w, K, n_panels, q0, q1, out, ldo);
+      Tiles::restore(before);
+#endif
+    } else {
+      Tiles::configure(cfg);
+      tiles_pairs<Tiles, F>(a, rows, w, K, n_panels, q0, q1, out, ldo);
+      Tiles::release();
+    }
+  });
+}
+
+#if defined(FF_HAVE_AMX_INT8)
+#pragma GCC pop_options
+#endif
+
+// Which kernel a call's rows go to. kAuto: AMX tiles from kTileMinRows rows where the CPU and process have them,
+// else the vector kernel; the others force a path (tests, measurements). Every path gives the same bits.
+enum class Path { kAuto, kVector, kTiles, kEmulatedTiles };
+
+// From how many rows of a call the integer tiles replace the vector kernel (VNNI) where AMX-INT8 is at hand. NOT
+// measured: no CPU with AMX was in reach while the tile kernel was written (it is tested bitwise under emulation);
+// llama.cpp sends one row to VNNI and two or more to its tiles, SGLang switches above four. Measure it on an AMX
+// machine (FASTFORWARD_Q8_TILE_ROWS=N overrides it per process; 0 keeps every call on the vector kernel).
+constexpr int kTileMinRows = 4;
+
+int tile_min_rows() {
+  static const int rows = [] {
+    const char* env = std::getenv("FASTFORWARD_Q8_TILE_ROWS");
+    if (env == nullptr || *env == '\0') return kTileMinRows;
+    const long v = std::strtol(env, nullptr, 10);
+    return v <= 0 ? 0 : static_cast<int>(std::min<long>(v, 1 << 20));
+  }();
+  return rows;
+}
+
+bool tiles_at_hand() { return ff_amx_int8_ready(); }
+
+Path auto_path(int64_t rows) {
+  const int min_rows = tile_min_rows();
+  return min_rows > 0 && rows >= min_rows && tiles_at_hand() ? Path::kTiles : Path::kVector;
+}
+
 // Activation rows per tile (register blocking) for each format. Measured A/B in one process, calls alternated
 // (AVX2 EPYC, 2 threads): legacy formats 4 rows against 3 (default model, 8 / 16 rows: 12.5 / 23.3 ms against
 // 14.1 / 25.9); K-quants 2 against 3 (1B Q4_K_M, 8 / 16 rows: 114 / 184 ms against 116 / 194). Tried and dropped:
@@ -970,12 +1348,26 @@ inline void tile2_any(int rows, const uint8_t* panel, const Acts a, int64_t m0, 
 #ifndef FF_Q8_LEGACY_ROWS
 #define FF_Q8_LEGACY_ROWS 4
 #endif
+// With AVX-512 VNNI (32 vector registers) the K-quants take more rows per tile: one core, weights in L1 (the AMD
+// EPYC, Zen 4), Q4_K 28.7 / 37.3 / 40.3 multiply-adds per cycle at 2 / 4 / 6 rows a tile, Q5_K 25.2 / 33.4 at 2 / 4,
+// Q6_K 22.2 / 28.2 / 25.8 at 2 / 4 / 6.
 #ifndef FF_Q8_K_ROWS
+#if defined(FF_VNNI_512)
+#define FF_Q8_K_ROWS 6
+#else
 #define FF_Q8_K_ROWS 2
+#endif
+#endif
+#ifndef FF_Q8_Q6K_ROWS
+#if defined(FF_VNNI_512)
+#define FF_Q8_Q6K_ROWS 4
+#else
+#define FF_Q8_Q6K_ROWS 2
+#endif
 #endif
 template <int F>
 constexpr int tile_rows() {
-  return F == kQ6_K ? 2 : is_k(F) ? FF_Q8_K_ROWS : FF_Q8_LEGACY_ROWS;
+  return F == kQ6_K ? FF_Q8_Q6K_ROWS : is_k(F) ? FF_Q8_K_ROWS : FF_Q8_LEGACY_ROWS;
 }
 
 template <int F, int R>
@@ -996,7 +1388,7 @@ inline void tile_any(int rows, const uint8_t* panel, const Acts a, int64_t m0, f
 }
 
 template <int F>
-void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n_panels, float* out) {
+void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n_panels, float* out, Path path) {
   constexpr int R = tile_rows<F>();
   const int64_t pb = panel_row_bytes(F, K), ldo = n_panels * kRows;
   // Rows in chunks whose quantised activations stay in L2 while the panels stream past.
@@ -1005,39 +1397,58 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n_panel
     const int64_t rows = std::min(chunk, M - c0);
     const Acts a = quantize_rows(x + c0 * K, rows, K, F);
     float* oc = out + c0 * ldo;
+    const Path how = path == Path::kAuto ? auto_path(rows) : path;
+    if (how == Path::kEmulatedTiles) {
+      tiles_run<ff::tiles::Emulated, F>(a, static_cast<int>(rows), w, K, n_panels, oc, ldo);
+      continue;
+    }
+#if defined(FF_HAVE_AMX_INT8)
+    if (how == Path::kTiles) {
+      tiles_run<ff::tiles::Amx, F>(a, static_cast<int>(rows), w, K, n_panels, oc, ldo);
+      continue;
+    }
+#endif
     const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, K * rows));
 #if defined(FF_Q8_ZMM)
     if constexpr (in_pairs(F)) {  // panel pairs (an odd last panel alone)
       constexpr int R2 = FF_Q8_ZMM_ROWS;
+      // The rows in tiles of at most R2, as even as can be (9 rows: 5 + 4, not 8 + 1).
+      const int64_t n_tiles = (rows + R2 - 1) / R2, base = rows / n_tiles, wider = rows % n_tiles;
       at::parallel_for(0, (n_panels + 1) / 2, std::max<int64_t>(1, grain / 2), [&](int64_t q0, int64_t q1) {
         for (int64_t q = q0; q < q1; ++q) {
           const int64_t p = 2 * q;
           const uint8_t* panel = w + p * pb;
-          for (int64_t m0 = 0; m0 < rows; m0 += R2) {
-            const int n = static_cast<int>(std::min<int64_t>(R2, rows - m0));
+          for (int64_t k = 0, m0 = 0; k < n_tiles; ++k) {
+            const int n = static_cast<int>(base + (k < wider ? 1 : 0));
             if (p + 1 < n_panels)
               tile2_any<F>(n, panel, a, m0, oc + p * kRows, ldo);
             else
               for (int64_t r0 = m0; r0 < m0 + n; r0 += R)
                 tile_any<F>(static_cast<int>(std::min<int64_t>(R, m0 + n - r0)), panel, a, r0, oc + p * kRows, ldo);
+            m0 += n;
           }
         }
       });
       continue;
     }
 #endif
+    // The rows in tiles of at most R, as even as can be.
+    const int64_t n_tiles = (rows + R - 1) / R, base = rows / n_tiles, wider = rows % n_tiles;
     at::parallel_for(0, n_panels, grain, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const uint8_t* panel = w + p * pb;
-        for (int64_t m0 = 0; m0 < rows; m0 += R)
-          tile_any<F>(static_cast<int>(std::min<int64_t>(R, rows - m0)), panel, a, m0, oc + p * kRows, ldo);
+        for (int64_t k = 0, m0 = 0; k < n_tiles; ++k) {
+          const int n = static_cast<int>(base + (k < wider ? 1 : 0));
+          tile_any<F>(n, panel, a, m0, oc + p * kRows, ldo);
+          m0 += n;
+        }
       }
     });
   }
 }
 
 // out[M, N_pad] = x[M, K] @ W^T, W a panel weight [N_pad, panel_row_bytes / 8] of GGML type fmt.
-at::Tensor q8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K) {
+at::Tensor q8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64_t K, Path path = Path::kAuto) {
   const int f = static_cast<int>(fmt);
   check_q8_weight(w, f, K, true);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
@@ -1051,14 +1462,14 @@ at::Tensor q8_mm(const at::Tensor& x_in, const at::Tensor& w, int64_t fmt, int64
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   switch (f) {
-    case kQ4_0: run<kQ4_0>(xp, M, K, wp, n_panels, op); break;
-    case kQ4_1: run<kQ4_1>(xp, M, K, wp, n_panels, op); break;
-    case kQ5_0: run<kQ5_0>(xp, M, K, wp, n_panels, op); break;
-    case kQ5_1: run<kQ5_1>(xp, M, K, wp, n_panels, op); break;
-    case kQ8_0: run<kQ8_0>(xp, M, K, wp, n_panels, op); break;
-    case kQ4_K: run<kQ4_K>(xp, M, K, wp, n_panels, op); break;
-    case kQ5_K: run<kQ5_K>(xp, M, K, wp, n_panels, op); break;
-    default: run<kQ6_K>(xp, M, K, wp, n_panels, op); break;
+    case kQ4_0: run<kQ4_0>(xp, M, K, wp, n_panels, op, path); break;
+    case kQ4_1: run<kQ4_1>(xp, M, K, wp, n_panels, op, path); break;
+    case kQ5_0: run<kQ5_0>(xp, M, K, wp, n_panels, op, path); break;
+    case kQ5_1: run<kQ5_1>(xp, M, K, wp, n_panels, op, path); break;
+    case kQ8_0: run<kQ8_0>(xp, M, K, wp, n_panels, op, path); break;
+    case kQ4_K: run<kQ4_K>(xp, M, K, wp, n_panels, op, path); break;
+    case kQ5_K: run<kQ5_K>(xp, M, K, wp, n_panels, op, path); break;
+    default: run<kQ6_K>(xp, M, K, wp, n_panels, op, path); break;
   }
   return out;
 }
@@ -1100,6 +1511,91 @@ std::vector<at::Tensor> q8_quantize(const at::Tensor& x_in, int64_t fmt) {
   return {q, d, off};
 }
 
+// ---- this core's clock and multiply-add peak (for reports: fastforward profile) ---------------------------------
+
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The fastest of `tries` runs of fn (short runs: one of them escapes other processes' interruptions).
+template <typename Fn>
+double fastest(Fn fn, int tries) {
+  double best = 1e30;
+  for (int t = 0; t < tries; ++t) {
+    const double t0 = seconds_now();
+    fn();
+    best = std::min(best, seconds_now() - t0);
+  }
+  return best;
+}
+
+// n iterations of 8 dependent one-cycle additions: 8n cycles.
+__attribute__((noinline)) uint64_t add_chain(uint64_t n) {
+  uint64_t x = 1;
+  for (uint64_t i = 0; i < n; ++i)
+    asm volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
+                 "add $1, %0\n\tadd $1, %0" : "+r"(x));
+  return x;
+}
+
+// n iterations of 8 independent dot-product instructions of the vector kernel; returns its multiply-adds per
+// instruction (0 without one here).
+__attribute__((noinline)) int dot_loop(uint64_t n) {
+#if defined(FF_VNNI_512) && !defined(FF_ISA_EMULATED)
+  asm volatile(
+      "vpxord %%zmm0, %%zmm0, %%zmm0\n\tvpxord %%zmm1, %%zmm1, %%zmm1\n\t"
+      "1:\n\t"
+      "vpdpbusd %%zmm0, %%zmm1, %%zmm8\n\tvpdpbusd %%zmm0, %%zmm1, %%zmm9\n\t"
+      "vpdpbusd %%zmm0, %%zmm1, %%zmm10\n\tvpdpbusd %%zmm0, %%zmm1, %%zmm11\n\t"
+      "vpdpbusd %%zmm0, %%zmm1, %%zmm12\n\tvpdpbusd %%zmm0, %%zmm1, %%zmm13\n\t"
+      "vpdpbusd %%zmm0, %%zmm1, %%zmm14\n\tvpdpbusd %%zmm0, %%zmm1, %%zmm15\n\t"
+      "dec %0\n\tjnz 1b"
+      : "+r"(n)::"xmm0", "xmm1", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc");
+  return 64;
+#elif defined(FF_VNNI_AVX)
+  asm volatile(
+      "vpxor %%ymm0, %%ymm0, %%ymm0\n\tvpxor %%ymm1, %%ymm1, %%ymm1\n\t"
+      "1:\n\t"
+      "{vex} vpdpbusd %%ymm0, %%ymm1, %%ymm8\n\t{vex} vpdpbusd %%ymm0, %%ymm1, %%ymm9\n\t"
+      "{vex} vpdpbusd %%ymm0, %%ymm1, %%ymm10\n\t{vex} vpdpbusd %%ymm0, %%ymm1, %%ymm11\n\t"
+      "{vex} vpdpbusd %%ymm0, %%ymm1, %%ymm12\n\t{vex} vpdpbusd %%ymm0, %%ymm1, %%ymm13\n\t"
+      "{vex} vpdpbusd %%ymm0, %%ymm1, %%ymm14\n\t{vex} vpdpbusd %%ymm0, %%ymm1, %%ymm15\n\t"
+      "dec %0\n\tjnz 1b"
+      : "+r"(n)::"xmm0", "xmm1", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc");
+  return 32;
+#elif !defined(FF_ISA_EMULATED)
+  // AVX2: vpmaddubsw, 32 u8 x s8 products (summed in pairs) per instruction.
+  asm volatile(
+      "vpxor %%ymm0, %%ymm0, %%ymm0\n\tvpxor %%ymm1, %%ymm1, %%ymm1\n\t"
+      "1:\n\t"
+      "vpmaddubsw %%ymm0, %%ymm1, %%ymm8\n\tvpmaddubsw %%ymm0, %%ymm1, %%ymm9\n\t"
+      "vpmaddubsw %%ymm0, %%ymm1, %%ymm10\n\tvpmaddubsw %%ymm0, %%ymm1, %%ymm11\n\t"
+      "vpmaddubsw %%ymm0, %%ymm1, %%ymm12\n\tvpmaddubsw %%ymm0, %%ymm1, %%ymm13\n\t"
+      "vpmaddubsw %%ymm0, %%ymm1, %%ymm14\n\tvpmaddubsw %%ymm0, %%ymm1, %%ymm15\n\t"
+      "dec %0\n\tjnz 1b"
+      : "+r"(n)::"xmm0", "xmm1", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc");
+  return 32;
+#else
+  (void)n;
+  return 0;
+#endif
+}
+
+// This core's clock (GHz, from a chain of dependent additions) and the vector kernel's dot instruction's peak
+// multiply-adds per cycle, measured (about 0.1 s).
+pybind11::dict q8_dot_peak() {
+  constexpr uint64_t kIters = 50000;
+  const double chain = fastest([] { volatile uint64_t x = add_chain(kIters); (void)x; }, 200);
+  const double ghz = 8.0 * kIters / chain / 1e9;
+  pybind11::dict out;
+  out["ghz"] = ghz;
+  int macs = 0;
+  const double dots = fastest([&] { macs = dot_loop(kIters / 4); }, 200);
+  out["instruction"] = macs == 0 ? "none" : Q8_DOT_NAME;
+  out["macs_per_cycle"] = macs == 0 ? 0.0 : 8.0 * (kIters / 4) * macs / (dots * ghz * 1e9);
+  return out;
+}
+
 }  // namespace
 
 // For quant_gemm.cpp's quant_mm / quant_rows: panel weights go here.
@@ -1116,13 +1612,40 @@ void register_q8_gemm(pybind11::module& m) {
   for (int f : {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K})
     if (in_pairs(f)) pairs.push_back(f);
   m.attr("q8_panel_pairs") = pybind11::tuple(pybind11::cast(pairs));
-#if defined(FF_VNNI_512)
-  m.attr("q8_dot") = "avx512-vnni";
-#elif defined(FF_VNNI_AVX)
-  m.attr("q8_dot") = "avx-vnni";
-#else
-  m.attr("q8_dot") = "avx2";
-#endif
+  m.attr("q8_dot") = Q8_DOT_NAME;
+  m.def("q8_dot_peak", &q8_dot_peak,
+        "this core's clock (ghz, measured with dependent additions) and the multiply-adds per cycle of the vector "
+        "kernel's dot instruction at full rate (macs_per_cycle; instruction: its name), measured in about 0.1 s");
+  m.def("q8_amx_ready", &tiles_at_hand,
+        "whether this CPU and process multiply q8 products on AMX-INT8 tiles (CPU flags and the OS's tile state)");
+  m.def("q8_tile_min_rows", &tile_min_rows,
+        "from how many rows a call goes to the AMX tiles where they are at hand (kTileMinRows, not measured: "
+        "FASTFORWARD_Q8_TILE_ROWS overrides it; 0 = never)");
+  m.def(
+      "q8_kernel_path",
+      [](int64_t rows) {
+        return std::string(auto_path(rows) == Path::kTiles ? "q8-amx-int8" : "q8-" Q8_DOT_NAME);
+      },
+      "the kernel a q8 product of `rows` activation rows runs on here: 'q8-amx-int8' or the vector kernel's name",
+      pybind11::arg("rows"));
+  m.def(
+      "q8_mm_path",
+      [](const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K, const std::string& path) {
+        TORCH_CHECK(ff_is_q8(fmt), "q8_mm_path: format ", fmt, " is not a panel-layout weight");
+        Path p;
+        if (path == "vector") p = Path::kVector;
+        else if (path == "emulated-tiles") p = Path::kEmulatedTiles;
+        else if (path == "tiles") {
+          TORCH_CHECK(tiles_at_hand(), "q8_mm_path: this CPU or process has no AMX-INT8 tiles");
+          p = Path::kTiles;
+        } else if (path == "auto") p = Path::kAuto;
+        else TORCH_CHECK(false, "q8_mm_path: path must be auto, vector, tiles or emulated-tiles, got '", path, "'");
+        return q8_mm(x, w, fmt - kQ8Base, K, p);
+      },
+      "quant_mm of a panel-layout weight on a chosen path: 'vector' (AVX2 / VNNI), 'tiles' (AMX-INT8), "
+      "'emulated-tiles' (the tile kernel on the C++ emulation of the tile instructions, any CPU; slow: tests) or "
+      "'auto'. Every path gives the same bits.",
+      pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("fmt"), pybind11::arg("K"), pybind11::arg("path"));
   m.def("q8_pack", &q8_pack,
         "GGUF rows [N, row_bytes] -> the integer kernel's panels [ceil(N/8)*8, panel_row_bytes] (a new tensor; "
         "its format code for quant_mm is Q8_FORMAT_BASE + type)",
