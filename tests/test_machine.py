@@ -125,3 +125,30 @@ def test_profile_context_longer_than_the_model_is_one_line(tmp_path, capsys):
     folder = tiny_hf_folder(tmp_path / "tiny", max_positions=128)
     code, out, err = run_cli(capsys, "profile", "--model", folder, "--context", "120", "--threads", "1")
     assert code == 2 and err.count("\n") == 1 and "exceeds the model's context 128" in err, err
+
+
+def test_row_costs_are_the_marginal_ms_and_the_rate_it_reaches():
+    """profile's extra-row figures: (t(q) - t(q_prev)) / (q - q_prev), and the weight products' multiply-adds a row
+    over that time, this clock and the threads."""
+
+    class Weight:
+        out_features, in_features = 1000, 500
+
+    class Backend:
+        matmul_kernel = "plain"
+
+        def matmul_weights(self):
+            return [Weight(), Weight()]
+
+    class Target:
+        arithmetic, backend = "exact", Backend()
+
+    rows = profile_cli.row_costs(Target(), [1, 2, 4], {1: 1.0, 2: 1.5, 4: 2.5}, None, threads=2)
+    assert rows["macs_per_row"] == 1_000_000
+    assert rows["fastforward"]["ms_per_row"] == {2: 0.5, 4: 0.5}
+    assert "llama.cpp" not in rows and rows["kernel"] == {1: "plain", 2: "plain", 4: "plain"}
+    if rows["ghz"]:
+        assert rows["fastforward"]["macs_per_cycle"][2] == pytest.approx(1e6 / 0.5e-3 / (rows["ghz"] * 1e9) / 2)
+    text = profile_cli.describe_row_costs(rows, [1, 2, 4], with_llama=False)
+    assert "| fastforward ms per extra row (from the previous q) | – | 0.500 | 0.500 |" in text
+    assert "1.0 M multiply-adds a row" in text

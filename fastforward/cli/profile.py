@@ -18,6 +18,7 @@ import fastforward as ff
 from ..bench.peers import gguf_path, llama_cpp_forward_costs, llama_cpp_system_info, require_llama_cpp
 from ..costs import DEFAULT_QS, measure_forward_costs
 from ..errors import UsageError
+from ..kernels import load_native
 from ..machine import achieved_bandwidth, forward_read_bytes, measure_read_bandwidth
 from .options import add_model_arguments, max_new_tokens, model_load_kwargs, positive_int
 
@@ -115,8 +116,10 @@ def run(args, name: str) -> int:
     if gguf is not None:
         info["llama_cpp_system_info"] = llama_cpp_system_info()
     memory = memory_use(target, qs, args.kv, lean)
+    rows = row_costs(target, qs, lean, llama, info["threads"])
     if args.json:
-        print(json.dumps({"info": info, "ms": {"engine": lean, "hf": hf, "llama.cpp": llama}, "memory": memory}))
+        print(json.dumps({"info": info, "ms": {"engine": lean, "hf": hf, "llama.cpp": llama}, "memory": memory,
+                          "extra_rows": rows}))
         return 0
     print(f"forward cost, median ms, KV cache {args.kv} tokens ({target.kv_precision}), {info['threads']} threads, "
           f"backend {target.backend_name}, arithmetic {target.arithmetic}, matmul {info['matmul']}, "
@@ -132,6 +135,7 @@ def run(args, name: str) -> int:
     print(f"| fastforward t(q)/t({qs[0]}) | " + " | ".join(f"{lean[q] / base:.2f}" for q in qs) + " |")
     if llama:
         print(f"| llama.cpp t(q)/t({qs[0]}) | " + " | ".join(f"{llama[q] / llama[qs[0]]:.2f}" for q in qs) + " |")
+    print(describe_row_costs(rows, qs, llama is not None))
     if memory.get("weight_gb_per_s"):
         print("| fastforward weights read, GB/s (% of measured) | " + " | ".join(
             f"{memory['weight_gb_per_s'][q]:.1f} ({100 * memory['weight_fraction_of_bandwidth'][q]:.0f}%)"
@@ -140,6 +144,72 @@ def run(args, name: str) -> int:
     if gguf is not None:
         print(f"llama.cpp system_info: {info['llama_cpp_system_info'] or '(not available)'}")
     return 0
+
+
+def weight_macs(backend) -> int | None:
+    """Multiply-adds of one row through the forward's weight products (every layer's and the head's), or None for a
+    backend that does not list its weights."""
+    weights = getattr(backend, "matmul_weights", None)
+    if weights is None:
+        return None
+    return sum(int(w.out_features) * int(w.in_features) for w in weights())
+
+
+def row_costs(target, qs: list[int], lean: dict, llama: dict | None, threads: int) -> dict:
+    """What one more row of a forward costs, per q after the first: ``ms_per_row`` (t(q) - t(q_prev)) / (q - q_prev)
+    (ours and llama.cpp's), the multiply-adds per cycle per core those rows' weight products reach
+    (``macs_per_cycle``: the products' multiply-adds per row over the marginal time, this core's measured clock and
+    the threads) beside ``peak_macs_per_cycle``, the kernel's dot instruction at full rate here (measured), and the
+    kernel each q's products run on (``kernel``)."""
+    qs = sorted(qs)
+    native = load_native()
+    arithmetic = getattr(target, "arithmetic", "exact")
+    matmul = getattr(target.backend, "matmul_kernel", "hf")
+    q8_path = getattr(native, "q8_kernel_path", None) if arithmetic == "q8" else None
+    out = {"macs_per_row": weight_macs(target.backend), "kernel": {q: q8_path(q) if q8_path else matmul for q in qs}}
+    peak = native.q8_dot_peak() if native is not None and hasattr(native, "q8_dot_peak") else None
+    out["ghz"] = None if peak is None else peak["ghz"]
+    out["peak_macs_per_cycle"] = None if peak is None or arithmetic != "q8" else peak["macs_per_cycle"]
+    out["peak_instruction"] = None if peak is None or arithmetic != "q8" else peak["instruction"]
+    for name, ms in (("fastforward", lean), ("llama.cpp", llama)):
+        if ms is None:
+            continue
+        per_row = {q: (ms[q] - ms[p]) / (q - p) for p, q in zip(qs, qs[1:], strict=False)}
+        rate = {}
+        for q, t in per_row.items():
+            if out["macs_per_row"] and out["ghz"] and t > 0:
+                rate[q] = out["macs_per_row"] / (t * 1e-3) / (out["ghz"] * 1e9) / max(1, threads)
+            else:
+                rate[q] = None
+        out[name] = {"ms_per_row": per_row, "macs_per_cycle": rate}
+    return out
+
+
+def describe_row_costs(rows: dict, qs: list[int], with_llama: bool) -> str:
+    """Table rows (the marginal ms of a row, the multiply-adds per cycle per core it reaches, the kernel per q) and
+    one line on the peak they compare with."""
+    qs = sorted(qs)
+    lines = []
+    names = ["fastforward"] + (["llama.cpp"] if with_llama else [])
+    for name in names:
+        got = rows.get(name)
+        if got is None:
+            continue
+        lines.append(f"| {name} ms per extra row (from the previous q) | " + " | ".join(
+            "–" if q not in got["ms_per_row"] else f"{got['ms_per_row'][q]:.3f}" for q in qs) + " |")
+        if rows["macs_per_row"] and rows["ghz"]:
+            lines.append(f"| {name} multiply-adds per cycle per core, extra rows | " + " | ".join(
+                "–" if got["macs_per_cycle"].get(q) is None else f"{got['macs_per_cycle'][q]:.1f}" for q in qs) + " |")
+    lines.append("| fastforward kernel | " + " | ".join(str(rows["kernel"][q]) for q in qs) + " |")
+    if rows["macs_per_row"]:
+        line = f"weight products: {rows['macs_per_row'] / 1e6:.1f} M multiply-adds a row"
+        if rows["ghz"]:
+            line += f"; this core's clock {rows['ghz']:.2f} GHz (measured)"
+        if rows["peak_macs_per_cycle"]:
+            line += (f"; the kernel's dot instruction ({rows['peak_instruction']}) peaks at "
+                     f"{rows['peak_macs_per_cycle']:.1f} multiply-adds per cycle per core here (measured)")
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def parse_context(text: str) -> list[int]:
