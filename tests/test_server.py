@@ -563,7 +563,8 @@ def test_launch_options_per_method():
     options = launch_options(["max_depth=3", "sps.draft=/models/a.b/draft", "tr-jacobi.tree=t.json", "pld.max-ngram=4"],
                              "rest")
     assert options == {"rest": {"max_depth": 3}, "sps": {"draft": "/models/a.b/draft"},
-                       "tr-jacobi": {"tree": "t.json"}, "pld": {"max_ngram": 4}}
+                       "tr-jacobi": {"tree": "t.json"}, "pld": {"max_ngram": 4}, "auto": {"learn": True}}
+    assert launch_options(["auto.learn=False"], "auto") == {"auto": {"learn": False}}  # the server default, overridden
     assert allowed_hosts("a.lan, b.lan", "0.0.0.0") == ("a.lan", "b.lan")
     assert allowed_hosts("", "192.168.1.5") == ("192.168.1.5",)
 

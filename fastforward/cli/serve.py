@@ -12,6 +12,7 @@ from ..bench.serve_load import DEFAULT_METHODS
 from ..errors import FastForwardError, UsageError
 from ..model import DEFAULT_MODEL
 from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
+from ..api import DEFAULT_METHOD
 from .options import (
     add_method_option_argument,
     add_model_arguments,
@@ -37,7 +38,9 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the --model value)")
-    p.add_argument("--method", default="ar", help="decoding method of requests that name none (default: ar)")
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help="decoding method of requests that name none (default: %(default)s; the server's auto learns "
+                        "from the answers it gives, unless -o auto.learn=False)")
     add_method_option_argument(p, help="an option of --method, or of any method as METHOD.KEY=VALUE, for the "
                                        "requests that use it (under their own options): the server's files are "
                                        "named here, as a request may not name one; e.g. --method rest -o "
@@ -234,6 +237,11 @@ def _hostile_kinds(text: str | None) -> tuple[str, ...]:
     return kinds
 
 
+SERVER_METHOD_DEFAULTS = {"auto": {"learn": True}}
+"""Options a server gives a method unless ``-o`` says otherwise: ``auto`` drafts from the answers it already gave
+(a long-running process sees many requests alike)."""
+
+
 def launch_options(pairs: list[str] | None, default_method: str) -> dict[str, dict]:
     """``-o KEY=VALUE`` (an option of ``default_method``) and ``-o METHOD.KEY=VALUE`` (an option of METHOD), as
     method -> options; each method's names are checked here, their values once the model is loaded."""
@@ -252,6 +260,8 @@ def launch_options(pairs: list[str] | None, default_method: str) -> dict[str, di
         else:
             grouped.setdefault(default_method, []).append(pair)
     options = {method: parse_options(group) for method, group in grouped.items()}
+    for method, defaults in SERVER_METHOD_DEFAULTS.items():
+        options[method] = {**defaults, **options.get(method, {})}
     for method, opts in options.items():
         check_method_options(method, opts)
     return options

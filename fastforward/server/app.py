@@ -28,7 +28,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..api import batch_token_budget
+from ..api import DEFAULT_METHOD, batch_token_budget
 from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
 from ..proposers import available_methods, make_proposer
 from ..version import __version__
@@ -211,7 +211,7 @@ def client_of(request: Request) -> str:
     return f"address {request.client.host}" if request.client else "address unknown"
 
 
-def create_app(target, *, model_name: str, default_method: str = "ar", limits: Limits | None = None,
+def create_app(target, *, model_name: str, default_method: str = DEFAULT_METHOD, limits: Limits | None = None,
                max_batch_tokens: int | None = None, max_running: int = 16, max_waiting: int = 64,
                aliases: tuple[str, ...] = (), prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
                default_options: dict | None = None, method_options: dict[str, dict] | None = None,

@@ -5,9 +5,9 @@ waiting queue is full or the client is over its limits: ``max_client_requests`` 
 waiting for a slot) and wait. Between two steps the loop admits waiting requests while fewer than ``max_running``
 decode -- the oldest request of the client with the fewest decoding first, so one client's burst does not hold the
 others back; prompt ids and proposer are made here, in the thread that owns the model and the tokenizer -- drops
-the cancelled ones (their client went away), reads about one chunk of new prompts (:data:`PREFILL_CHUNK` tokens,
-the shortest first: a long prompt is read over several rounds, never holding the others up for its whole
-length), and runs one verification step of every running sequence through
+the cancelled ones (their client went away), reads about one chunk of new prompts (the shortest first; while others
+decode, a shared forward's rows, else :data:`PREFILL_CHUNK` tokens: a long prompt is read over many rounds, never
+holding the others up for its whole length), and runs one verification step of every running sequence through
 :class:`~fastforward.engine.BatchDecoder`: the drafts of all of them packed into shared target forwards of at most
 ``max_batch_tokens`` rows. Each sequence decodes exactly as it would alone, so a greedy answer never depends on
 who else is being served.
@@ -173,6 +173,7 @@ class Ticket:
             "tokens_per_s": round(s.tokens_per_s, 2),
             "cpu_s": round(self.cpu_seconds, 4),
             "ended_by": self.run.reason if self.run.reason in ("wall budget", "cpu budget") else None,
+            "draft_sources": s.method_stats.get("sources"),
             "time": {
                 "queue_s": round(admit - self.t_arrival, 4),
                 "prefill_s": round(s.prefill_time, 4),
