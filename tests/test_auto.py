@@ -115,7 +115,8 @@ def test_auto_greedy_equals_ar_for_every_source_mix(gentle, drafter_dir, datasto
 
 def test_auto_drafts_from_every_source_and_counts_them(gentle, drafter_dir, datastore):
     """A prompt that repeats itself (the context knows the continuation), one that starts a stored answer (the
-    datastore does), and the drafter probed on the rest: each source drafts and has accepted tokens, all equal AR."""
+    datastore does), and the drafter probed on the rest: each source is asked, the cheap ones draft and have accepted
+    tokens, all equal AR."""
     g = torch.Generator().manual_seed(0)
     stored_start = torch.randint(0, VOCAB, (6,), generator=g).tolist()  # the datastore's first answer's prompt
     sources = {}
@@ -126,8 +127,10 @@ def test_auto_drafts_from_every_source_and_counts_them(gentle, drafter_dir, data
         for name, s in got.stats.method_stats["sources"].items():
             sources.setdefault(name, []).append(s)
     for name in ("context", "datastore", "drafter"):
-        assert sum(s["drafted_steps"] for s in sources[name]) > 0, name
+        assert sum(s["asked"] for s in sources[name]) > 0, name
         assert all(s["asked"] >= s["drafted_steps"] for s in sources[name])
+    for name in ("context", "datastore"):  # (the random drafter's nodes are priced out once its calibration has
+        assert sum(s["drafted_steps"] for s in sources[name]) > 0, name  # seen them fail: the oracle test drafts)
     for name in ("context", "datastore"):  # (the random drafter is seldom right: see the oracle test below)
         assert sum(s["accepted_tokens"] for s in sources[name]) > 0, name
 
@@ -157,10 +160,12 @@ def test_a_drafter_that_knows_the_answer_is_asked_and_credited(gentle, drafter_d
     assert drafter["acceptance_by_depth"][0] > 0.9
 
 
+@pytest.mark.parametrize("context", [True, False], ids=["all-sources", "datastore-and-drafter"])
 @pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=4, top_p=0.9)])
-def test_auto_sampling_matches_the_target_distribution(tmp_path, pin_costs, cfg):
-    """chi-square of 3-token continuations against the exact joint distribution, with every source on: the context
-    (a repeating prompt), a datastore of the prompt's continuations, and a drafter."""
+def test_auto_sampling_matches_the_target_distribution(tmp_path, pin_costs, cfg, context):
+    """chi-square of 3-token continuations against the exact joint distribution, with every source on -- the context
+    (a repeating prompt: its chain comes first), a datastore of the prompt's continuations, and a drafter -- and with
+    the context off (the datastore's and the drafter's merged tree)."""
     target = tiny_target(vocab_size=8, init_std=0.15, seed=1, layers=4)
     pin_costs(target, GENTLE)
     drafter = Eagle3Drafter.for_target(target, DraftVocab.full(8), seed=2)
@@ -171,9 +176,11 @@ def test_auto_sampling_matches_the_target_distribution(tmp_path, pin_costs, cfg)
     prompt = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
     samples = 2500
     counts, drafted, accepted = sampled_continuations(
-        target, prompt, lambda: make_proposer("auto", target, drafter=str(tmp_path), datastore=str(store), probe=1),
+        target, prompt, lambda: make_proposer("auto", target, drafter=str(tmp_path), datastore=str(store), probe=1,
+                                              context=context),
         cfg, samples)
-    assert drafted > 0.9 * samples and accepted > 0.1 * samples  # the drafted path is really exercised
+    # the drafted path is really exercised (the context's chain of a random model is mostly rejected)
+    assert drafted > 0.9 * samples and accepted > (0.03 if context else 0.1) * samples
     chi2, df = pooled_chi2(exact_joint(target, prompt, cfg), counts)
     assert df >= 10
     assert chi2 < chi2_critical(df), f"chi2 {chi2:.1f} over {df} cells (critical {chi2_critical(df):.1f})"
@@ -239,7 +246,7 @@ def test_a_source_that_raises_or_drafts_nothing_never_changes_the_output(gentle,
     want = ff.generate(gentle, prompt, "auto", max_new_tokens=30,
                        method_options=dict(drafter=drafter_dir, datastore=datastore, probe=1)).token_ids
     assert want == ff.generate(gentle, prompt, "ar", max_new_tokens=30).token_ids
-    maker = {CONTEXT: "_from_context", DATASTORE: "_from_datastore", DRAFTER: "_from_drafter"}[source]
+    maker = {CONTEXT: "_context_match", DATASTORE: "_from_datastore", DRAFTER: "_from_drafter"}[source]
     calls = []
 
     def raises(self, state, depth):
@@ -366,5 +373,7 @@ def test_the_drafter_gate_asks_when_its_rate_beats_the_cheap_tree_and_probes_oth
             gate.outcome(False, 0.0, 2.0, 1.0)
     assert np.nonzero(asked)[0].tolist() == [1, 5, 9, 13, 17]
     assert gate.ask(True, cheap_rate=0.4)  # steps where the cheap sources draft keep their own average (the prior)
+    next_run = DrafterGate(probe=4, averages=gate.averages)  # a later run of the target backs off where it stopped
+    assert not any(next_run.ask(False, cheap_rate=1.0) for _ in range(3)) and next_run.ask(False, cheap_rate=1.0)
     gate.outcome(False, extra_tokens=5.0, extra_ms=1.0, cheap_rate=1.0)  # a probe that paid: asked again at once
-    assert gate.interval == 1
+    assert gate.averages.interval == 1

@@ -11,15 +11,18 @@ each step, the tree that maximises expected tokens per millisecond on this machi
   make-data folder of the target's own answers, a JSONL of texts, or -- with ``learn`` -- the answers this process
   has given); ``drafter``: the trained EAGLE-3 drafter shipped (or given) for the model, its top-k tree over the
   target's own features (as ``eagle``).
+* **The context first.** A step whose context has a continuation that pays (cut as ``pld`` cuts it, for the run's
+  agreement rate of that n-gram length) drafts that chain and asks nothing else: a lookup of tens of microseconds,
+  where merging the other sources' trees cost more than they added (measured: docs/methods.md). Otherwise the
+  datastore (skipped a while after looks that did not pay, as ``rest`` does) and the drafter are asked:
 * **Calibrated chances.** Each candidate node gets the chance that it lies on the target's path, from a table per
   source learned online (:class:`~fastforward.proposers.rest.ScoreCalibration`: by the source's key -- the n-gram
-  length, the datastore match length -- the node's depth and its raw value -- alpha^depth for the context, alpha the
-  run's own rate of agreement of its chains so far (as ``pld`` sizes its drafts), the datastore share, the
-  drafter's path probability; with a prior at the raw value itself). After every verification *every* source that made
+  length, the datastore match length -- the node's depth and its raw value -- the datastore share, the drafter's
+  path probability; with a prior at the raw value itself). After every verification *every* source that made
   candidates learns from the target's tokens, whichever source drafted: a node at depth d whose parent lay on the
   target's path is counted as accepted or not as soon as the target's token at depth d is known. Tables are shared
   by the runs of a target (greedy and sampled runs apart), so a server or a benchmark keeps what it learned.
-* **One tree of all.** The sources' candidates are merged into one trie (a node several sources propose counts
+* **One tree of both.** Their candidates are merged into one trie (a node several sources propose counts
   once, at its best chance) and ranked; the tree is the top n - 1 under the root, n maximising
   ``(1 + sum of their chances) / t(n)`` on the live cost curve (:func:`~fastforward.costs.best_draft`, the one
   pricing of every draft). A draft of nothing is the option n = 1.
@@ -27,7 +30,8 @@ each step, the tree that maximises expected tokens per millisecond on this machi
   It is asked only when its expected extra tokens per extra millisecond (an average of what its drafts added over
   the best tree of the cheap sources, and of what they cost: its pass and the larger forward -- kept apart for steps
   where the cheap sources had a draft and where they had none) beat the rate the cheap tree already gets; else it
-  is probed after 1, 2, 4, ... up to ``probe`` steps, the interval reset whenever a probe pays. A drafter that was
+  is probed after 1, 2, 4, ... up to ``probe`` steps (the interval shared by the runs of a target), reset whenever
+  a probe pays. A drafter that was
   not asked costs nothing that step: the target's features of the accepted rows wait, and go through it in one pass
   when it is next asked.
 
@@ -43,15 +47,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..costs import AcceptanceEstimate, best_draft, cost_model
+from ..costs import AcceptanceEstimate, best_chain_length, best_draft, cost_model
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..paths import made_data_dir
 from ..stats import draft_source_rates
+from ..tree import DraftTree, chain_shape
 from . import register
+from ._backoff import BackOff
 from ._options import Option, max_nodes_option
 from ._rerank import build_tree, rank
 from .pld import NgramIndex
-from .rest import MATCH_WINDOW, ScoreCalibration, _trie, datastore_for
+from .rest import BACKOFF_LIMIT, MATCH_WINDOW, ScoreCalibration, _trie, datastore_for
 
 SOURCES = ("context", "datastore", "drafter")
 CONTEXT, DATASTORE, DRAFTER = range(3)
@@ -211,6 +217,7 @@ class DrafterAverages:
     def __init__(self, prior_gain: float = 0.6, prior_ms: float = 1.0):
         self.gain = {False: prior_gain, True: prior_gain}
         self.cost = {False: prior_ms, True: prior_ms}
+        self.interval = 1  # steps between probes while the drafter does not pay (see DrafterGate)
 
     def rate(self, cheap_drafts: bool) -> float:
         return self.gain[cheap_drafts] / max(self.cost[cheap_drafts], 1e-3)
@@ -224,12 +231,12 @@ class DrafterAverages:
 class DrafterGate:
     """Whether a run asks the drafter this step (see the module docstring): when its average rate
     (:class:`DrafterAverages`) beats the cheap tree's, else after 1, 2, 4, ... ``probe`` steps (reset when a probe
-    pays)."""
+    pays). The interval lives with the averages, shared by the runs of a target: a new request goes on backing off
+    where the last one stopped, rather than probing again from 1."""
 
     def __init__(self, probe: int, averages: DrafterAverages | None = None):
         self.probe = probe
         self.averages = averages if averages is not None else DrafterAverages()
-        self.interval = 1
         self.waited = 0
         self.asked = self.probes = 0
 
@@ -238,7 +245,7 @@ class DrafterGate:
         if self.averages.rate(cheap_drafts) > cheap_rate:
             self.asked += 1
             return True
-        if self.waited >= self.interval:
+        if self.waited >= min(self.averages.interval, self.probe):
             self.asked += 1
             self.probes += 1
             return True
@@ -249,9 +256,9 @@ class DrafterGate:
         self.waited = 0
         self.averages.add(cheap_drafts, extra_tokens, extra_ms)
         if extra_tokens >= cheap_rate * extra_ms:
-            self.interval = 1
+            self.averages.interval = 1
         else:
-            self.interval = min(2 * self.interval, self.probe)
+            self.averages.interval = min(2 * self.averages.interval, self.probe)
 
 
 class SourceStats:
@@ -288,7 +295,7 @@ class AutoProposer(Proposer):
     name = "auto"
 
     def __init__(self, target, *, drafter=None, store=None, max_depth: int = 10, max_nodes: int = 24,
-                 candidates: int = 64, probe: int = 8, context: bool = True, learn: bool = False):
+                 candidates: int = 64, probe: int = 32, context: bool = True, learn: bool = False):
         self.drafter = drafter  # an EagleProposer driven for its candidates (or None)
         self.store = store  # a TokenStore (or None)
         self.has = (bool(context), store is not None, drafter is not None)  # the sources it was made with
@@ -308,9 +315,11 @@ class AutoProposer(Proposer):
         # context node's raw value is alpha^depth -- a run that copies its context agrees far more than the average
         self.context_alpha = {n: AcceptanceEstimate() for n in range(1, CONTEXT_NGRAM + 1)}
         self.gate = DrafterGate(self.probe)  # (its averages: the target's shared ones, from start())
+        self.store_back_off = BackOff(BACKOFF_LIMIT)  # the datastore is skipped a while after looks that did not pay
         self.stats_by_source = [SourceStats() for _ in SOURCES]
         self.steps = self.undrafted = 0
         self.pending: tuple | None = None
+        self.chain_pending: tuple[int, int] | None = None  # (n-gram length, chain length) of a context chain drafted
 
     # -- setup -----------------------------------------------------------------------------------------------------
     def max_proposal_size(self) -> int:
@@ -344,16 +353,6 @@ class AutoProposer(Proposer):
     def _scored(self, c: Candidates) -> Candidates:
         c.scores = monotone_down_paths(self.calibrations[c.source](c.raw, c.depths, c.key), c.parents, c.depths)
         return c
-
-    def _from_context(self, state: DecodeState, depth: int) -> Candidates | None:
-        self.context.sync(state.tokens)
-        chain, n = self.context.match(state.tokens, depth)
-        if n == 0:
-            return None
-        k = chain.numel()
-        depths = np.arange(1, k + 1)
-        return Candidates(CONTEXT, chain.numpy().astype(np.int64), np.arange(-1, k - 1), depths,
-                          self.context_alpha[n].alpha ** depths, n)
 
     def _from_datastore(self, state: DecodeState, depth: int) -> Candidates | None:
         rows, matched = self.store.continuations(state.tokens[-MATCH_WINDOW:].numpy(), self.candidates, depth)
@@ -394,24 +393,58 @@ class AutoProposer(Proposer):
     def _drop(self, source: int) -> None:
         self.live[source] = False
 
+    def _context_match(self, state: DecodeState, depth: int) -> tuple[torch.Tensor, int] | None:
+        """The continuation of the latest earlier occurrence of the context's last n-gram (at most ``depth``
+        tokens) and that n; None without a match."""
+        self.context.sync(state.tokens)
+        chain, n = self.context.match(state.tokens, depth)
+        return (chain, n) if n else None
+
+    def _context_chain(self, state: DecodeState, depth: int) -> Proposal | None:
+        """The fast path, first every step: the context's continuation (as ``pld``), cut to the length that pays on
+        the live cost curve for this run's agreement rate of that n-gram length; None when there is none or none
+        pays (then the datastore and the drafter are asked)."""
+        t0 = time.perf_counter()
+        stats = self.stats_by_source[CONTEXT]
+        stats.asked += 1
+        try:
+            found = self._context_match(state, depth)
+            chain, n = found if found is not None else (None, 0)
+            k = best_chain_length(self.context_alpha[n].alpha, chain.numel(), self.costs) if n else 0
+        except Exception as exc:  # noqa: BLE001 -- as in _timed: decode on without it
+            stats.failed = f"{type(exc).__name__}: {exc}"
+            self._drop(CONTEXT)
+            k = 0
+        stats.ms += (time.perf_counter() - t0) * 1e3
+        if k <= 0:
+            return None
+        self.chain_pending = (n, k)
+        tokens = torch.cat([state.ids[state.length - 1 : state.length], chain[:k]])
+        return Proposal(DraftTree(tokens, chain_shape(tokens.numel())))
+
     # -- a step ----------------------------------------------------------------------------------------------------
     def propose(self, state: DecodeState) -> Proposal | None:
-        self.pending = None
+        self.pending = self.chain_pending = None
         self.steps += 1
+        for estimate in self.context_alpha.values():
+            estimate.tick()
         depth = min(self.max_depth, state.remaining - 1)
         if state.max_draft_depth is not None:
             depth = min(depth, state.max_draft_depth)
         if depth <= 0:
             self.undrafted += 1
             return None
-        curve_ms = self.costs.table(self.max_nodes, numpy=True)
         limit = min(self.max_nodes, state.remaining + 1)
-        parts = []
         if self.live[CONTEXT]:
-            c, _ = self._timed(CONTEXT, self._from_context, state, depth)
-            if c is not None:
-                parts.append(c)
-        if self.live[DATASTORE]:
+            chain = self._context_chain(state, min(depth, limit - 1))
+            if chain is not None:
+                return chain
+        curve_ms = self.costs.table(self.max_nodes, numpy=True)
+        curve_ms = self.costs.table(self.max_nodes, numpy=True)
+        parts = []
+        looked = self.live[DATASTORE] and not self.store_back_off.skipping()
+        if looked:
+            self.store_back_off.looking()
             c, _ = self._timed(DATASTORE, self._from_datastore, state, depth)
             if c is not None:
                 parts.append(c)
@@ -419,6 +452,11 @@ class AutoProposer(Proposer):
         cheap_choice = choose(cheap, curve_ms, limit) if cheap is not None else Choice(
             np.zeros(0, dtype=np.int64), 1.0, float(curve_ms[0]))
         cheap_drafts = cheap_choice.nodes.size > 0
+        if looked:
+            if cheap_drafts:
+                self.store_back_off.drafted(cheap_choice.nodes.size + 1)
+            else:
+                self.store_back_off.drafted_nothing()
         tree, choice, drafter_ms = cheap, cheap_choice, None
         if self.live[DRAFTER] and self.gate.ask(cheap_drafts, cheap_choice.rate):
             c, drafter_ms = self._timed(DRAFTER, self._from_drafter, state, depth)
@@ -443,18 +481,20 @@ class AutoProposer(Proposer):
             except Exception as exc:  # noqa: BLE001 -- as in _timed: decode on without it
                 self.stats_by_source[DRAFTER].failed = f"{type(exc).__name__}: {exc}"
                 self._drop(DRAFTER)
+        if self.chain_pending is not None:  # the context's chain: its agreement rate, as pld's
+            n, k = self.chain_pending
+            self.chain_pending = None
+            k = min(k, len(step.proposal.tree) - 1)  # the engine may have cut it (KV room, a shared forward)
+            self.context_alpha[n].update(k, step.verdict.accepted)
+            if k > 0:
+                self.stats_by_source[CONTEXT].count(np.arange(1, k + 1), min(step.verdict.accepted, k))
+            return
         if self.pending is None:
             return
         parts, tree, choice, cheap, cheap_choice, cheap_drafts, drafter_ms = self.pending
         self.pending = None
         target_tokens = np.asarray(step.new_tokens, dtype=np.int64)
-        for estimate in self.context_alpha.values():
-            estimate.tick()
         for c in parts:  # every source learns from the target's tokens, whichever drafted
-            if c.source == CONTEXT:
-                known = min(c.tokens.size, target_tokens.size)
-                agree = int(np.cumprod(c.tokens[:known] == target_tokens[:known]).sum())
-                self.context_alpha[c.key].update(known, agree)
             known, on = on_target_path(c, target_tokens)
             if known.any():
                 self.calibrations[c.source].update(c.raw[known], c.depths[known], c.key, on[known])
@@ -467,8 +507,9 @@ class AutoProposer(Proposer):
                 mine = nodes[(tree.sources[nodes] >> source) & 1 == 1]
                 if mine.size:
                     stats.count(tree.depths[mine], accepted_depth(tree, mine, target_tokens))
+        cheap_accepted = accepted_depth(cheap, cheap_choice.nodes, target_tokens) if cheap_drafts else 0
+        self.store_back_off.verdict(cheap_accepted, self.costs.table(self.max_nodes, numpy=True))
         if drafter_ms is not None:  # what asking the drafter bought over the cheap sources' own tree
-            cheap_accepted = accepted_depth(cheap, cheap_choice.nodes, target_tokens) if cheap is not None else 0
             extra_ms = drafter_ms + choice.ms - cheap_choice.ms
             self.gate.outcome(cheap_drafts, step.verdict.accepted - cheap_accepted, extra_ms, cheap_choice.rate)
 
@@ -533,12 +574,12 @@ def _store_for(target, datastore, learn: bool):
         max_nodes_option(24),
         Option("candidates", "int", 64, 1, MAX_CANDIDATES, bound="datastore continuations read per step",
                help="the most datastore continuations read per step"),
-        Option("probe", "int", 8, 1, MAX_PROBE, bound="steps between drafter probes",
+        Option("probe", "int", 32, 1, MAX_PROBE, bound="steps between drafter probes",
                help="the longest wait, in steps, before the drafter is asked again when it has not paid"),
     ),
 )
 def auto(target, *, drafter: str | None = None, datastore: str = "", learn: bool = False, context: bool = True,
-         max_depth: int = 10, max_nodes: int = 24, candidates: int = 64, probe: int = 8) -> AutoProposer:
+         max_depth: int = 10, max_nodes: int = 24, candidates: int = 64, probe: int = 32) -> AutoProposer:
     """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`); a drafter folder or
     datastore that does not load is a one-line error."""
     drafter = None if drafter is None else str(drafter)
