@@ -26,6 +26,14 @@ from fastforward.testing import tiny_hf_folder, tiny_target
 MESSAGES = ["hello there", "what is up", "tell me more"]
 
 
+
+def ctrl_c_as_in_a_terminal():
+    """In the chat's child, before it starts: SIGINT at its default, as a shell's terminal gives it (a test run
+    started in the background inherits SIGINT ignored, which a child would keep)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 def _load(path):
     from fastforward.costs import CostCurve, CostModel, set_cost_model
 
@@ -310,7 +318,7 @@ def test_chat_in_a_terminal(endless, endless_file, tmp_path):
     child = pexpect.spawn(sys.executable, ["-m", "fastforward.cli", "chat", "--model", str(endless_file),
                                            "--max-new-tokens", "400"],
                           env=dict(os.environ, PYTHONUNBUFFERED="1"), encoding="utf-8", timeout=180,
-                          dimensions=(40, 200))
+                          dimensions=(40, 200), preexec_fn=ctrl_c_as_in_a_terminal)
     try:
         child.expect_exact("> ")  # loaded; the prompt ends with "> "
 
@@ -365,7 +373,7 @@ def test_sigterm_ends_the_chat(endless_file, when):
     pexpect = pytest.importorskip("pexpect")
     child = pexpect.spawn(sys.executable, ["-m", "fastforward.cli", "chat", "--model", str(endless_file),
                                            "--max-new-tokens", "2000"], env=dict(os.environ), encoding="utf-8",
-                          timeout=180)
+                          timeout=180, preexec_fn=ctrl_c_as_in_a_terminal)
     try:
         child.expect_exact("> ")
         if when == "in an answer":

@@ -20,9 +20,13 @@ def signal_self(signum: int) -> None:
 
 @pytest.fixture
 def sigterm_routed():
+    # Ctrl-C as an interactive Python has it, whatever this process inherited (a job started in the background by a
+    # shell without job control starts with SIGINT ignored, and Python then leaves it ignored)
+    before_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.signal(signal.SIGTERM, on_sigterm)
     yield
     signal.signal(signal.SIGTERM, before)
+    signal.signal(signal.SIGINT, before_int)
 
 
 def test_a_first_sigterm_waits_for_the_safe_point(sigterm_routed):
