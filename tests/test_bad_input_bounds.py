@@ -52,9 +52,22 @@ def run_child(code: str, payload) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+#: the child's own peak memory: VmHWM of its address space. ``ru_maxrss`` is not it: Linux keeps it across exec,
+#: so a child spawned (vfork + exec) from a test process that had grown to 4 GB reports 4 GB.
+PEAK_RSS = r"""
+def peak_rss():
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+"""
+
 CLI_RUNNER = r"""
-import contextlib, io, json, resource, sys, time
+import contextlib, io, json, sys, time
 from fastforward.cli import main
+""" + PEAK_RSS + r"""
 results = []
 for argv in json.load(sys.stdin):
     out, err = io.StringIO(), io.StringIO()
@@ -66,7 +79,7 @@ for argv in json.load(sys.stdin):
             code = exc.code
     results.append({"argv": argv, "code": code, "err": err.getvalue(), "out": out.getvalue()[:500],
                     "seconds": time.perf_counter() - t0})
-print(json.dumps({"results": results, "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"results": results, "max_rss": peak_rss()}))
 """
 
 
@@ -87,11 +100,12 @@ def test_command_line_cases_in_bounds(files):  # noqa: F811
 
 
 API_RUNNER = r"""
-import json, resource, sys, time
+import json, sys, time
 from fastforward.engine import SequenceRun
 from fastforward.errors import UsageError
 from fastforward.testing import tiny_target
 from test_bad_input_api import CASES, call_case
+""" + PEAK_RSS + r"""
 
 started = []
 SequenceRun.prefill = lambda self: started.append(1) or []
@@ -108,7 +122,7 @@ for name, kwargs, error, words in CASES:
         results.append({"name": f"{entry}: {name}", "words": words, "usage": isinstance(raised, UsageError),
                         "message": str(raised), "seconds": time.perf_counter() - t0})
 print(json.dumps({"results": results, "started": len(started),
-                  "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "max_rss": peak_rss()}))
 """
 
 
