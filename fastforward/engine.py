@@ -694,13 +694,14 @@ def shared_step(runs: list[Run], max_batch_tokens: int, on_forward=None, budget:
                 row_caps: list[int | None] | None = None) -> Iterator[tuple[int, list[int]]]:
     """One verification step of every run in ``runs`` (none finished), through shared forwards: yields
     ``(index in runs, newly emitted tokens)``. With a ``budget`` and more than one run, drafts are first cut
-    to their worth in the shared forward; with ``row_caps`` (one per run, None: no cap) and more than one run, each
+    to their worth in the shared forward; with ``row_caps`` (one per run, None: no cap; a run stepping alone is
+    capped too, when the others it shares the machine with sit this step out), each
     draft that may be cut is then cut to at most its cap of rows (a share of the forward: the output is the same),
     and a proposal still over its cap (drafts with draft probabilities) gets a forward of its own, after the others'.
     Proposals are packed in order into forwards of at most ``max_batch_tokens`` rows (a larger one gets a forward
     of its own). ``on_forward(sequences, rows, seconds)`` is called after every forward."""
     shared = budget is not None and len(runs) > 1
-    caps = row_caps if row_caps is not None and len(runs) > 1 else None
+    caps = row_caps
     if caps is not None and len(caps) != len(runs):
         raise UsageError(f"row_caps has {len(caps)} entries for {len(runs)} runs")
     if shared or caps is not None:

@@ -29,10 +29,19 @@ MESSAGES = ["hello there", "what is up", "tell me more"]
 
 def ctrl_c_as_in_a_terminal():
     """In the chat's child, before it starts: SIGINT at its default, as a shell's terminal gives it (a test run
-    started in the background inherits SIGINT ignored, which a child would keep)."""
+    started in the background inherits SIGINT ignored, which a child would keep); and the terminal's NOFLSH on: on
+    Ctrl-C the line discipline otherwise discards output written but not yet read by the other end (here pexpect),
+    so what the test reads could lack the last characters the chat showed."""
     import signal
+    import termios
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        attrs = termios.tcgetattr(1)
+        attrs[3] |= termios.NOFLSH  # lflag
+        termios.tcsetattr(1, termios.TCSANOW, attrs)
+    except termios.error:  # not a terminal: nothing is flushed
+        pass
 
 def _load(path):
     from fastforward.costs import CostCurve, CostModel, set_cost_model

@@ -534,6 +534,29 @@ def test_load_test_names_the_hostile_kind_beside_each_honest_request():
     assert report["row-hungry"]["mean_in_flight"] == pytest.approx(0.45)
 
 
+def test_hostile_clients_send_nothing_once_the_honest_phase_has_ended(monkeypatch):
+    """What a hostile client would send after the honest phase slows nobody measured: it is not sent (a heavy-only
+    mix would otherwise keep the bench waiting for tens of 4,096-token answers)."""
+    import threading
+
+    from fastforward.bench import serve_load
+    from fastforward.bench.hostile import hostile_requests
+
+    sent = []
+    monkeypatch.setattr(serve_load, "send_hostile", lambda url, request, timeout, key: (
+        sent.append(request.name) or (400, 0.01, "")))
+    requests = hostile_requests("tiny", 5, 0, ("malformed",))
+    stop, results = threading.Event(), []
+    serve_load._hostile_client("http://x", requests[:2], 0.0, 1.0, results, None, stop)
+    assert len(sent) == len(results) == 2  # before the end: each sent
+    stop.set()
+    serve_load._hostile_client("http://x", requests[2:], 60.0, 1.0, results, None, stop)
+    assert len(sent) == 2  # after it: none, and no gap waited
+    report = serve_load._hostile_report(results, {"latency_p95_s": 1.0, "tokens_per_s": 1.0},
+                                        {"latency_p95_s": 1.0, "tokens_per_s": 1.0}, planned=5)
+    assert report["requests"] == 2 and report["planned"] == 5
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["serve", "--method", "warp"], "unknown method 'warp'"),
     (["serve", "--port", "70000"], "--port"),

@@ -174,6 +174,40 @@ def test_a_heavy_request_keeps_the_light_ones_rounds_to_their_share(tiny, monkey
     assert max(rounds) > 3 + row_share(16, 4)
 
 
+def test_a_heavy_request_stepping_while_another_reads_its_prompt_keeps_to_its_share(tiny, monkeypatch, pin_costs):
+    """A 300-row Jacobi window decoding while a light request's long prompt is read in chunks: the heavy one steps
+    without the other (which is not decoding yet), and still puts at most its share of the forward's rows (of the
+    two requests in flight: 8 of 16) in each of those rounds -- the light one's first token waits for rounds that
+    stay short. Its answer is the one it gets alone."""
+    pin_costs(tiny, CostCurve.flat())
+    forwards = spy_forwards(monkeypatch, tiny)
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(tiny, max_batch_tokens=16)
+        heavy = scheduler.submit(_parsed("Count the caches: one, two, three,", "jacobi", {"n_tokens": 300}, 80), loop)
+        for _ in range(50):  # until it decodes
+            scheduler.round()
+            if heavy.prompt_reading is None and heavy.run is not None:
+                break
+        light = scheduler.submit(_parsed("cache " * 60 + "what is a cache?", "ar", {}, 8), loop)
+        heavy_rows_while_reading = []
+        for _ in range(3000):
+            if not (scheduler._active or scheduler._pending):
+                break
+            reading = not light.done and (light.run is None or light.prompt_reading is not None)  # not decoding
+            before = len(forwards)
+            scheduler.round()
+            if reading:
+                heavy_rows_while_reading += [rows for f in forwards[before:] for cache, rows in f
+                                             if cache is heavy.run.cache]
+        assert heavy.done and light.done
+        assert heavy_rows_while_reading and max(heavy_rows_while_reading) <= row_share(16, 2)
+        alone = ff.generate(tiny, heavy.generation.prompt_ids, "ar", max_new_tokens=80)
+        assert heavy.run.emitted == alone.token_ids
+    finally:
+        loop.close()
+
+
 # -- the time shares, on the scheduler's own accounting --------------------------------------------------------------
 class _Clients:
     """Tickets in a scheduler's ``_active`` table (no model work): what each round costs each is the test's choice."""
@@ -199,30 +233,43 @@ class _Clients:
         return stepping
 
 
-def test_a_request_whose_steps_cost_ten_times_more_steps_far_less_often(tiny):
+def test_a_request_whose_steps_cost_ten_times_more_steps_far_less_often_once_it_is_long(tiny):
+    """Light requests of 64 rounds each (replaced as they end) and one whose rounds cost ten times theirs: the light
+    ones step in every round; the costly one too while it is short (its first SHORT_REQUEST_SECONDS: a short request
+    never sits out), then -- its time counting LONG_REQUEST_FACTOR times -- in about one round in ten times that."""
     clients = _Clients(tiny)
-    light = [clients.add() for _ in range(4)]
     heavy = clients.add()
-    steps = {id(t): 0 for t in [*light, heavy]}
-    for _ in range(2000):
-        for ticket in clients.round(lambda t: 0.010 if t is heavy else 0.001):
-            steps[id(ticket)] += 1
-    assert all(steps[id(t)] == 2000 for t in light)  # the light ones step every round
-    assert 2000 / 20 < steps[id(heavy)] < 2000 / 7  # ten times the cost: about one round in ten
+    light = {clients.add(): 0 for _ in range(4)}
+    heavy_steps = []
+    for _ in range(8000):
+        stepped = clients.round(lambda t: 0.010 if t is heavy else 0.001)
+        heavy_steps.append(heavy in stepped)
+        for ticket in list(light):
+            assert ticket in stepped  # a light request steps in every round
+            light[ticket] += 1
+            if light[ticket] == 64:
+                clients.remove(ticket)
+                del light[ticket]
+                light[clients.add()] = 0
+    short_rounds = round(scheduling.SHORT_REQUEST_SECONDS / 0.010)
+    assert all(heavy_steps[:short_rounds])
+    expected = 4000 / (10 * scheduling.LONG_REQUEST_FACTOR)  # the last 4,000 rounds
+    assert 0.6 * expected < sum(heavy_steps[-4000:]) < 1.6 * expected
 
 
 def test_a_long_request_gets_a_fraction_of_the_short_ones_share(tiny):
     """Light requests of 64 rounds each, replaced as they end (new ones start level with the least-served), beside
-    one long request costing the same per round: past SHORT_REQUEST_SECONDS of the loop, it steps in about one
-    round in LONG_REQUEST_FACTOR; never in none."""
+    one request costing the same per round: past SHORT_REQUEST_SECONDS of the loop it is long, and steps in about
+    one round in LONG_REQUEST_FACTOR; never in none."""
     clients = _Clients(tiny)
     long = clients.add()
     light = {clients.add(): 0 for _ in range(4)}
     steps_long = rounds = 0
-    for _ in range(4000):
+    for _ in range(8000):
         stepped = clients.round(lambda t: 0.002)
-        rounds += 1
-        steps_long += long in stepped
+        if long.cpu_seconds > scheduling.SHORT_REQUEST_SECONDS:
+            rounds += 1
+            steps_long += long in stepped
         for ticket in list(light):
             light[ticket] += ticket in stepped
             if light[ticket] == 64:  # answered: the client sends the next one
@@ -230,7 +277,7 @@ def test_a_long_request_gets_a_fraction_of_the_short_ones_share(tiny):
                 del light[ticket]
                 light[clients.add()] = 0
     factor = scheduling.LONG_REQUEST_FACTOR
-    assert long.cpu_seconds > scheduling.SHORT_REQUEST_SECONDS
+    assert rounds > 1000
     assert 0.6 * rounds / factor < steps_long < 1.6 * rounds / factor
 
 

@@ -8,9 +8,9 @@ Two phases against one server, plain HTTP from threads (no client library in the
    ``(c + 2r) % M``, streaming every other one; every 8th request samples (temperature 0.8, a fixed seed) instead.
 
 3. with ``hostile=N``: phase 2 again, with N requests of the hostile corpus (:mod:`fastforward.bench.hostile`, of
-   the kinds ``hostile_kinds``) sent by four more clients, spread over the phase: each must get a 2xx or an
-   OpenAI-shaped 4xx, and the honest requests' latency p95 and tokens/s are compared with phase 2's, in all and
-   per hostile kind (the honest requests that ran while a hostile request of that kind was in flight).
+   the kinds ``hostile_kinds``) sent by four more clients, spread over the phase (none sent after it): each must
+   get a 2xx or an OpenAI-shaped 4xx, and the honest requests' latency p95 and tokens/s are compared with phase
+   2's, in all and per hostile kind (the honest requests that ran while a hostile request of that kind was in flight).
 
 With ``keys`` (the server's API keys: ``fastforward serve-bench`` starts its server with one per client), every
 client sends its own key: the server's per-client limits see C + 5 clients, as they would see C + 5 users.
@@ -121,13 +121,18 @@ def send_hostile(url: str, request, timeout: float = 60.0, api_key: str | None =
     return status, seconds, ""
 
 
-def _hostile_client(url: str, requests: list, gap: float, timeout: float, results: list, key: str | None) -> None:
+def _hostile_client(url: str, requests: list, gap: float, timeout: float, results: list, key: str | None,
+                    stop: threading.Event) -> None:
+    """Send ``requests`` one after another, ``gap`` seconds apart, until ``stop`` (the honest phase has ended: what
+    is sent after it slows nobody who is measured)."""
     for request in requests:
+        if stop.is_set():
+            return
         start = time.perf_counter()
         status, seconds, problem = send_hostile(url, request, timeout, key)
         results.append({"name": request.name, "kind": request.kind, "status": status, "seconds": seconds,
                         "problem": problem, "start": start, "end": time.perf_counter()})
-        time.sleep(gap)
+        stop.wait(gap)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -354,15 +359,17 @@ def _by_kind(results: list[dict], outcomes3: list[Outcome], many: dict, kinds) -
 
 
 def _hostile_report(results: list[dict], honest3: dict, many: dict, outcomes3: list[Outcome] = (),
-                    kinds=()) -> dict:
-    """Phase 3's hostile requests: their statuses, the problems, the slowest, and the honest requests' latency
-    p95 and tokens/s against phase 2's, in all and per hostile kind."""
+                    kinds=(), planned: int | None = None) -> dict:
+    """Phase 3's hostile requests (those sent before the honest phase ended, of ``planned``): their statuses, the
+    problems, the slowest, and the honest requests' latency p95 and tokens/s against phase 2's, in all and per
+    hostile kind."""
     statuses: dict[str, int] = {}
     for r in results:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
     problems = [r for r in results if r["problem"]]
     return {
-        "requests": len(results), "kinds": list(kinds), "by_status": dict(sorted(statuses.items())),
+        "requests": len(results), "planned": len(results) if planned is None else planned, "kinds": list(kinds),
+        "by_status": dict(sorted(statuses.items())),
         "problems": len(problems), "problem_examples": [f"{r['name']}: {r['problem']}" for r in problems[:5]],
         "slowest_s": _round(max((r["seconds"] for r in results), default=None)),
         "slowest": max(results, key=lambda r: r["seconds"])["name"] if results else None,
@@ -384,10 +391,11 @@ def _hostile_phase(url: str, model: str, plan: list[list[Outcome]], many: dict, 
     shares = [corpus[i::4] for i in range(4)]
     gap = many_wall / max(1, len(shares[0]))  # spread over about the time phase 2 took
     results: list[dict] = []
+    stop = threading.Event()
     # a hostile request may take the server's whole wall budget (its --request-timeout, by default this timeout):
     # its answer is awaited a minute past it
     threads = [threading.Thread(target=_hostile_client, args=(url, share, gap, timeout + 60, results,
-                                                              _key(keys, 1 + len(plan) + i)), daemon=True)
+                                                              _key(keys, 1 + len(plan) + i), stop), daemon=True)
                for i, share in enumerate(shares) if share]
     log(f"phase 3: phase 2 again with {hostile} hostile requests ({', '.join(kinds)}) interleaved ...")
     for t in threads:
@@ -397,11 +405,14 @@ def _hostile_phase(url: str, model: str, plan: list[list[Outcome]], many: dict, 
     cpu4 = cpu_seconds(server_pid)
     outcomes3 = [o for jobs in plan3 for o in jobs]
     honest3 = _summary(outcomes3, wall3, cpu3, cpu4)
+    stop.set()  # the honest phase is over: no more hostile requests are sent, those in flight are awaited
     log(f"  {honest3}")
-    log("  waiting for the hostile requests still in flight ...")
+    log(f"  honest p95 {_fmt(_ratio(honest3['latency_p95_s'], many['latency_p95_s']))}x and tok/s "
+        f"{_fmt(_ratio(honest3['tokens_per_s'], many['tokens_per_s']))}x phase 2's; waiting for the hostile "
+        f"requests still in flight ({len(results)} of {len(corpus)} answered) ...")
     for t in threads:
-        t.join((timeout + 60) * len(shares[0]))
-    return outcomes3, _hostile_report(results, honest3, many, outcomes3, kinds)
+        t.join(timeout + 60)
+    return outcomes3, _hostile_report(results, honest3, many, outcomes3, kinds, planned=len(corpus))
 
 
 def run_load(url: str, model: str, *, clients: int = 16, requests: int = 25, max_tokens: int = 64,
@@ -532,7 +543,10 @@ def format_report(r: dict) -> str:
     if h:
         s = h["honest"]
         lines += [
-            f"with {h['requests']} hostile requests interleaved ({', '.join(h.get('kinds') or ())}): honest requests "
+            f"with {h['requests']} hostile requests interleaved" + (
+                f" (of {h['planned']}: the rest were not sent, the honest phase had ended)"
+                if h.get("planned", h["requests"]) > h["requests"] else "")
+            + f" ({', '.join(h.get('kinds') or ())}): honest requests "
             f"{s['requests']}, failures {s['failures']}, tok/s {s['tokens_per_s']} "
             f"({_fmt(h.get('tokens_per_s_ratio'))}x the tok/s without them), latency p50 {_fmt(s['latency_p50_s'])} "
             f"p95 {_fmt(s['latency_p95_s'])} ({_fmt(h['latency_p95_ratio'])}x the p95 without them)",

@@ -504,9 +504,16 @@ async def _sse(ticket, parsed: ParsedRequest, rid: str):
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until interrupted."""
+    """Serve ``app`` with uvicorn until interrupted; the server's own log (``fastforward.server``: requests ended by
+    their budgets, ignored body fields, errors, at DEBUG the slow rounds of the decode loop) at ``log_level`` beside
+    uvicorn's, on standard error."""
     import uvicorn
 
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(log_level.upper())
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 

@@ -14,13 +14,15 @@ who else is being served.
 
 **A fair share of the decode loop per request.** The loop's CPU time is charged to the requests it serves: each
 prompt chunk to its request, and each step's time split between the requests in it -- each its own drafting (its
-method's propose and observe time), the rest (the shared forwards, verification) by rows. A request more than
-:data:`FAIR_SHARE_SECONDS` ahead of the least-served one sits out rounds (reading or decoding) until the others catch
-up. A *long* request -- one that asks for more than :data:`LONG_REQUEST_TOKENS` tokens (prompt and max_tokens) or
-has had more than :data:`SHORT_REQUEST_SECONDS` of the loop -- counts its time :data:`LONG_REQUEST_FACTOR` times, so
-that a long answer, a long prompt or a slow drafter gets that much less than the short requests beside it (never
-none; all of it alone).
-And in a shared step no sequence puts more than its share of the forward's rows in it (:func:`row_share`): its
+method's propose and observe time), the rest (the shared forwards, verification) by rows. A *long* request -- one
+that asks for more than :data:`LONG_REQUEST_TOKENS` tokens (prompt and max_tokens) or has had more than
+:data:`SHORT_REQUEST_SECONDS` of the loop -- counts its time :data:`LONG_REQUEST_FACTOR` times, and sits out rounds
+(reading or decoding) while it is more than :data:`FAIR_SHARE_SECONDS` ahead of the least-served request, so that a
+long answer, a long prompt or a slow drafter gets that much less than the short requests beside it (never none; all
+of it alone). A short request never sits out: a long one behind catches up by stepping beside it, never by making it
+wait.
+And no sequence puts more than its share of a forward's rows in it -- a share of the requests in flight, stepping or
+not (:func:`row_share`): its
 draft or window is cut to that (the answer is the same: greedy verification keeps the target's tokens, sampling
 draws keyed numbers), and a draft that may not be cut (drafts with draft probabilities: ``sps`` when sampling) is
 verified in a forward of its own after the others'. A request whose steps are wide, whose drafting is slow or whose
@@ -63,12 +65,16 @@ FAIR_SHARE_SECONDS = 0.1
 #: it is *long* and its time counts LONG_REQUEST_FACTOR times, so that a long request (thousands of tokens, a prompt
 #: of thousands of words, slow drafting) gets that much less of the loop than the short requests beside it, never
 #: none. CPU time, not wall time: other load on the machine does not make every request look long
-SHORT_REQUEST_SECONDS = 0.25
+SHORT_REQUEST_SECONDS = 1.0
 LONG_REQUEST_FACTOR = 8.0
 #: a request that asks for more tokens than this (its prompt and its max_tokens together) is long from the start:
 #: the first chunks of a long prompt and the first steps of a 4,096-token answer do not come out of the short
 #: requests' share either
 LONG_REQUEST_TOKENS = 1024
+
+#: with the log at DEBUG, a round longer than this (wall seconds) is logged with what took its time: whom it admitted,
+#: whose prompt chunks it read, whom it stepped (rows, own drafting)
+SLOW_ROUND_SECONDS = 0.05
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "cancelled",
                   "wall budget": "length", "cpu budget": "length"}
@@ -231,6 +237,7 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="fastforward-decode", daemon=True)
         self.steps = 0
+        self._parts: list[str] | None = None  # this round's parts while the log is at DEBUG (slow rounds)
 
     # -- the HTTP side ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -309,6 +316,8 @@ class Scheduler:
                 self._running_by[ticket.client] += 1
                 ticket.admitted = True
                 admit.append(ticket)
+        t_round = time.perf_counter()
+        self._parts: list[str] | None = [] if log.isEnabledFor(logging.DEBUG) else None
         for ticket in admit:
             if ticket.cancelled.is_set():
                 self._done(ticket)
@@ -318,7 +327,9 @@ class Scheduler:
                 self._fail(ticket, APIError(503, f"the request waited {waited:.0f} s in the queue, past this "
                                                  f"server's {self.max_request_seconds:g} s per request; retry later"))
                 continue
+            t0 = time.perf_counter()
             self._admit(ticket)
+            self._note(f"admit {ticket.parsed.method} {time.perf_counter() - t0:.3f}s")
         self._drop_cancelled()
         if self._reading():
             self._read_prompts()
@@ -326,6 +337,14 @@ class Scheduler:
             self._step()
         self._end_over_budget()
         self.metrics.queue(len(self._pending), len(self._active))
+        wall = time.perf_counter() - t_round
+        if self._parts is not None and wall > SLOW_ROUND_SECONDS:
+            log.debug("slow round %.3fs: %s", wall, "; ".join(self._parts))
+
+    def _note(self, part: str) -> None:
+        """A part of this round, for the slow-round log (DEBUG)."""
+        if self._parts is not None:
+            self._parts.append(part)
 
     def _reading(self) -> list[Ticket]:
         return [t for t in self._active.values() if t.prompt_reading is not None]
@@ -334,10 +353,13 @@ class Scheduler:
         return [t for t in self._active.values() if t.prompt_reading is None]
 
     def _eligible(self, tickets: list[Ticket]) -> list[Ticket]:
-        """Those of ``tickets`` not sitting out this round: within :data:`FAIR_SHARE_SECONDS` of the least-served
-        request (reading its prompt or decoding)."""
+        """Those of ``tickets`` not sitting out this round: the short ones (never paused: a short request's whole
+        cost is bounded by :data:`SHORT_REQUEST_SECONDS`), and the long ones within :data:`FAIR_SHARE_SECONDS` of
+        the least-served request (reading its prompt or decoding). A long request behind the others catches up by
+        stepping in every round beside them, never by making them wait."""
         least = self._level()
-        return [t for t in tickets if t.served <= least + FAIR_SHARE_SECONDS]
+        return [t for t in tickets if t.served <= least + FAIR_SHARE_SECONDS
+                or not (t.long or t.cpu_seconds > SHORT_REQUEST_SECONDS)]
 
     def _level(self) -> float:
         """Where a request admitted now starts: level with the least-served request (owed nothing for the time
@@ -374,7 +396,10 @@ class Scheduler:
                 self._fail(ticket, APIError(500, "internal error while reading the prompt (see the server log)"))
                 continue
             self._charge(ticket, time.process_time() - cpu_start)
-            budget -= max(1, _positions_read(ticket.run) - before)
+            read = _positions_read(ticket.run) - before
+            self._note(f"read {ticket.parsed.method} {read} tokens at {before} "
+                       f"{time.process_time() - cpu_start:.3f}cpu-s")
+            budget -= max(1, read)
             if tokens is not None:
                 ticket.prompt_reading = None
                 self._prompt_read(ticket, tokens)
@@ -387,7 +412,9 @@ class Scheduler:
         if not stepping:
             return
         runs = [t.run for t in stepping]
-        share = row_share(self.max_batch_tokens, len(stepping))
+        # a share of the requests in flight, not of those stepping: a request stepping alone while the others sit
+        # out or read their prompts still puts only its share of rows in (its round stays short for them)
+        share = row_share(self.max_batch_tokens, len(self._active))
         drafted = [t.run.stats.draft_time for t in stepping]
         wall_start, cpu_start = time.perf_counter(), time.process_time()
         try:
@@ -408,6 +435,10 @@ class Scheduler:
         for ticket, mine in zip(stepping, own, strict=True):
             part = (mine + rest * ticket.rows / rows) / wall if wall > 0 else 1 / len(stepping)
             self._charge(ticket, cpu * part)
+        if self._parts is not None:
+            self._note(f"step {wall:.3f}s of {len(stepping)}/{len(self._decoding())} (" + ", ".join(
+                f"{t.parsed.method} {t.rows}r {m * 1e3:.0f}ms@{t.run.cache.length if t.run.cache else 0}"
+                for t, m in zip(stepping, own, strict=True)) + ")")
         for run, tokens in steps:
             ticket = self._active.get(id(run))
             if ticket is None:
