@@ -8,11 +8,11 @@ import socket
 import sys
 import tempfile
 
+from ..api import DEFAULT_METHOD
 from ..bench.serve_load import DEFAULT_METHODS
 from ..errors import FastForwardError, UsageError
 from ..model import DEFAULT_MODEL
 from ..model.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS
-from ..api import DEFAULT_METHOD
 from .options import (
     add_method_option_argument,
     add_model_arguments,
