@@ -36,8 +36,8 @@ every proposer and the batch draft budget read:
   process that needs the curve measures it again, under the load rule above. Forwards slower than the curve (load of
   the moment, a long cache) leave the file alone. Either way the running process goes on with its live estimate.
 * **The cache length** is not a key of the model, by measurement (default model, 2 threads, AMD EPYC with AVX2;
-  docs/history.md, "The forward and its kernels"): from a 256- to a 2,048-token cache the attention part lifts t(1) by 65%
-  and t(16) by 87%, but the ratios that size drafts move less (t(8)/t(1) 2.36 -> 2.52, t(4)/t(1) 1.39 -> 1.62)
+  docs/history.md, "The forward and its kernels"): from a 256- to a 2,048-token cache the attention part lifts t(1) by
+  65% and t(16) by 87%, but the ratios that size drafts move less (t(8)/t(1) 2.36 -> 2.52, t(4)/t(1) 1.39 -> 1.62)
   and the draft length pld picks for an acceptance rate of 0.3 ... 0.99 by at most one (two at 0.9). The level
   moves; the window of recent timings per q follows it as the cache grows, at no cost per step.
 """
