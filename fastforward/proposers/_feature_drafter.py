@@ -99,8 +99,9 @@ class FeatureDrafterProposer(Proposer):
         self.back_off = BackOff(self.backoff, backoff_on_loss)
         self.runner = None  # this sequence's: start()
         self.costs = None  # this machine's cost model (live), unless the size is fixed: prepare()
-        # accepted rows (taps, tokens, positions) not yet given to the drafter
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # accepted rows not yet given to the drafter: (the forward's hidden states, the accepted rows of them,
+        # tokens, positions)
+        self.pending: list[tuple[dict, slice | torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     # -- what a subclass says -----------------------------------------------------------------------------------
     def _tap_layers(self, runner) -> tuple[int, ...]:
@@ -150,7 +151,9 @@ class FeatureDrafterProposer(Proposer):
         root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
         tokens = state.ids[root_pos + 1 : root_pos + 1 + r].clone()
         rows = slice(0, r) if path == list(range(r)) else torch.as_tensor(path)  # a prefix (a chain's): views
-        self.pending.append((self._taps(step.hidden, rows), tokens, torch.arange(root_pos, root_pos + r)))
+        # the features are gathered when the drafter next drafts (_catch_up): a step it skips costs no copy (the
+        # forward's hidden states are its own, never written again)
+        self.pending.append((step.hidden, rows, tokens, torch.arange(root_pos, root_pos + r)))
         if self.counts_committed_rows:
             self._n["draft_rows"] += r
         self.back_off.verdict(step.verdict.accepted, self._curve_ms())
@@ -186,9 +189,11 @@ class FeatureDrafterProposer(Proposer):
         """Give the drafter the accepted rows that wait (one pass over all of them)."""
         if self.pending:
             if len(self.pending) == 1:
-                taps, tokens, positions = self.pending[0]
+                hidden, rows, tokens, positions = self.pending[0]
+                taps = self._taps(hidden, rows)
             else:
-                taps, tokens, positions = (torch.cat(parts) for parts in zip(*self.pending, strict=True))
+                taps = torch.cat([self._taps(hidden, rows) for hidden, rows, _, _ in self.pending])
+                tokens, positions = (torch.cat(parts) for parts in zip(*(p[2:] for p in self.pending), strict=True))
             self.pending.clear()
             self._commit(taps, tokens, positions)
 

@@ -283,6 +283,17 @@ class SourceStats:
             self.accepts[d - 1] += int(d <= accepted_depth)
         self.accepted += int(min(accepted_depth, deepest))
 
+    def count_chain(self, k: int, accepted_depth: int) -> None:
+        """:meth:`count` of a chain of ``k`` nodes at depths 1..k (the context's: most steps), without numpy."""
+        self.drafted += 1
+        if len(self.attempts) < k:
+            self.attempts += [0] * (k - len(self.attempts))
+            self.accepts += [0] * (k - len(self.accepts))
+        for d in range(k):
+            self.attempts[d] += 1
+            self.accepts[d] += d < accepted_depth
+        self.accepted += min(accepted_depth, k)
+
     def as_dict(self, steps: int) -> dict:
         counts = {"asked": self.asked, "drafted_steps": self.drafted, "accepted_tokens": self.accepted,
                   "ms": round(self.ms, 3), "attempts_by_depth": list(self.attempts),
@@ -440,7 +451,6 @@ class AutoProposer(Proposer):
             if chain is not None:
                 return chain
         curve_ms = self.costs.table(self.max_nodes, numpy=True)
-        curve_ms = self.costs.table(self.max_nodes, numpy=True)
         parts = []
         looked = self.live[DATASTORE] and not self.store_back_off.skipping()
         if looked:
@@ -487,7 +497,7 @@ class AutoProposer(Proposer):
             k = min(k, len(step.proposal.tree) - 1)  # the engine may have cut it (KV room, a shared forward)
             self.context_alpha[n].update(k, step.verdict.accepted)
             if k > 0:
-                self.stats_by_source[CONTEXT].count(np.arange(1, k + 1), min(step.verdict.accepted, k))
+                self.stats_by_source[CONTEXT].count_chain(k, min(step.verdict.accepted, k))
             return
         if self.pending is None:
             return
