@@ -701,11 +701,10 @@ def shared_step(runs: list[Run], max_batch_tokens: int, on_forward=None, budget:
     Proposals are packed in order into forwards of at most ``max_batch_tokens`` rows (a larger one gets a forward
     of its own). ``on_forward(sequences, rows, seconds)`` is called after every forward."""
     shared = budget is not None and len(runs) > 1
-    caps = row_caps
-    if caps is not None and len(caps) != len(runs):
-        raise UsageError(f"row_caps has {len(caps)} entries for {len(runs)} runs")
-    if shared or caps is not None:
-        _announce_draft_depths(runs, budget if shared else None, caps)
+    if row_caps is not None and len(row_caps) != len(runs):
+        raise UsageError(f"row_caps has {len(row_caps)} entries for {len(runs)} runs")
+    if shared or row_caps is not None:
+        _announce_draft_depths(runs, budget if shared else None, row_caps)
     else:
         for run in runs:
             run.state.max_draft_depth = None
@@ -713,9 +712,9 @@ def shared_step(runs: list[Run], max_batch_tokens: int, on_forward=None, budget:
     if shared:
         sizes = _cut_drafts(runs, sizes, budget)
     own = set()
-    if caps is not None:
-        sizes = _cap_rows(runs, sizes, caps)
-        own = {i for i, cap in enumerate(caps) if cap is not None and sizes[i] > cap}
+    if row_caps is not None:
+        sizes = _cap_rows(runs, sizes, row_caps)
+        own = {i for i, cap in enumerate(row_caps) if cap is not None and sizes[i] > cap}
     groups: list[list[int]] = []
     used = 0
     for i, size in enumerate(sizes):

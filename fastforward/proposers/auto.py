@@ -272,27 +272,18 @@ class SourceStats:
         self.attempts: list[int] = []
         self.accepts: list[int] = []
 
-    def count(self, depths_drafted: np.ndarray, accepted_depth: int) -> None:
+    def count(self, depths: list[int] | range, accepted_depth: int) -> None:
+        """A step its nodes were drafted in: ``depths``, the distinct depths they lay at (ascending; a chain of k:
+        ``range(1, k + 1)``), the target accepting the draft to ``accepted_depth``."""
         self.drafted += 1
-        deepest = int(depths_drafted.max())
+        deepest = depths[-1]
         if len(self.attempts) < deepest:
             self.attempts += [0] * (deepest - len(self.attempts))
             self.accepts += [0] * (deepest - len(self.accepts))
-        for d in np.unique(depths_drafted):
+        for d in depths:
             self.attempts[d - 1] += 1
-            self.accepts[d - 1] += int(d <= accepted_depth)
-        self.accepted += int(min(accepted_depth, deepest))
-
-    def count_chain(self, k: int, accepted_depth: int) -> None:
-        """:meth:`count` of a chain of ``k`` nodes at depths 1..k (the context's: most steps), without numpy."""
-        self.drafted += 1
-        if len(self.attempts) < k:
-            self.attempts += [0] * (k - len(self.attempts))
-            self.accepts += [0] * (k - len(self.accepts))
-        for d in range(k):
-            self.attempts[d] += 1
-            self.accepts[d] += d < accepted_depth
-        self.accepted += min(accepted_depth, k)
+            self.accepts[d - 1] += d <= accepted_depth
+        self.accepted += min(accepted_depth, deepest)
 
     def as_dict(self, steps: int) -> dict:
         counts = {"asked": self.asked, "drafted_steps": self.drafted, "accepted_tokens": self.accepted,
@@ -497,7 +488,7 @@ class AutoProposer(Proposer):
             k = min(k, len(step.proposal.tree) - 1)  # the engine may have cut it (KV room, a shared forward)
             self.context_alpha[n].update(k, step.verdict.accepted)
             if k > 0:
-                self.stats_by_source[CONTEXT].count_chain(k, min(step.verdict.accepted, k))
+                self.stats_by_source[CONTEXT].count(range(1, k + 1), min(step.verdict.accepted, k))
             return
         if self.pending is None:
             return
@@ -516,7 +507,7 @@ class AutoProposer(Proposer):
             for source, stats in enumerate(self.stats_by_source):
                 mine = nodes[(tree.sources[nodes] >> source) & 1 == 1]
                 if mine.size:
-                    stats.count(tree.depths[mine], accepted_depth(tree, mine, target_tokens))
+                    stats.count(np.unique(tree.depths[mine]).tolist(), accepted_depth(tree, mine, target_tokens))
         cheap_accepted = accepted_depth(cheap, cheap_choice.nodes, target_tokens) if cheap_drafts else 0
         self.store_back_off.verdict(cheap_accepted, self.costs.table(self.max_nodes, numpy=True))
         if drafter_ms is not None:  # what asking the drafter bought over the cheap sources' own tree

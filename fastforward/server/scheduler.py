@@ -134,6 +134,10 @@ class Ticket:
     def run(self) -> Run | None:
         return None if self.generation is None else self.generation.sequence
 
+    def is_long(self, short_seconds: float) -> bool:
+        """Long: it asked for many tokens, or it has had more than ``short_seconds`` of the loop."""
+        return self.long or self.cpu_seconds > short_seconds
+
     def charge(self, cpu: float, short_seconds: float, long_factor: float) -> None:
         """Charge it ``cpu`` seconds of the decode loop's CPU time: towards its budget, and towards its share at
         full weight up to ``short_seconds`` in all, ``long_factor`` times beyond."""
@@ -317,7 +321,7 @@ class Scheduler:
                 ticket.admitted = True
                 admit.append(ticket)
         t_round = time.perf_counter()
-        self._parts: list[str] | None = [] if log.isEnabledFor(logging.DEBUG) else None
+        self._parts = [] if log.isEnabledFor(logging.DEBUG) else None
         for ticket in admit:
             if ticket.cancelled.is_set():
                 self._done(ticket)
@@ -358,8 +362,7 @@ class Scheduler:
         the least-served request (reading its prompt or decoding). A long request behind the others catches up by
         stepping in every round beside them, never by making them wait."""
         least = self._level()
-        return [t for t in tickets if t.served <= least + FAIR_SHARE_SECONDS
-                or not (t.long or t.cpu_seconds > SHORT_REQUEST_SECONDS)]
+        return [t for t in tickets if t.served <= least + FAIR_SHARE_SECONDS or not t.is_long(SHORT_REQUEST_SECONDS)]
 
     def _level(self) -> float:
         """Where a request admitted now starts: level with the least-served request (owed nothing for the time
@@ -395,10 +398,10 @@ class Scheduler:
                 log.error("prefill failed:\n%s", traceback.format_exc())
                 self._fail(ticket, APIError(500, "internal error while reading the prompt (see the server log)"))
                 continue
-            self._charge(ticket, time.process_time() - cpu_start)
+            cpu = time.process_time() - cpu_start
+            self._charge(ticket, cpu)
             read = _positions_read(ticket.run) - before
-            self._note(f"read {ticket.parsed.method} {read} tokens at {before} "
-                       f"{time.process_time() - cpu_start:.3f}cpu-s")
+            self._note(f"read {ticket.parsed.method} {read} tokens at {before} {cpu:.3f}cpu-s")
             budget -= max(1, read)
             if tokens is not None:
                 ticket.prompt_reading = None
