@@ -75,6 +75,9 @@ class DecodeState:
     #: in a step shared with other sequences, the deepest draft worth its rows there (None: alone, no limit).
     #: Proposers with a costly drafter skip or shorten their work by it; the engine cuts deeper drafts anyway.
     max_draft_depth: int | None = None
+    #: how many sequences share this step's forwards (1: alone). A proposer's own pass (a drafter's) delays every one
+    #: of them, so proposers with a costly drafter may skip it when sharing.
+    sequences_in_step: int = 1
     #: sampling: the uniform number of each sequence position (see :mod:`fastforward.verify`, "Keyed draws")
     keyed: PositionKeyedUniforms | None = None
 
@@ -703,6 +706,8 @@ def shared_step(runs: list[Run], max_batch_tokens: int, on_forward=None, budget:
     shared = budget is not None and len(runs) > 1
     if row_caps is not None and len(row_caps) != len(runs):
         raise UsageError(f"row_caps has {len(row_caps)} entries for {len(runs)} runs")
+    for run in runs:
+        run.state.sequences_in_step = len(runs)
     if shared or row_caps is not None:
         _announce_draft_depths(runs, budget if shared else None, row_caps)
     else:

@@ -27,6 +27,7 @@ from fastforward.proposers.auto import (
     Candidates,
     DrafterAverages,
     DrafterGate,
+    SET_ASIDE_RUNS,
     accepted_depth,
     choose,
     merge,
@@ -75,8 +76,23 @@ def datastore(target, tmp_path_factory):
 
 @pytest.fixture
 def gentle(target, pin_costs):
+    """The target on the gentle curve, with no memory of earlier tests' runs (the drafter's averages are shared
+    by a target's runs: a drafter set aside by an earlier test would not be asked)."""
     pin_costs(target, GENTLE)
+    forget_drafter_averages(target)
     return target
+
+
+def forget_drafter_averages(target):
+    """Empty the drafter averages a target's runs share (what earlier runs learned of the drafter's worth)."""
+    for greedy in (True, False):
+        target.set_shared(("auto drafter averages", greedy), None)
+
+
+def fresh_auto(target, **options):
+    """An ``auto`` proposer for a run that knows nothing of earlier runs: its drafter is never set aside for them."""
+    forget_drafter_averages(target)
+    return make_proposer("auto", target, **options)
 
 
 def mixes(drafter_dir, datastore):
@@ -176,8 +192,8 @@ def test_auto_sampling_matches_the_target_distribution(tmp_path, pin_costs, cfg,
     prompt = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
     samples = 2500
     counts, drafted, accepted = sampled_continuations(
-        target, prompt, lambda: make_proposer("auto", target, drafter=str(tmp_path), datastore=str(store), probe=1,
-                                              context=context),
+        target, prompt, lambda: fresh_auto(target, drafter=str(tmp_path), datastore=str(store), probe=1,
+                                           context=context),
         cfg, samples)
     # the drafted path is really exercised (the context's chain of a random model is mostly rejected)
     assert drafted > 0.9 * samples and accepted > (0.03 if context else 0.1) * samples
@@ -257,6 +273,9 @@ def test_a_source_that_raises_or_drafts_nothing_never_changes_the_output(gentle,
 
     monkeypatch.setattr(AutoProposer, "_real_" + maker, getattr(AutoProposer, maker), raising=False)
     monkeypatch.setattr(AutoProposer, maker, raises)
+    real_outcome = DrafterGate.outcome  # (the random drafter never pays: keep asking it all the same)
+    monkeypatch.setattr(DrafterGate, "outcome", lambda gate, *args: real_outcome(gate, *args) or True)
+    forget_drafter_averages(gentle)  # (the first run may have set its drafter aside for the next ones)
     got = ff.generate(gentle, prompt, "auto", max_new_tokens=30,
                       method_options=dict(drafter=drafter_dir, datastore=datastore, probe=1))
     assert got.token_ids == want
@@ -377,3 +396,59 @@ def test_the_drafter_gate_asks_when_its_rate_beats_the_cheap_tree_and_probes_oth
     assert not any(next_run.ask(False, cheap_rate=1.0) for _ in range(3)) and next_run.ask(False, cheap_rate=1.0)
     gate.outcome(False, extra_tokens=5.0, extra_ms=1.0, cheap_rate=1.0)  # a probe that paid: asked again at once
     assert gate.averages.interval == 1
+
+
+def test_a_drafter_that_does_not_pay_is_set_aside_for_the_next_runs(gentle, drafter_dir, monkeypatch):
+    """The random drafter buys nothing: once a probe at the longest wait has shown it, the run goes on without it, the
+    next SET_ASIDE_RUNS runs start without it -- no features tapped from any forward, the prefill's included -- and
+    the one after them probes it again; every run equals AR."""
+    import fastforward.engine as engine
+
+    taps = []  # the layers tapped by each forward: the prefill's, then each step's
+    real_forward, real_prefill = engine.timed_forward, engine.read_prompt_in_chunks
+    monkeypatch.setattr(engine, "timed_forward",
+                        lambda target, requests, layers: taps.append(tuple(layers)) or real_forward(target, requests,
+                                                                                                   layers))
+    monkeypatch.setattr(engine, "read_prompt_in_chunks",
+                        lambda target, prompt, cache, layers, *args: taps.append(tuple(layers)) or real_prefill(
+                            target, prompt, cache, layers, *args))
+    options = dict(drafter=drafter_dir, datastore="none", context=False, probe=2)
+    prompt = [40, 41, 42]
+    want = ff.generate(gentle, prompt, "ar", max_new_tokens=30).token_ids
+    taps.clear()
+    first = ff.generate(gentle, prompt, "auto", max_new_tokens=30, method_options=options)
+    assert first.token_ids == want
+    stats = first.stats.method_stats
+    assert stats["sources"]["drafter"]["asked"] >= 2 and "longest wait" in stats["drafter_set_aside"]
+    assert taps[0] and not taps[-1]  # tapped while it kept the drafter, not after
+    for _ in range(SET_ASIDE_RUNS):
+        taps.clear()
+        got = ff.generate(gentle, prompt, "auto", max_new_tokens=30, method_options=options)
+        assert got.token_ids == want and got.stats.method_stats["sources"]["drafter"]["asked"] == 0
+        assert got.stats.method_stats["drafter_set_aside"] == "it did not pay in the latest runs"
+        assert taps and not any(taps)
+    probe = ff.generate(gentle, prompt, "auto", max_new_tokens=30, method_options=options)
+    assert probe.token_ids == want and probe.stats.method_stats["sources"]["drafter"]["asked"] >= 1
+    sampled = ff.generate(gentle, prompt, "auto", max_new_tokens=30, temperature=1.0, seed=0, method_options=options)
+    assert sampled.stats.method_stats["sources"]["drafter"]["asked"] >= 1  # sampled runs keep averages of their own
+
+
+def test_a_forward_shared_with_other_sequences_sets_the_drafter_aside(gentle, drafter_dir):
+    """Its pass would delay every sequence of the step: in a batch the drafter is never asked, and each sequence
+    still decodes what it decodes alone."""
+    prompts = [[40, 41, 42], [7, 8, 9, 10], [3, 3, 3]]
+    requests = [ff.GenerationRequest(p, "auto", max_new_tokens=24,
+                                     method_options=dict(drafter=drafter_dir, datastore="none", probe=1))
+                for p in prompts]
+    for prompt, result in zip(prompts, ff.generate_batch(gentle, requests), strict=True):
+        assert result.token_ids == ff.generate(gentle, prompt, "ar", max_new_tokens=24).token_ids
+        assert result.stats.method_stats["sources"]["drafter"]["asked"] == 0
+        assert result.stats.method_stats["drafter_set_aside"] == "a forward shared with other sequences"
+
+
+def test_a_run_takes_the_drafter_while_it_paid_lately_else_every_ninth():
+    averages = DrafterAverages()
+    assert all(averages.keeps_drafter() for _ in range(3))
+    averages.paid_lately = False
+    kept = [averages.keeps_drafter() for _ in range(2 * (SET_ASIDE_RUNS + 1))]
+    assert np.nonzero(kept)[0].tolist() == [SET_ASIDE_RUNS, 2 * SET_ASIDE_RUNS + 1]

@@ -52,6 +52,7 @@ from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..paths import made_data_dir
 from ..stats import draft_source_rates
 from ..tree import DraftTree, chain_shape
+from ..verify import SamplingConfig
 from . import register
 from ._backoff import BackOff
 from ._options import Option, max_nodes_option
@@ -64,6 +65,9 @@ CONTEXT, DATASTORE, DRAFTER = range(3)
 MAX_DEPTH = 16
 MAX_CANDIDATES = 1024
 MAX_PROBE = 64
+#: after a run whose drafter did not pay, this many of the target's next runs start without it (no features tapped,
+#: no catch-up); the one after them probes it again
+SET_ASIDE_RUNS = 8
 CONTEXT_NGRAM = 3  # the longest n-gram of the context matched (as pld's default)
 
 
@@ -218,6 +222,17 @@ class DrafterAverages:
         self.gain = {False: prior_gain, True: prior_gain}
         self.cost = {False: prior_ms, True: prior_ms}
         self.interval = 1  # steps between probes while the drafter does not pay (see DrafterGate)
+        self.paid_lately = True  # False once a probe at the longest wait bought nothing (until one pays)
+        self.runs_set_aside = 0  # runs started without the drafter since it last failed (see AutoProposer.new_run)
+
+    def keeps_drafter(self) -> bool:
+        """Whether a new run of the target takes the drafter: yes while it paid lately; otherwise every
+        ``SET_ASIDE_RUNS + 1``-th run, to probe it again."""
+        if self.paid_lately or self.runs_set_aside >= SET_ASIDE_RUNS:
+            self.runs_set_aside = 0
+            return True
+        self.runs_set_aside += 1
+        return False
 
     def rate(self, cheap_drafts: bool) -> float:
         return self.gain[cheap_drafts] / max(self.cost[cheap_drafts], 1e-3)
@@ -251,14 +266,20 @@ class DrafterGate:
             return True
         return False
 
-    def outcome(self, cheap_drafts: bool, extra_tokens: float, extra_ms: float, cheap_rate: float) -> None:
-        """What asking bought: ``extra_tokens`` accepted beyond the cheap tree's, for ``extra_ms``."""
+    def outcome(self, cheap_drafts: bool, extra_tokens: float, extra_ms: float, cheap_rate: float) -> bool:
+        """What asking bought: ``extra_tokens`` accepted beyond the cheap tree's, for ``extra_ms``. Returns False
+        when it was a probe at the longest wait that bought nothing (the run then sets the drafter aside)."""
         self.waited = 0
-        self.averages.add(cheap_drafts, extra_tokens, extra_ms)
+        av = self.averages
+        av.add(cheap_drafts, extra_tokens, extra_ms)
         if extra_tokens >= cheap_rate * extra_ms:
-            self.averages.interval = 1
-        else:
-            self.averages.interval = min(2 * self.averages.interval, self.probe)
+            av.interval, av.paid_lately = 1, True
+            return True
+        if av.interval >= self.probe:
+            av.paid_lately = False
+            return False
+        av.interval = min(2 * av.interval, self.probe)
+        return True
 
 
 class SourceStats:
@@ -306,13 +327,20 @@ class AutoProposer(Proposer):
         self.max_depth, self.max_nodes, self.candidates = max_depth, max_nodes, candidates
         self.probe = probe
         self.context = NgramIndex(CONTEXT_NGRAM, 1) if context else None
-        self.hidden_layers = () if drafter is None else drafter.hidden_layers
         self.costs = None
         self.calibrations: dict = {}
+        self.set_aside = ""  # why this run goes without the drafter ("": it does not)
         self._reset()
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target layers the drafter reads, while this run keeps it (a run without it taps nothing)."""
+        return self.drafter.hidden_layers if self.live[DRAFTER] else ()
 
     def _reset(self) -> None:
         self.live = list(self.has)  # the sources this run still asks (one that raised is dropped)
+        if self.set_aside:
+            self.live[DRAFTER] = False
         # this run's rate of agreement of the context's chains with the target, per n-gram length (as pld's): a
         # context node's raw value is alpha^depth -- a run that copies its context agrees far more than the average
         self.context_alpha = {n: AcceptanceEstimate() for n in range(1, CONTEXT_NGRAM + 1)}
@@ -324,6 +352,17 @@ class AutoProposer(Proposer):
         self.chain_pending: tuple[int, int] | None = None  # (n-gram length, chain length) of a context chain drafted
 
     # -- setup -----------------------------------------------------------------------------------------------------
+    def new_run(self, target, prompt_ids: list[int], **settings):
+        """A run; it goes without the drafter when the drafter did not pay in the target's latest runs (but for
+        every ``SET_ASIDE_RUNS + 1``-th run, which probes it again): then it taps no features from the prefill on."""
+        self.set_aside = ""
+        if self.has[DRAFTER]:
+            greedy = settings.get("sampling", SamplingConfig()).greedy
+            if not target.shared(("auto drafter averages", greedy), DrafterAverages).keeps_drafter():
+                self.set_aside = "it did not pay in the latest runs"
+        self._reset()
+        return super().new_run(target, prompt_ids, **settings)
+
     def max_proposal_size(self) -> int:
         return self.max_nodes
 
@@ -344,7 +383,7 @@ class AutoProposer(Proposer):
         if self.has[CONTEXT]:
             self.context.reset()
             self.context.sync(state.tokens)
-        if self.has[DRAFTER]:
+        if self.live[DRAFTER]:
             try:
                 self.drafter.start(state, prefill_logits, hidden)
             except Exception as exc:  # noqa: BLE001 -- as in _timed: decode on without it
@@ -394,6 +433,13 @@ class AutoProposer(Proposer):
 
     def _drop(self, source: int) -> None:
         self.live[source] = False
+        if source == DRAFTER:
+            self.drafter.pending.clear()  # the forwards' features it kept for its catch-up
+
+    def _set_drafter_aside(self, why: str) -> None:
+        """Go on without the drafter for the rest of the run: no more features tapped, no catch-up."""
+        self.set_aside = why
+        self._drop(DRAFTER)
 
     def _context_match(self, state: DecodeState, depth: int) -> tuple[torch.Tensor, int] | None:
         """The continuation of the latest earlier occurrence of the context's last n-gram (at most ``depth``
@@ -428,6 +474,8 @@ class AutoProposer(Proposer):
     def propose(self, state: DecodeState) -> Proposal | None:
         self.pending = self.chain_pending = None
         self.steps += 1
+        if self.live[DRAFTER] and state.sequences_in_step > 1:  # its pass would delay every sequence of the step
+            self._set_drafter_aside("a forward shared with other sequences")
         for estimate in self.context_alpha.values():
             estimate.tick()
         depth = min(self.max_depth, state.remaining - 1)
@@ -512,7 +560,9 @@ class AutoProposer(Proposer):
         self.store_back_off.verdict(cheap_accepted, self.costs.table(self.max_nodes, numpy=True))
         if drafter_ms is not None:  # what asking the drafter bought over the cheap sources' own tree
             extra_ms = drafter_ms + choice.ms - cheap_choice.ms
-            self.gate.outcome(cheap_drafts, step.verdict.accepted - cheap_accepted, extra_ms, cheap_choice.rate)
+            if not self.gate.outcome(cheap_drafts, step.verdict.accepted - cheap_accepted, extra_ms,
+                                     cheap_choice.rate):
+                self._set_drafter_aside("a probe at the longest wait bought nothing")
 
     def finish(self, state: DecodeState) -> None:
         if self.learns_across_requests and self.has[DATASTORE]:
@@ -523,7 +573,8 @@ class AutoProposer(Proposer):
         return {"sources": {name: s.as_dict(steps)
                             for name, s, has in zip(SOURCES, self.stats_by_source, self.has, strict=True) if has},
                 "steps": self.steps, "steps_without_a_draft": self.undrafted,
-                "drafter_probes": self.gate.probes}
+                "drafter_probes": self.gate.probes,
+                **({"drafter_set_aside": self.set_aside} if self.has[DRAFTER] and self.set_aside else {})}
 
 
 def _drafter_for(target, drafter) -> object | None:
