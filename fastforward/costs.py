@@ -632,14 +632,16 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_chain_length(alpha: float, max_k: int, curve, draft_ms: float = 0.0) -> int:
+def best_chain_length(alpha: float, max_k: int, curve, draft_ms: float = 0.0, others: int = 0) -> int:
     """The draft length k in 0..max_k that maximises expected tokens per millisecond (:func:`best_draft`) of a
     chain whose tokens are each accepted with probability ``alpha``: ``(1 + alpha + ... + alpha^k) / (t(k+1) +
     k draft_ms)``, with ``curve`` the target's cost (a :class:`CostCurve` or a :class:`CostModel`) and ``draft_ms``
-    what drafting one token costs (0: a lookup)."""
+    what drafting one token costs (0: a lookup). ``others``: the other sequences sharing the forward, a root row and
+    a token each -- ``(others + 1 + alpha + ... + alpha^k) / (t(others + k + 1) + k draft_ms)``: a draft row then
+    has to pay for a step of all of them (on a CPU it must be far likelier than alone)."""
     ks = range(max_k + 1)
-    return best_draft([expected_tokens(alpha, k) for k in ks], [curve.t(k + 1) + k * draft_ms for k in ks],
-                      near_tie=NEAR_TIE)
+    return best_draft([others + expected_tokens(alpha, k) for k in ks],
+                      [curve.t(others + k + 1) + k * draft_ms for k in ks], near_tie=NEAR_TIE)
 
 
 class AcceptanceEstimate:

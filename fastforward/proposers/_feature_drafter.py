@@ -5,8 +5,8 @@
   target's resource slots); each sequence gets a fresh cache of its own (:meth:`start`).
 * **Committing accepted rows**: the target's features of the accepted path (tapped in the verification forward
   itself, :meth:`_taps`) and the accepted tokens become committed drafter rows. They wait in ``pending`` until the
-  drafter next drafts and go through it together (:meth:`_catch_up`), so a step that drafts nothing (a shared
-  forward where no draft of this sequence pays, back-off) costs no drafter pass.
+  drafter next drafts and go through it together (:meth:`_catch_up`), the prompt's rows too, so a step that drafts
+  nothing (a shared forward where no draft of this sequence pays, back-off) costs no drafter pass.
 * **The cost model**: fetched before the run's clock starts (:meth:`prepare`) unless the draft's size is fixed; a
   draft is priced as every draft is (:func:`~fastforward.costs.best_draft`: the tree sizes of :meth:`_tree_size`).
 * **Back-off** (:mod:`._backoff`) and, at temperature 0, the drafter's calibrated acceptance rates when asked for.
@@ -141,7 +141,9 @@ class FeatureDrafterProposer(Proposer):
         self.back_off = BackOff(self.backoff, self.backoff_on_loss and not self.drafts_with_probabilities)
         if not self.fixed_size and self.costs is None:
             self.prepare(state.target)
-        self._commit(self._taps(hidden, slice(0, n)), state.ids[1 : n + 1], torch.arange(n))
+        # the prompt's rows wait for the drafter's first pass like any accepted rows (_catch_up): a run that never
+        # drafts (set aside, or stepping where no draft pays) never pays for them
+        self.pending.append((hidden, slice(0, n), state.ids[1 : n + 1].clone(), torch.arange(n)))
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
         if self.drafts_with_probabilities and len(step.proposal.tree) > 1:

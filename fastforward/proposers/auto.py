@@ -33,7 +33,11 @@ each step, the tree that maximises expected tokens per millisecond on this machi
   is probed after 1, 2, 4, ... up to ``probe`` steps (the interval shared by the runs of a target), reset whenever
   a probe pays. A drafter that was
   not asked costs nothing that step: the target's features of the accepted rows wait, and go through it in one pass
-  when it is next asked.
+  when it is next asked. A drafter that does not pay is set aside (no features tapped, no catch-up): for the rest of
+  a run once a probe at the longest wait bought nothing, for the target's next ``SET_ASIDE_RUNS`` runs after such a
+  run, and in every forward shared with other sequences, where its pass would delay them all.
+* **Sharing a forward.** Beside other sequences a draft row has to pay for a step of all of them: the context's chain
+  is priced so (:func:`~fastforward.costs.best_chain_length` with ``others``), and nothing else is asked.
 
 Lossless whatever is drafted: the target verifies every token (greedy: its argmax; sampling: keyed draws, so a seeded
 run returns the same samples as ``ar`` -- no source's draft carries draft probabilities).
@@ -458,7 +462,8 @@ class AutoProposer(Proposer):
         try:
             found = self._context_match(state, depth)
             chain, n = found if found is not None else (None, 0)
-            k = best_chain_length(self.context_alpha[n].alpha, chain.numel(), self.costs) if n else 0
+            k = best_chain_length(self.context_alpha[n].alpha, chain.numel(), self.costs,
+                                  others=state.sequences_in_step - 1) if n else 0
         except Exception as exc:  # noqa: BLE001 -- as in _timed: decode on without it
             stats.failed = f"{type(exc).__name__}: {exc}"
             self._drop(CONTEXT)
@@ -489,6 +494,9 @@ class AutoProposer(Proposer):
             chain = self._context_chain(state, min(depth, limit - 1))
             if chain is not None:
                 return chain
+        if state.sequences_in_step > 1:  # sharing a forward: only a likely chain pays for a step of all the sequences
+            self.undrafted += 1
+            return None
         curve_ms = self.costs.table(self.max_nodes, numpy=True)
         parts = []
         looked = self.live[DATASTORE] and not self.store_back_off.skipping()
