@@ -635,7 +635,8 @@ def _store_for(target, datastore, learn: bool):
         Option("candidates", "int", 64, 1, MAX_CANDIDATES, bound="datastore continuations read per step",
                help="the most datastore continuations read per step"),
         Option("probe", "int", 32, 1, MAX_PROBE, bound="steps between drafter probes",
-               help="the longest wait, in steps, before the drafter is asked again when it has not paid"),
+               help="the longest wait, in steps, before the drafter is asked again when it has not paid; a probe "
+                    "at that wait that buys nothing sets it aside for the rest of the run"),
     ),
 )
 def auto(target, *, drafter: str | None = None, datastore: str = "", learn: bool = False, context: bool = True,
