@@ -14,8 +14,9 @@ Per method (ms per decoding step, calls per step, ms per call):
   ``ar``'s forward per step;
 * the drafter's calls: ``commit`` (accepted rows into the drafter's cache: EAGLE's ``fuse`` + ``commit``,
   FastEagle's and Falcon's ``commit``; whatever they call inside), ``layer`` (draft rows through the drafter's
-  layer: EAGLE's ``rows``, Falcon's ``first_block`` / ``extend``), ``head`` (the draft vocabulary's logits and
-  their normalisation: ``log_probs`` / ``probs``), ``top-k`` (what ``top`` adds to the head: the k best per row;
+  layer: EAGLE's ``rows``, Falcon's ``first_block`` / ``extend``), ``head`` (the draft vocabulary's logits:
+  ``logits``, and ``log_probs`` / ``probs`` where a normalised row is wanted), ``top-k`` (what ``top`` adds to the
+  head: the k best per row, natively from the logits where the kernels built;
   before the runners had ``top``, the proposers' ``topk`` counted in ``other``), and for ``sps`` the draft model's
   forwards (``draft forward``);
 * ``other``: drafting outside those calls (the proposer's own bookkeeping, tree assembly, taps, back-off).
@@ -35,9 +36,11 @@ import time
 import torch
 
 PHASES = {  # runner class -> {method: phase}
-    "Eagle3Runner": {"fuse": "commit", "commit": "commit", "rows": "layer", "log_probs": "head", "top": "top-k"},
-    "FastEagleRunner": {"commit": "commit", "probs": "head", "top": "top-k"},
-    "FalconRunner": {"commit": "commit", "first_block": "layer", "extend": "layer", "probs": "head", "top": "top-k"},
+    "Eagle3Runner": {"fuse": "commit", "commit": "commit", "rows": "layer", "logits": "head", "log_probs": "head",
+                     "top": "top-k"},
+    "FastEagleRunner": {"commit": "commit", "logits": "head", "probs": "head", "top": "top-k"},
+    "FalconRunner": {"commit": "commit", "first_block": "layer", "extend": "layer", "logits": "head", "probs": "head",
+                     "top": "top-k"},
     "DraftModelProposer": {"_forward": "draft forward"},
 }
 PROPOSER_CALLS = ("start", "propose", "observe")

@@ -37,6 +37,53 @@ def test_top_k_rows_of_a_draft_vocabulary_row():
     assert torch.equal(values, want.values) and torch.equal(cols, want.indices)  # no ties: the same columns
 
 
+def _native():
+    from fastforward.kernels import load_native
+
+    native = load_native()
+    if native is None or not hasattr(native, "log_softmax_topk"):
+        pytest.skip("the native kernels are unavailable here")
+    return native
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), V=st.integers(1, 300), k=st.integers(1, 16), levels=st.sampled_from([2, 7, 10**6]),
+       scale=st.sampled_from([1.0, 30.0]), seed=st.integers(0, 2**31 - 1))
+def test_native_log_softmax_topk_is_the_top_k_of_the_log_softmax(rows, V, k, levels, scale, seed):
+    """The native top-k of a head's log-softmax: the k largest values of ``log_softmax`` (to fp32 rounding: its
+    exp is the kernels' own), best first, equal values by ascending column -- any width (tails of 1-7 columns
+    included), ties, k up to the width."""
+    native = _native()
+    g = torch.Generator().manual_seed(seed)
+    k = min(k, V)
+    x = (torch.randint(0, levels, (rows, V), generator=g).float() / levels - 0.5) * scale
+    values, cols = native.log_softmax_topk(x, k)
+    want = x.double().log_softmax(-1)
+    top = x.topk(k, dim=-1).values
+    assert torch.equal(x.gather(1, cols), top)  # the k largest, best first
+    assert torch.allclose(values.double(), want.gather(1, cols), atol=1e-5, rtol=1e-5)
+    for r in range(rows):  # equal values: the lower column first; k distinct columns
+        pairs = list(zip((-x[r, cols[r]]).tolist(), cols[r].tolist(), strict=True))
+        assert pairs == sorted(pairs) and len(set(cols[r].tolist())) == k
+
+
+def test_native_log_softmax_topk_of_draft_vocabulary_rows():
+    """16,384 columns (the shipped drafter's head): the same columns as ``topk`` of ``log_softmax``, values to
+    fp32 rounding; a NaN never enters; a bad k is refused in one line."""
+    native = _native()
+    x = torch.randn(4, 16384, generator=torch.Generator().manual_seed(1)) * 4
+    x[2, 5] = float("nan")
+    values, cols = native.log_softmax_topk(x, 8)
+    finite = x.clone()
+    finite[2, 5] = -float("inf")
+    want = finite.topk(8, dim=-1)
+    assert torch.equal(cols, want.indices)
+    ref = x[[0, 1, 3]].log_softmax(-1).gather(1, cols[[0, 1, 3]])
+    assert torch.allclose(values[[0, 1, 3]], ref, atol=1e-5)
+    with pytest.raises(RuntimeError, match="k must be in"):
+        native.log_softmax_topk(x, 0)
+
+
 @pytest.mark.parametrize("weights", ["auto", "q4_0", "q8_0"])
 def test_packed_drafter_weights_run_on_the_integer_kernel(weights):
     """A packed drafter weight is multiplied by the integer (q8) kernel: close to the fp32 product of its rounded

@@ -206,30 +206,40 @@ def test_default_model_packed_matches_dequantised_fp32(default_exact):
 
 
 def test_fused_packed_layer_is_bitwise_the_per_op_forward(tiny_packed):
-    """One sequence over packed layers runs each layer as one native call (``ops.packed_layer``): logits, hidden
-    states and the KV cache written are bitwise those of the per-op calls, for a prompt and for a tree step with
-    its own write slots."""
+    """One sequence over packed layers runs every layer in one native call (``ops.PackedStack``), or each layer as
+    one (``ops.packed_layer``): logits, hidden states and the KV cache written are bitwise those of the per-op calls,
+    for a prompt and for a tree step with its own write slots."""
     packed, _ = tiny_packed
     backend = packed.backend
-    if backend.ops is None or not hasattr(backend.ops, "packed_layer"):
+    if backend.ops is None or not hasattr(backend.ops, "PackedStack"):
         pytest.skip("no native layer ops here")
     assert all(layer.packed_weights() is not None for layer in backend.layers)
 
-    class PerOp:  # the same native ops without the fused call
-        def __init__(self, ops):
-            self.ops = ops
+    class Without:  # the same native ops without some of the fused calls
+        def __init__(self, ops, *hidden):
+            self.ops, self.hidden = ops, hidden
 
         def __getattr__(self, name):
-            if name == "packed_layer":
+            if name in self.hidden:
                 raise AttributeError(name)
             return getattr(self.ops, name)
+
+    calls = []
+    stack_class = backend.ops.PackedStack
+
+    class CountedStack(stack_class):
+        def run(self, *args):
+            calls.append(args[-1])
+            return super().run(*args)
 
     prompt = torch.tensor([3, 17, 42, 8, 91, 5, 60])
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     tokens, positions = torch.tensor([14, 7, 33, 2]), torch.tensor([7, 8, 8, 9])
     runs, native = [], backend.ops
+    stacked = Without(native)
+    stacked.PackedStack = CountedStack
     try:
-        for ops in (native, PerOp(native)):
+        for ops in (stacked, Without(native, "PackedStack"), Without(native, "PackedStack", "packed_layer")):
             backend.ops = ops
             cache = packed.new_cache(32)
             first = packed.forward(prompt, torch.arange(7), cache, hidden_layers=(0, 1, -1))
@@ -238,7 +248,9 @@ def test_fused_packed_layer_is_bitwise_the_per_op_forward(tiny_packed):
             runs.append((first, step, cache.k.clone(), cache.v.clone()))
     finally:
         backend.ops = native
-    (f1, s1, k1, v1), (f2, s2, k2, v2) = runs
-    assert torch.equal(f1.logits, f2.logits) and torch.equal(s1.logits, s2.logits)
-    assert all(torch.equal(f1.hidden[i], f2.hidden[i]) for i in (0, 1, -1))
-    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert calls == [[0, 1], []]  # the stack ran both forwards of the first run, with the layers tapped
+    (f1, s1, k1, v1) = runs[0]
+    for f2, s2, k2, v2 in runs[1:]:
+        assert torch.equal(f1.logits, f2.logits) and torch.equal(s1.logits, s2.logits)
+        assert all(torch.equal(f1.hidden[i], f2.hidden[i]) for i in (0, 1, -1))
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

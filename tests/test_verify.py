@@ -17,6 +17,7 @@ from fastforward.testing import tiny_target
 from fastforward.verify import (
     PositionKeyedUniforms,
     Verdict,
+    argmax_rows,
     sample_at,
     target_probs,
     verify,
@@ -156,6 +157,29 @@ def test_target_probs_matches_reference(cfg):
 # --------------------------------------------------------------------------------------------------------------
 # Greedy verification, hand-built
 # --------------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 6), V=st.integers(1, 70), levels=st.sampled_from([2, 5, 10**6]),
+       specials=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 69),
+                                   st.sampled_from([float("nan"), float("inf"), -float("inf")])), max_size=4),
+       seed=st.integers(0, 2**31 - 1))
+def test_argmax_rows_is_torch_argmax(rows, V, levels, specials, seed):
+    """The greedy choice every method shares is torch's argmax, natively or not: the first largest value, ties
+    (few levels), NaN (the first NaN wins), infinities, widths that are no multiple of the vector width."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, V), generator=g).float()
+    for r, c, v in specials:
+        if r < rows and c < V:
+            x[r, c] = v
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    assert torch.equal(argmax_rows(x.double()), x.double().argmax(-1))  # other dtypes: torch's own
+
+
+def test_argmax_rows_of_a_vocabulary():
+    x = torch.randn(9, 49152, generator=torch.Generator().manual_seed(3))
+    x[4, 40000] = x[4, 17] = 100.0  # a tie: the first
+    assert torch.equal(argmax_rows(x), x.argmax(-1)) and int(argmax_rows(x)[4]) == 17
 
 
 def test_greedy_partial_acceptance():

@@ -48,7 +48,6 @@ from .pieces import (
     target_fingerprint,  # noqa: F401 - re-exported, as target_embedding_rows
     target_layer_shape,
     target_meta,
-    top_k_rows,
 )
 from .vocab import DraftVocab
 
@@ -372,16 +371,20 @@ class Eagle3Runner(DrafterRunner):
             return outs[-1][-1:]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def log_probs(self, h: torch.Tensor) -> torch.Tensor:
-        """[r, draft_vocab] log-probabilities of the next token."""
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[r, draft_vocab] logits of the next token."""
         h = h.float().contiguous()
         normed = self.norm(h, self.final_norm) if self.ops is None else self.ops.rms_norm(h, self.final_norm, self.eps)
-        return self.head(normed.contiguous()).log_softmax(-1)
+        return self.head(normed.contiguous())
+
+    def log_probs(self, h: torch.Tensor) -> torch.Tensor:
+        """[r, draft_vocab] log-probabilities of the next token."""
+        return self.logits(h).log_softmax(-1)
 
     def top(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` most likely next tokens after each row of ``h`` [r, d]: their log-probabilities and draft ids
         [r, k], best first."""
-        return top_k_rows(self.log_probs(h), k)
+        return self.top_of_logits(self.logits(h), k)
 
     def _grow(self, end: int) -> None:
         cap = max(end, 2 * self.capacity)

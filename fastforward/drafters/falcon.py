@@ -50,7 +50,6 @@ from .pieces import (
     rope_cos_sin,
     target_layer_shape,
     target_meta,
-    top_k_rows,
 )
 from .vocab import DraftVocab
 
@@ -308,15 +307,19 @@ class FalconRunner(DrafterRunner):
                           self.kc.unsqueeze(0), self.vc.unsqueeze(0), 0, start, visible.contiguous(), write)
         return h
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[r, d] -> [r, draft_vocab] next-token logits (one head matmul)."""
+        return self.head(h.contiguous())
+
     def probs(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., d] -> [..., draft_vocab] next-token probabilities (one head matmul)."""
+        """[..., d] -> [..., draft_vocab] next-token probabilities."""
         shape = h.shape[:-1]
-        return self.head(h.reshape(-1, h.shape[-1]).contiguous()).softmax(-1).view(*shape, -1)
+        return self.logits(h.reshape(-1, h.shape[-1])).softmax(-1).view(*shape, -1)
 
     def top(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` most likely next tokens after each row of ``h`` [..., d]: their probabilities and draft ids
         [..., k], best first."""
-        values, ids = top_k_rows(self.probs(h.reshape(-1, h.shape[-1])), k)
+        values, ids = self.top_of_logits(self.logits(h.reshape(-1, h.shape[-1])), k, log=False)
         return values.view(*h.shape[:-1], k), ids.view(*h.shape[:-1], k)
 
 

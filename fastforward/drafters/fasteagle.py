@@ -51,7 +51,6 @@ from .pieces import (
     target_final_norm,
     target_layer_shape,
     target_meta,
-    top_k_rows,
 )
 from .vocab import DraftVocab
 
@@ -263,14 +262,18 @@ class FastEagleRunner(DrafterRunner):
         self.length = end
         return last
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[N, d] -> [N, draft_vocab] next-token logits of depths 1..N (one head matmul)."""
+        return self.head(h.contiguous())
+
     def probs(self, h: torch.Tensor) -> torch.Tensor:
-        """[N, d] -> [N, draft_vocab] next-token probabilities of depths 1..N (one head matmul)."""
-        return self.head(h.contiguous()).softmax(-1)
+        """[N, d] -> [N, draft_vocab] next-token probabilities of depths 1..N."""
+        return self.logits(h).softmax(-1)
 
     def top(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` most likely next tokens after each row of ``h`` [..., d]: their probabilities and draft ids
         [..., k], best first."""
-        values, ids = top_k_rows(self.probs(h.reshape(-1, h.shape[-1])), k)
+        values, ids = self.top_of_logits(self.logits(h.reshape(-1, h.shape[-1])), k, log=False)
         return values.view(*h.shape[:-1], k), ids.view(*h.shape[:-1], k)
 
 

@@ -452,7 +452,18 @@ class DrafterRunner:
         self.head = linear(drafter.lm_head.weight)
         self.d2t = drafter.d2t.clone()
         self.eps = drafter.cfg.rms_norm_eps
+        # the native top-k of a head's log-softmax (one pass over each row, no row written), where it built
+        self._log_softmax_topk = getattr(linear.layer_ops, "log_softmax_topk", None)
         return linear
+
+    def top_of_logits(self, logits: torch.Tensor, k: int, log: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` most likely next tokens of each row of the head's ``logits`` [r, V]: their log-probabilities
+        (``log``) or probabilities, and draft ids [r, k], best first -- natively without the rows' softmax where the
+        kernels built, else :func:`top_k_rows` of it."""
+        if self._log_softmax_topk is not None and logits.dtype == torch.float32 and k <= min(64, logits.shape[-1]):
+            values, ids = self._log_softmax_topk(logits, k)
+            return (values if log else values.exp()), ids
+        return top_k_rows(logits.log_softmax(-1) if log else logits.softmax(-1), k)
 
     def fresh(self, capacity: int):
         """A runner sharing these weights with an empty cache of its own (one per sequence)."""

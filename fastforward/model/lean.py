@@ -662,6 +662,28 @@ class LeanLlama:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return ForwardOutput(logits, hidden)
 
+    def _packed_stack(self):
+        """The native ``PackedStack`` of every layer when each runs as one ``packed_layer`` call (packed weights,
+        Llama-shaped), else None. Built once and rebuilt when a layer's linears or norms change."""
+        parts = (self.ops,) + tuple(v for layer in self.layers for v in (layer.qkv, layer.o, layer.gate_up, layer.down,
+                                                            layer.in_norm, layer.post_norm)) + (self.norm,)
+        cached = self.__dict__.get("_stack")
+        if cached is not None and len(cached[0]) == len(parts) and all(
+                a is b for a, b in zip(cached[0], parts, strict=True)):
+            return cached[1]
+        packs = [layer.packed_weights() for layer in self.layers]
+        stack = None
+        if packs and all(p is not None for p in packs) and hasattr(self.ops, "PackedStack"):
+            options = [layer.attention_options() for layer in self.layers]
+            stack = self.ops.PackedStack(
+                [w for p in packs for w in p[0::2]], [f for p in packs for f in p[1::2]],
+                [layer.post_norm for layer in self.layers],
+                [layer.in_norm for layer in self.layers[1:]] + [self.norm],
+                [o["window"] for o in options], [o["softcap"] for o in options], [o["scale"] for o in options],
+                self.eps, self.n_heads, self.n_kv_heads)
+        self.__dict__["_stack"] = (parts, stack)
+        return stack
+
     def batch_rows_limit(self) -> int:
         """Up to how many rows one forward may carry with every row still computed exactly as alone: packed
         weights any number, dense fp32 weights as many as the skinny kernel takes (MKL beyond is not row-exact)."""
@@ -705,7 +727,14 @@ class LeanLlama:
         # Several sequences: their attention in one native call per layer (row starts, k and v caches, write slots).
         many = ([a for a, _ in bounds] + [row], [r.cache.k for r in requests], [r.cache.v for r in requests],
                 [r.write_slots for r in requests]) if len(requests) > 1 and hasattr(ops, "attention_many") else None
-        for i, layer in enumerate(self.layers):
+        stack = self._packed_stack() if fused else None
+        if stack is not None:  # every layer in one native call: the same packed_layer calls as the loop below
+            r = requests[0]
+            taps = sorted(i for i in wanted if 0 <= i < len(self.layers))
+            h, copies = stack.run(x, h, self.cos, self.sin, positions[0], r.cache.k, r.cache.v, starts[0], visible[0],
+                                  r.write_slots, taps)
+            hidden.update(zip(taps, copies, strict=True))
+        for i, layer in enumerate(self.layers if stack is None else ()):
             next_norm = self.norm if i + 1 == len(self.layers) else self.layers[i + 1].in_norm
             packed = layer.packed_weights() if fused else None
             options = {} if layer.plain_attention else layer.attention_options()

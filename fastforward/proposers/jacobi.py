@@ -42,6 +42,7 @@ from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from ..tree import DraftTree, chain_shape
 from ..validation import MAX_PROPOSAL_ROWS, check_proposal_rows
+from ..verify import argmax_rows
 from . import register
 from ._options import Option
 
@@ -177,7 +178,7 @@ class JacobiProposer(Proposer):
             self.stationary += int((tree.tokens[1 : 1 + prev.numel()] == prev).sum())
         self._prev = tree.tokens[k + 2 :]
         # The Jacobi update: the target's argmax after every node past the accepted prefix guesses the next token.
-        preds = step.logits[k + 1 : m + 1].argmax(-1)
+        preds = argmax_rows(step.logits[k + 1 : m + 1])
         if not self.blocks:
             self.iterate = torch.cat([preds, init_tokens(state, self.n - 1 - preds.numel(), self.init)])
             self.base = state.length

@@ -36,6 +36,7 @@ from ..costs import CostCurve, CostModel, cost_model
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..tree import DraftTree, TreeShape
 from ..validation import MAX_PROPOSAL_ROWS, check_proposal_rows
+from ..verify import argmax_rows
 from . import register
 from ._options import Option
 from .jacobi import init_tokens
@@ -185,7 +186,7 @@ class LookaheadProposer(Proposer):
         top_rows = step.logits[n + proposal.aux_tokens.numel() - (width + 1) :] if filled > 1 else None
         if top_rows is None:
             top_rows = torch.cat([step.logits[:1], step.logits[n : n + width]])
-        new = top_rows.argmax(-1)
+        new = argmax_rows(top_rows)
         if filled == self.N - 1:
             root = proposal.tree.tokens[:1]
             columns = [torch.cat([root, self.levels[0]])] + self.levels[1:] + [new]

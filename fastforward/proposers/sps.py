@@ -45,7 +45,7 @@ from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import FastForwardError, UsageError
 from ..model import TargetModel
 from ..tree import DraftTree
-from ..verify import sample, target_probs
+from ..verify import argmax_rows, sample, target_probs
 from . import register
 from ._options import Option
 
@@ -218,7 +218,7 @@ class DraftModelProposer(Proposer):
         rows = []
         for i in range(k):
             if greedy:
-                x = int(logits.argmax())
+                x = int(argmax_rows(logits.reshape(1, -1))[0])
             else:
                 q = target_probs(logits, sampling)
                 x = sample(q, state.generator)
