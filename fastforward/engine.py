@@ -310,6 +310,7 @@ class Run:
         # [prompt + generated + 1]; never more than the context holds, whatever max_new_tokens says
         self.ids = torch.zeros(min(n_prompt + max_new_tokens, target.max_context) + 1, dtype=torch.long)
         self.ids[:n_prompt] = torch.as_tensor(prompt_ids, dtype=torch.long)
+        self._ids_view = self.ids.numpy()  # the same memory, written per step without building a tensor
         generator = keyed = None
         if not sampling.greedy:
             seed_value = seed if seed is not None else random.randrange(2**63)
@@ -442,7 +443,7 @@ class SequenceRun(Run):
                 taken = taken[:first]
                 reason = "stop"
         self.emitted.extend(taken)
-        self.ids[state.length : state.length + len(taken)] = torch.tensor(taken, dtype=torch.long)
+        self._ids_view[state.length : state.length + len(taken)] = taken  # numpy's view of self.ids: no tensor
         state.length += len(taken)
         if not reason and state.length + 1 >= target.max_context:
             reason = "context"
@@ -530,7 +531,8 @@ class SequenceRun(Run):
         self.cache.keep(verdict.path)
         t1 = time.perf_counter()
         stats.verify_time += forward_seconds + (t1 - t0)
-        new = tree.tokens[verdict.path[1:]].tolist() + [verdict.bonus]
+        path = verdict.path
+        new = [verdict.bonus] if len(path) == 1 else [tree.tokens.tolist()[i] for i in path[1:]] + [verdict.bonus]
         max_depth = tree.shape.max_depth
         if len(stats.depth_attempts) < max_depth:
             grow = max_depth - len(stats.depth_attempts)

@@ -49,6 +49,11 @@ class BackOff:
             self.skip = min(2**self.idle, self.limit)
             self.idle += 1
 
+    @property
+    def awaiting_verdict(self) -> bool:
+        """Whether a draft waits for :meth:`verdict` (else the verdict changes nothing)."""
+        return self._open is not None
+
     def verdict(self, accepted: int, curve_ms) -> None:
         """The number of draft tokens the target accepted from the last draft (``curve_ms[n - 1]`` = t(n), a 1-D
         tensor or array)."""

@@ -99,9 +99,11 @@ class FeatureDrafterProposer(Proposer):
         self.back_off = BackOff(self.backoff, backoff_on_loss)
         self.runner = None  # this sequence's: start()
         self.costs = None  # this machine's cost model (live), unless the size is fixed: prepare()
-        # accepted rows not yet given to the drafter: (the forward's hidden states, the accepted rows of them,
-        # tokens, positions)
-        self.pending: list[tuple[dict, slice | torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # accepted rows not yet given to the drafter: (the forward's hidden states, the accepted rows of them, the
+        # first row's position p, the number of rows r: positions p .. p + r - 1, whose next tokens are the run's
+        # ids p + 1 .. p + r, read at the catch-up -- an emitted token never changes)
+        self.pending: list[tuple[dict, slice | torch.Tensor, int, int]] = []
+        self._ids: torch.Tensor | None = None  # the run's token ids (DecodeState.ids): start()
 
     # -- what a subclass says -----------------------------------------------------------------------------------
     def _tap_layers(self, runner) -> tuple[int, ...]:
@@ -143,7 +145,8 @@ class FeatureDrafterProposer(Proposer):
             self.prepare(state.target)
         # the prompt's rows wait for the drafter's first pass like any accepted rows (_catch_up): a run that never
         # drafts (set aside, or stepping where no draft pays) never pays for them
-        self.pending.append((hidden, slice(0, n), state.ids[1 : n + 1].clone(), torch.arange(n)))
+        self._ids = state.ids
+        self.pending.append((hidden, slice(0, n), 0, n))
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
         if self.drafts_with_probabilities and len(step.proposal.tree) > 1:
@@ -151,14 +154,14 @@ class FeatureDrafterProposer(Proposer):
         path = step.verdict.path
         r = len(path)
         root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
-        tokens = state.ids[root_pos + 1 : root_pos + 1 + r].clone()
         rows = slice(0, r) if path == list(range(r)) else torch.as_tensor(path)  # a prefix (a chain's): views
-        # the features are gathered when the drafter next drafts (_catch_up): a step it skips costs no copy (the
-        # forward's hidden states are its own, never written again)
-        self.pending.append((step.hidden, rows, tokens, torch.arange(root_pos, root_pos + r)))
+        # the features, tokens and positions are gathered when the drafter next drafts (_catch_up): a step it skips
+        # costs no copy (the forward's hidden states are its own, never written again)
+        self.pending.append((step.hidden, rows, root_pos, r))
         if self.counts_committed_rows:
             self._n["draft_rows"] += r
-        self.back_off.verdict(step.verdict.accepted, self._curve_ms())
+        if self.back_off.awaiting_verdict:
+            self.back_off.verdict(step.verdict.accepted, self._curve_ms())
 
     # -- sampled chains -------------------------------------------------------------------------------------------
     def _sampled_chain_length(self, room: int) -> int:
@@ -190,13 +193,19 @@ class FeatureDrafterProposer(Proposer):
     def _catch_up(self) -> None:
         """Give the drafter the accepted rows that wait (one pass over all of them)."""
         if self.pending:
-            if len(self.pending) == 1:
-                hidden, rows, tokens, positions = self.pending[0]
+            pending, ids = self.pending, self._ids
+            if len(pending) == 1:
+                hidden, rows, _, _ = pending[0]
                 taps = self._taps(hidden, rows)
             else:
-                taps = torch.cat([self._taps(hidden, rows) for hidden, rows, _, _ in self.pending])
-                tokens, positions = (torch.cat(parts) for parts in zip(*(p[2:] for p in self.pending), strict=True))
-            self.pending.clear()
+                taps = torch.cat([self._taps(hidden, rows) for hidden, rows, _, _ in pending])
+            if all(a[2] + a[3] == b[2] for a, b in zip(pending, pending[1:])):  # one run of positions (usual)
+                first, end = pending[0][2], pending[-1][2] + pending[-1][3]
+                tokens, positions = ids[first + 1 : end + 1].clone(), torch.arange(first, end)
+            else:
+                tokens = torch.cat([ids[p + 1 : p + 1 + r] for _, _, p, r in pending])
+                positions = torch.cat([torch.arange(p, p + r) for _, _, p, r in pending])
+            pending.clear()
             self._commit(taps, tokens, positions)
 
     # -- sizing -------------------------------------------------------------------------------------------------

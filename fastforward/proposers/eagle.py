@@ -118,7 +118,6 @@ class EagleProposer(FeatureDrafterProposer):
         self.last_h = self.runner.commit(self.runner.fuse(taps), tokens, positions, last_only=True)
 
     def propose(self, state: DecodeState) -> Proposal | None:
-        curve_ms = self._curve_ms()
         depth = self.depth if state.max_draft_depth is None else min(self.depth, state.max_draft_depth)
         # no deeper than the tree can reach: a chain of n - 1 drafts under the root at most
         depth = min(depth, self.nodes - 1 if self.nodes else self.max_nodes - 1, state.remaining)
@@ -130,7 +129,7 @@ class EagleProposer(FeatureDrafterProposer):
         self.back_off.looking()
         if self.drafts_with_probabilities:
             return self._sampled_chain_proposal(state, depth)
-        return self._tree_proposal(*self.expand(state, depth, curve_ms), state)
+        return self._tree_proposal(*self.expand(state, depth, self._curve_ms()), state)
 
     def expand(self, state: DecodeState, depth: int, curve_ms) -> tuple[list[torch.Tensor], ...]:
         """Step 1 of the module docstring (the accepted rows committed first): the candidates of every depth up to
