@@ -96,19 +96,25 @@ def sample_at(probs: torch.Tensor, u: float) -> int:
     return min(index, probs.numel() - 1)
 
 
-_ARGMAX: list = []  # the native argmax_rows, once looked up (None without the kernels)
+_NATIVE: dict = {}  # the native argmax_rows and greedy_verify, once looked up (None without the kernels)
+
+
+def _native(name: str):
+    if name not in _NATIVE:
+        from .kernels import load_native
+
+        native = load_native()
+        for op in ("argmax_rows", "greedy_verify"):
+            _NATIVE[op] = getattr(native, op, None)
+    return _NATIVE[name]
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` of logits [n, V] (the first largest value's column, or the first NaN's): natively for
     fp32 rows where the kernels built (a few microseconds a row against torch's ~40 over a vocabulary)."""
-    if not _ARGMAX:
-        from .kernels import load_native
-
-        native = load_native()
-        _ARGMAX.append(getattr(native, "argmax_rows", None))
-    if _ARGMAX[0] is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
-        return _ARGMAX[0](logits)
+    op = _native("argmax_rows")
+    if op is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
+        return op(logits)
     return logits.argmax(-1)
 
 
@@ -134,8 +140,14 @@ class Verdict:
 
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    """Longest path of tokens that equal the target's argmax at their parents."""
+    """Longest path of tokens that equal the target's argmax at their parents (the first such node of the greatest
+    depth), and the argmax after it: natively in one call for fp32 logits where the kernels built, reading only the
+    rows whose argmax decides something."""
     n = len(tree)
+    op = _native("greedy_verify")
+    if op is not None and logits.dtype == torch.float32:
+        out = op(logits, tree.tokens, tree.shape.parents).tolist()
+        return Verdict(out[:-1], out[-1])
     pred = argmax_rows(logits[:n])
     if n == 1:
         return Verdict([0], int(pred[0]))

@@ -176,6 +176,28 @@ def test_argmax_rows_is_torch_argmax(rows, V, levels, specials, seed):
     assert torch.equal(argmax_rows(x.double()), x.double().argmax(-1))  # other dtypes: torch's own
 
 
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), n=st.integers(2, 24), V=st.integers(1, 12), levels=st.sampled_from([2, 3, 10**6]),
+       nan=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_native_greedy_verification_is_the_torch_one(data, n, V, levels, nan, seed):
+    """Greedy verification of any tree natively (fp32 logits) gives the torch path's verdict (the same values in
+    float64): the first accepted node of the greatest depth, its path and the bonus token -- ties in the logits, a
+    NaN, chains and bushy trees, tokens mostly right (a vocabulary of a few ids)."""
+    from fastforward.verify import _native
+
+    if _native("greedy_verify") is None:
+        pytest.skip("the native kernels are unavailable here")
+    parents = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, n)]
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (n,), generator=g)
+    logits = torch.randint(0, levels, (n + 2, V), generator=g).float()
+    if nan:
+        logits[data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, V - 1))] = float("nan")
+    tree = DraftTree(tokens, TreeShape(torch.tensor(parents)))
+    native, reference = verify_greedy(tree, logits), verify_greedy(tree, logits.double())
+    assert (native.path, native.bonus) == (reference.path, reference.bonus)
+
+
 def test_argmax_rows_of_a_vocabulary():
     x = torch.randn(9, 49152, generator=torch.Generator().manual_seed(3))
     x[4, 40000] = x[4, 17] = 100.0  # a tie: the first

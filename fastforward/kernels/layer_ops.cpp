@@ -1266,6 +1266,54 @@ at::Tensor argmax_rows(const at::Tensor& x_in) {
   return out;
 }
 
+// Greedy verification of a draft tree in one call: node i >= 1 is accepted when its parent is and tokens[i] equals
+// the argmax of the parent's row (torch.argmax's: the first largest value, or the first NaN); the kept node is the
+// first accepted node of the greatest depth, and the bonus token the argmax of its row. A row's argmax is computed
+// only when some node needs it (the parent of a node whose parent was accepted, and the kept node): a 30-node tree
+// of which two drafts are right reads 3 rows, not 30. parents: int64 [n], parents[0] = -1, every other parent an
+// earlier node. Returns int64 [len(path) + 1]: the path from the root to the kept node, then the bonus token.
+at::Tensor greedy_verify(const at::Tensor& logits_in, const at::Tensor& tokens_in, const at::Tensor& parents_in) {
+  check_f32(logits_in, "greedy_verify", "logits", 2);
+  TORCH_CHECK(tokens_in.dim() == 1 && parents_in.dim() == 1 && tokens_in.scalar_type() == at::kLong &&
+                  parents_in.scalar_type() == at::kLong,
+              "greedy_verify: tokens and parents must be 1-D int64");
+  const int64_t n = tokens_in.size(0), V = logits_in.size(1);
+  TORCH_CHECK(n >= 1 && parents_in.size(0) == n && logits_in.size(0) >= n && V > 0,
+              "greedy_verify: one parent per token and at least as many logit rows as tokens");
+  const at::Tensor logits = logits_in.contiguous(), tokens = tokens_in.contiguous(), parents = parents_in.contiguous();
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  const int64_t* pp = parents.data_ptr<int64_t>();
+  TORCH_CHECK(pp[0] == -1, "greedy_verify: node 0 is the root (parent -1)");
+  for (int64_t i = 1; i < n; ++i)
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < i, "greedy_verify: node ", i, "'s parent must be an earlier node");
+  std::vector<int64_t> pred(static_cast<size_t>(n), -1), depth(static_cast<size_t>(n), 0);
+  std::vector<uint8_t> ok(static_cast<size_t>(n), 0);
+  auto argmax_of = [&](int64_t i) {
+    if (pred[i] < 0) {
+      at::Tensor row = logits.narrow(0, i, 1);
+      pred[i] = argmax_rows(row).data_ptr<int64_t>()[0];
+    }
+    return pred[i];
+  };
+  ok[0] = 1;
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i) {
+    const int64_t p = pp[i];
+    depth[i] = depth[p] + 1;
+    if (ok[p] && tp[i] == argmax_of(p)) {
+      ok[i] = 1;
+      if (depth[i] > depth[best]) best = i;
+    }
+  }
+  std::vector<int64_t> path;
+  for (int64_t v = best; v >= 0; v = pp[v]) path.push_back(v);
+  at::Tensor out = at::empty({static_cast<int64_t>(path.size()) + 1}, tokens.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  for (size_t j = 0; j < path.size(); ++j) op[j] = path[path.size() - 1 - j];
+  op[path.size()] = argmax_of(best);
+  return out;
+}
+
 // The k largest log-probabilities of each row of logits [r, V] (fp32) and their columns, best first (equal values:
 // the lower column first), without writing the rows' log-softmax: one pass for the row's max m, one for
 // sum exp8(x - m) (8 lanes, masked tail) that also keeps the k best values in a sorted list (a block of 8 is looked
@@ -1416,6 +1464,10 @@ void register_layer_ops(pybind11::module& m) {
   m.def("argmax_rows", &argmax_rows,
         "torch.argmax of each row of x [r, V] (fp32): the first largest value's column, or the first NaN's",
         pybind11::arg("x"));
+  m.def("greedy_verify", &greedy_verify,
+        "greedy verification of a draft tree: the path from the root to the first accepted node of the greatest "
+        "depth, then the bonus token (argmax rows computed only where needed)",
+        pybind11::arg("logits"), pybind11::arg("tokens"), pybind11::arg("parents"));
   m.def("log_softmax_topk", &log_softmax_topk,
         "the k largest log-softmax values of each row of logits [r, V] (fp32) and their columns, best first "
         "(ties: the lower column first), without writing the rows' log-softmax",

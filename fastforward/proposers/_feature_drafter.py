@@ -199,7 +199,7 @@ class FeatureDrafterProposer(Proposer):
                 taps = self._taps(hidden, rows)
             else:
                 taps = torch.cat([self._taps(hidden, rows) for hidden, rows, _, _ in pending])
-            if all(a[2] + a[3] == b[2] for a, b in zip(pending, pending[1:])):  # one run of positions (usual)
+            if all(a[2] + a[3] == b[2] for a, b in zip(pending, pending[1:], strict=False)):  # one run (usual)
                 first, end = pending[0][2], pending[-1][2] + pending[-1][3]
                 tokens, positions = ids[first + 1 : end + 1].clone(), torch.arange(first, end)
             else:
