@@ -532,7 +532,11 @@ class SequenceRun(Run):
         t1 = time.perf_counter()
         stats.verify_time += forward_seconds + (t1 - t0)
         path = verdict.path
-        new = [verdict.bonus] if len(path) == 1 else [tree.tokens.tolist()[i] for i in path[1:]] + [verdict.bonus]
+        if len(path) == 1:
+            new = [verdict.bonus]
+        else:
+            drafted = tree.tokens.tolist()
+            new = [drafted[i] for i in path[1:]] + [verdict.bonus]
         max_depth = tree.shape.max_depth
         if len(stats.depth_attempts) < max_depth:
             grow = max_depth - len(stats.depth_attempts)

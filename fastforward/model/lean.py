@@ -665,8 +665,9 @@ class LeanLlama:
     def _packed_stack(self):
         """The native ``PackedStack`` of every layer when each runs as one ``packed_layer`` call (packed weights,
         Llama-shaped), else None. Built once and rebuilt when a layer's linears or norms change."""
-        parts = (self.ops,) + tuple(v for layer in self.layers for v in (layer.qkv, layer.o, layer.gate_up, layer.down,
-                                                            layer.in_norm, layer.post_norm)) + (self.norm,)
+        parts = (self.ops, self.norm) + tuple(
+            v for layer in self.layers for v in (layer.qkv, layer.o, layer.gate_up, layer.down, layer.in_norm,
+                                                 layer.post_norm))
         cached = self.__dict__.get("_stack")
         if cached is not None and len(cached[0]) == len(parts) and all(
                 a is b for a, b in zip(cached[0], parts, strict=True)):
