@@ -12,13 +12,14 @@ Per method (ms per decoding step, calls per step, ms per call):
   "drafting ms / step" (steps: the target's forwards, the prefill's one included) -- beside the verification
   forwards (the prefill's chunks excluded) and, from the ``ar`` spec when it is listed first, drafting as a share of
   ``ar``'s forward per step;
-* the drafter's calls: ``commit`` (accepted rows into the drafter's cache: EAGLE's ``fuse`` + ``commit``,
-  FastEagle's and Falcon's ``commit``; whatever they call inside), ``layer`` (draft rows through the drafter's
-  layer: EAGLE's ``rows``, Falcon's ``first_block`` / ``extend``), ``head`` (the draft vocabulary's logits:
-  ``logits``, and ``log_probs`` / ``probs`` where a normalised row is wanted), ``top-k`` (what ``top`` adds to the
-  head: the k best per row, natively from the logits where the kernels built;
-  before the runners had ``top``, the proposers' ``topk`` counted in ``other``), and for ``sps`` the draft model's
-  forwards (``draft forward``);
+* the drafter's calls: ``commit`` (accepted rows into the drafter's cache: EAGLE's ``fuse`` + ``commit``, or
+  ``commit_top``, which also gives the root's top-k in the same native call; FastEagle's and Falcon's ``commit``;
+  whatever they call inside), ``layer`` (draft rows through the drafter's layer: EAGLE's ``rows``, or
+  ``rows_top`` with the rows' head and top-k in the same native call; Falcon's ``first_block`` / ``extend``),
+  ``head`` (the draft vocabulary's logits: ``logits``, and ``log_probs`` / ``probs`` where a normalised row is
+  wanted), ``top-k`` (what ``top`` adds to the head: the k best per row, natively from the logits where the
+  kernels built; before the runners had ``top``, the proposers' ``topk`` counted in ``other``), and for ``sps``
+  the draft model's forwards (``draft forward``);
 * ``other``: drafting outside those calls (the proposer's own bookkeeping, tree assembly, taps, back-off).
 
 Method specs are the benchmark's (``LABEL=METHOD:KEY=VALUE``): ``eagle:nodes=16`` drafts a tree of 16 every step, so
@@ -36,8 +37,8 @@ import time
 import torch
 
 PHASES = {  # runner class -> {method: phase}
-    "Eagle3Runner": {"fuse": "commit", "commit": "commit", "rows": "layer", "logits": "head", "log_probs": "head",
-                     "top": "top-k"},
+    "Eagle3Runner": {"fuse": "commit", "commit": "commit", "commit_top": "commit", "rows": "layer",
+                     "rows_top": "layer", "logits": "head", "log_probs": "head", "top": "top-k"},
     "FastEagleRunner": {"commit": "commit", "logits": "head", "probs": "head", "top": "top-k"},
     "FalconRunner": {"commit": "commit", "first_block": "layer", "extend": "layer", "logits": "head", "probs": "head",
                      "top": "top-k"},

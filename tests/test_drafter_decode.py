@@ -108,3 +108,32 @@ def test_fp32_drafter_weights_stay_dense():
     w = torch.randn(16, 64)
     lin = decode_linear_factory("fp32")(w)
     assert isinstance(lin, DenseLinear) and torch.equal(lin.dense(), w)
+
+
+@settings(max_examples=40, deadline=None)
+@given(entries=st.lists(st.tuples(st.integers(1, 12), st.booleans()), min_size=1, max_size=5),
+       n_taps=st.integers(1, 3), d=st.sampled_from([1, 8, 24]), double=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_native_gather_of_waiting_rows_is_torchs(entries, n_taps, d, double, seed):
+    """``gather_tap_rows`` -- a feature drafter's waiting rows in one native call -- equals the torch indexing it
+    replaces: each entry's rows (a prefix as a range, or any rows as a list) of its taps side by side, the entries
+    one after another, in the sources' dtype; a row out of range is refused."""
+    from fastforward.kernels import load_native
+
+    try:
+        native = load_native()
+    except Exception:  # noqa: BLE001 - no compiler here
+        native = None
+    if native is None or not hasattr(native, "gather_tap_rows"):
+        pytest.skip("the native kernels did not build on this machine")
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float64 if double else torch.float32
+    sources, rows = [], []
+    for n, prefix in entries:
+        sources.append([torch.randn(n, d, generator=g, dtype=dtype) for _ in range(n_taps)])
+        r = int(torch.randint(1, n + 1, (1,), generator=g))
+        rows.append(range(r) if prefix else torch.randint(0, n, (r,), generator=g).tolist())
+    got = native.gather_tap_rows([s for entry in sources for s in entry], rows, n_taps)
+    want = torch.cat([torch.cat([s[list(r)] for s in entry], dim=1) for entry, r in zip(sources, rows, strict=True)])
+    assert got.dtype == dtype and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.gather_tap_rows(sources[0], [[entries[0][0]]], n_taps)

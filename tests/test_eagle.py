@@ -3,6 +3,7 @@ refusals), the draft vocabulary, and training-time-test shapes."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -279,8 +280,6 @@ def test_later_rows_window_covers_each_sequence_without_repeats():
 def test_native_layer_ops_give_the_torch_rows(target):
     """The runner's rows through the native layer ops equal the plain torch ops on the same weights (commit, a
     tree of draft rows after earlier draft rows, causal rows after unseen slots), up to summation order."""
-    import copy
-
     drafter = _drafter(target, seed=8).float()
     native = Eagle3Runner(drafter, target, capacity=8, weights="auto")  # grows on the way
     if native.ops is None:
@@ -324,6 +323,40 @@ def test_a_commit_of_the_last_row_only_gives_that_row_and_the_same_cache(target,
         assert torch.equal(full.k[:, :b], last.k[:, :b]) and torch.equal(full.v[:, :b], last.v[:, :b])
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 300), tree=st.integers(1, 4), k=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_the_native_drafter_call_gives_the_runners_values(target, n, tree, k, seed):
+    """``commit_top`` and ``rows_top`` in one native call each (the fusion, the layer, the head's top-k) give bitwise
+    what the runner's separate calls give -- ``fuse`` + ``commit(last_only)`` + ``top``, ``rows`` + ``top`` -- and
+    leave the same keys and values: a commit of n rows (chunks of 256 past that), then a tree's depth whose rows read
+    picked rows of an earlier output after unseen draft slots."""
+    drafter = _drafter(target, seed=10).float()
+    native = Eagle3Runner(drafter, target, capacity=8, weights="auto")
+    if native.native is None:
+        pytest.skip("the native kernels did not build on this machine")
+    plain = copy.copy(native)
+    plain.native = None
+    plain.k, plain.v = native.k.clone(), native.v.clone()
+    g = torch.Generator().manual_seed(seed)
+    taps = torch.randn(n, 3 * drafter.cfg.target_hidden_size, generator=g)
+    toks = torch.randint(0, VOCAB, (n + 2 * tree,), generator=g)
+    pick = torch.randint(0, tree, (tree,), generator=g).tolist()
+    visible = torch.rand(tree, 2 * tree, generator=g) < 0.5
+    visible[:, tree:] = torch.eye(tree, dtype=torch.bool)
+    outs = []
+    for run in (native, plain):
+        h, values, ids = run.commit_top(taps, toks[:n], torch.arange(n), k)
+        d1, v1, i1 = run.rows_top(h.expand(tree, -1).contiguous(), [], toks[n : n + tree], torch.full((tree,), n),
+                                  n, run.length, torch.eye(tree, dtype=torch.bool), k)
+        d2, v2, i2 = run.rows_top(d1, pick, toks[n + tree :], torch.full((tree,), n + 1), n + 1, run.length + tree,
+                                  visible, k)
+        outs.append((h, values, ids, d1, v1, i1, d2, v2, i2, run.k[:, : n + 2 * tree], run.v[:, : n + 2 * tree]))
+    assert native.length == plain.length == n
+    for a, b in zip(*outs, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert outs[0][0].shape == (1, drafter.cfg.hidden_size) and outs[0][1].shape == (1, k)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), depth=st.integers(1, 6),
        nodes=st.sampled_from([0, 0, 2, 4]))
@@ -338,10 +371,10 @@ def test_a_chain_proposes_what_the_rerank_would(target, drafter_dir, pin_costs, 
                           backoff=0)
     seen = []
 
-    def both(self, cand_tok, cand_score, cand_parent, cand_depth, state):
-        fast = EagleProposer._chain_proposal(self, cand_tok, cand_score, state)
+    def both(self, draft_ids, scores, parents, depths, state):
+        fast = EagleProposer._chain_proposal(self, draft_ids, scores, state)
         self.topk = 2  # the general path, on the same candidates
-        general = original(self, cand_tok, cand_score, cand_parent, cand_depth, state)
+        general = original(self, draft_ids, scores, parents, depths, state)
         self.topk = 1
         seen.append(fast is None)
         assert (fast is None) == (general is None)

@@ -286,6 +286,32 @@ class Eagle3Runner(DrafterRunner):
         self.v = torch.zeros(nkv, capacity, hd)
         self.length = 0  # committed rows
         self.rope(capacity + 64)
+        self.native = self._native_layer_head(drafter)
+
+    def _native_layer_head(self, drafter: Eagle3Drafter):
+        """The native :class:`DraftLayerHead` over this drafter's packed weights (the fusion, the layer, the head),
+        which runs a call's rows and their top-k in one call; None where the kernels did not build or a weight is
+        not packed for the integer kernel."""
+        from .pieces import DrafterLinear
+
+        linears = (self.fc, self.layer.qkv, self.layer.o, self.layer.gate_up, self.layer.down, self.head)
+        if self.ops is None or not hasattr(self.ops, "DraftLayerHead") or \
+                not all(isinstance(lin, DrafterLinear) and lin.few.data is not None and not lin.few.padded
+                        for lin in linears):
+            return None
+        self._linears = linears
+        few = [lin.few for lin in linears]
+        return self.ops.DraftLayerHead(few[0].data, few[0].kernel_fmt, self.layer.in_norm, self.hidden_norm,
+                                       [f.data for f in few[1:5]], [f.kernel_fmt for f in few[1:5]],
+                                       self.layer.post_norm, self.final_norm, few[5].data, few[5].kernel_fmt,
+                                       self.eps, self.cfg.num_attention_heads, self.cfg.num_key_value_heads)
+
+    def _native_for(self, rows: int):
+        """:attr:`native` when a call of ``rows`` rows runs every weight on the integer kernel it holds (on a CPU
+        with AMX, larger calls take the tile kernel's copies: the runner's own path), else None."""
+        if self.native is None or not all(lin.for_rows(rows) is lin.few for lin in self._linears):
+            return None
+        return self.native
 
     @property
     def capacity(self) -> int:
@@ -370,6 +396,48 @@ class Eagle3Runner(DrafterRunner):
         if last_only:
             return outs[-1][-1:]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def rows_top(self, feat: torch.Tensor, pick: list[int], tokens: torch.Tensor, positions: torch.Tensor,
+                 last_position: int, slot: int, visible: torch.Tensor | None,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`rows` over the rows ``pick`` of ``feat`` (a list of row indices; [] for all of them, in order),
+        then :meth:`top` of their outputs: (h [r, d], log-probabilities [r, k], draft ids [r, k]), in one native call
+        where it can run (the same values). ``last_position``: the largest of ``positions``."""
+        r = tokens.numel()
+        native = self._native_for(r)
+        if native is None:
+            h = self.rows(feat[torch.as_tensor(pick)] if pick else feat, tokens, positions, slot, visible)
+            return (h, *self.top(h, k))
+        end = slot + r
+        if end > self.capacity or last_position >= self.cos.shape[0]:
+            self._grow(max(end, last_position + 1))
+        if visible is None and slot != self.length:
+            visible = self._causal_visible(r, slot)
+        write = None if slot == self.length else torch.arange(slot, end)
+        return native.run(feat, False, pick, self.embed(tokens), self.cos, self.sin, positions, self.k, self.v,
+                          self.length, visible, write, False, k)
+
+    def commit_top(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Append committed rows from their target taps [r, n_taps * d_t] (fused here): the last row's output h
+        [1, d] and, with ``k`` > 0, :meth:`top` of it ([1, k] each; else None, None) -- the fusion, every chunk's
+        layer and the head in one native call per chunk where it can run (the same values as :meth:`fuse`,
+        :meth:`commit` and :meth:`top`)."""
+        n = tokens.numel()
+        if any(self._native_for(min(256, n - a)) is None for a in range(0, n, 256)):
+            h = self.commit(self.fuse(taps), tokens, positions, last_only=True)
+            return (h, *self.top(h, k)) if k > 0 else (h, None, None)
+        last = int(positions[-1])
+        if self.length + n > self.capacity or last >= self.cos.shape[0]:
+            self._grow(max(self.length + n, last + 1))
+        taps = taps.reshape(n, -1).float()
+        for a in range(0, n, 256):
+            b = min(n, a + 256)
+            h, values, ids = self.native.run(taps[a:b], True, [], self.embed(tokens[a:b]), self.cos, self.sin,
+                                             positions[a:b], self.k, self.v, self.length, None, None, True,
+                                             k if b == n else 0)
+            self.length += b - a
+        return (h, values, ids) if k > 0 else (h, None, None)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[r, draft_vocab] logits of the next token."""

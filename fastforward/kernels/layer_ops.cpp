@@ -1439,6 +1439,188 @@ struct PackedStack {
   }
 };
 
+
+// A feature drafter's rows gathered from the target's forwards in one call: out [R, n_taps * d] (their dtype), where entry
+// p's rows rows[p] of its n_taps sources (sources[p * n_taps + t], each [n_p, d]) sit side by side, the entries one
+// after another -- what EAGLE's `torch.cat([torch.stack([hidden[l][rows] for l in taps], 1) for ...])` builds with
+// ~4 tensor operations per entry, each of them paying torch's dispatch on caches the target's forward just cooled.
+at::Tensor gather_tap_rows(const std::vector<at::Tensor>& sources, const std::vector<std::vector<int64_t>>& rows,
+                           int64_t n_taps) {
+  const int64_t P = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(n_taps >= 1 && P >= 1 && static_cast<int64_t>(sources.size()) == P * n_taps,
+              "gather_tap_rows: n_taps sources per entry of rows");
+  const int64_t d = sources[0].size(-1);
+  int64_t R = 0;
+  for (const auto& r : rows) R += static_cast<int64_t>(r.size());
+  std::vector<at::Tensor> src(sources.size());
+  for (size_t i = 0; i < sources.size(); ++i) {
+    TORCH_CHECK(sources[i].dim() == 2 && sources[i].size(1) == d &&
+                    sources[i].scalar_type() == sources[0].scalar_type(),
+                "gather_tap_rows: every source must be 2-D with ", d, " columns and one dtype");
+    src[i] = sources[i].contiguous();
+  }
+  at::Tensor out = at::empty({R, n_taps * d}, sources[0].options());
+  const int64_t bytes = d * static_cast<int64_t>(out.element_size());
+  char* op = static_cast<char*>(out.data_ptr());
+  int64_t o = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    for (const int64_t row : rows[p]) {
+      for (int64_t t = 0; t < n_taps; ++t) {
+        const at::Tensor& s = src[p * n_taps + t];
+        TORCH_CHECK(row >= 0 && row < s.size(0), "gather_tap_rows: row ", row, " out of range for a source of ",
+                    s.size(0), " rows");
+        std::memcpy(op + (o * n_taps + t) * bytes, static_cast<const char*>(s.data_ptr()) + row * bytes, bytes);
+      }
+      ++o;
+    }
+  }
+  return out;
+}
+
+// EAGLE-3's drafter at decode time, kept once: its feature fusion (fc), the decoder layer whose attention reads
+// [input_norm(embedding) ; hidden_norm(feature)], the final norm and the head, whose log-softmax top-k it returns.
+// One call runs a step's rows through all of it -- what the Python runner does in ~25 tensor operations (the
+// fusion, the norms, the concatenation, the layer, the norm, the head, the top-k), each paying torch's dispatch on
+// caches the target's forward has just cooled. The same kernels in the same order: bitwise the runner's values.
+// The GIL is released while it runs.
+struct DraftLayerHead {
+  at::Tensor fc;                 // [3 d_t] -> [d] packed (may be undefined when the caller fuses)
+  int64_t f_fc;
+  at::Tensor in_norm, hidden_norm;
+  std::vector<at::Tensor> weights;  // qkv, o, gate|up, down
+  std::vector<int64_t> formats;
+  at::Tensor post_norm, final_norm, head;
+  int64_t f_head;
+  double eps;
+  int64_t n_heads, n_kv_heads;
+
+  DraftLayerHead(at::Tensor fc_, int64_t f_fc_, at::Tensor in_norm_, at::Tensor hidden_norm_,
+                 std::vector<at::Tensor> w, std::vector<int64_t> f, at::Tensor post, at::Tensor final_,
+                 at::Tensor head_, int64_t f_head_, double eps_, int64_t nh, int64_t nkv)
+      : fc(std::move(fc_)), f_fc(f_fc_), in_norm(std::move(in_norm_)), hidden_norm(std::move(hidden_norm_)),
+        weights(std::move(w)), formats(std::move(f)), post_norm(std::move(post)), final_norm(std::move(final_)),
+        head(std::move(head_)), f_head(f_head_), eps(eps_), n_heads(nh), n_kv_heads(nkv) {
+    TORCH_CHECK(weights.size() == 4 && formats.size() == 4, "DraftLayerHead: 4 layer weights and formats");
+  }
+
+  // feat: [n, 3 d_t] target taps when `fuse` (through fc first), else [n, d] earlier rows' outputs; `pick`: the rows
+  // of it the r new rows read (empty: all of them, in order). emb [r, d]: the new rows' token embeddings, at
+  // `positions` [r]; their keys and values go to k / v [n_kv_heads, capacity, head_dim] at write_slots (None:
+  // start ..), each row seeing the first `start` slots and the slots after them `visible` names (None: causal).
+  // last_only: only the last row goes on past the attention. top_k > 0: the k best of the head's log-softmax of
+  // each output row. Returns (the rows' outputs h [r or 1, d], their top-k log-probabilities, their draft ids).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> run(const at::Tensor& feat, bool fuse,
+                                                     const std::vector<int64_t>& pick, const at::Tensor& emb,
+                                                     const at::Tensor& cos, const at::Tensor& sin,
+                                                     const at::Tensor& positions, at::Tensor& k, at::Tensor& v,
+                                                     int64_t start, const std::optional<at::Tensor>& visible,
+                                                     const std::optional<at::Tensor>& write_slots, bool last_only,
+                                                     int64_t top_k) const {
+    check_f32(feat, "DraftLayerHead.run", "feat", 2);
+    TORCH_CHECK(!fuse || fc.defined(), "DraftLayerHead.run: no fc weight to fuse with");
+    at::Tensor x = fuse ? ff_quant_mm(feat.contiguous(), fc, f_fc, feat.size(1)) : feat;
+    if (!pick.empty()) {
+      at::Tensor index = at::empty({static_cast<int64_t>(pick.size())}, positions.options().dtype(at::kLong));
+      std::memcpy(index.data_ptr<int64_t>(), pick.data(), sizeof(int64_t) * pick.size());
+      x = x.index_select(0, index);
+    } else if (!fuse) {
+      x = x.contiguous().clone();  // the residual stream is updated in place: never the caller's
+    }
+    x = x.contiguous();
+    const int64_t r = x.size(0);
+    TORCH_CHECK(r >= 1 && emb.size(0) == r, "DraftLayerHead.run: one embedding row per new row");
+    const at::Tensor h = at::cat({rms_norm(emb.contiguous(), in_norm, eps), rms_norm(x, hidden_norm, eps)}, 1);
+    at::Tensor k4 = k.unsqueeze(0), v4 = v.unsqueeze(0);
+    at::Tensor out = x;
+    if (!last_only || r == 1) {
+      packed_layer(x, h, weights[0], formats[0], weights[1], formats[1], weights[2], formats[2], weights[3],
+                   formats[3], post_norm, final_norm, eps, cos, sin, positions, k4, v4, 0, start, visible, n_heads,
+                   n_kv_heads, write_slots, 0, 0.0, 0.0);
+    } else {  // every row's keys and values, then the last row alone
+      const at::Tensor qkv = ff_quant_mm(h, weights[0], formats[0], h.size(1));
+      const at::Tensor attn = attention(qkv, cos, sin, positions, k, v, start, visible, n_heads, n_kv_heads,
+                                        write_slots, 0, 0.0, 0.0)
+                                  .narrow(0, r - 1, 1);
+      out = x.narrow(0, r - 1, 1);
+      const at::Tensor o = ff_quant_mm(attn, weights[1], formats[1], attn.size(1));
+      const at::Tensor h2 = add_rms_norm(out, o, post_norm, eps);
+      const at::Tensor act = silu_mul(ff_quant_mm(h2, weights[2], formats[2], h2.size(1)));
+      add_rms_norm(out, ff_quant_mm(act, weights[3], formats[3], act.size(1)), final_norm, eps);
+    }
+    if (top_k <= 0) return {out, at::Tensor(), at::Tensor()};
+    const at::Tensor normed = rms_norm(out, final_norm, eps);
+    auto [values, ids] = log_softmax_topk(ff_quant_mm(normed, head, f_head, normed.size(1)), top_k);
+    return {out, values, ids};
+  }
+};
+
+
+// EAGLE-2's rerank and the tree it keeps, in one call (fastforward/proposers/_rerank.py's rank, best_size and
+// build_tree, the same answers): candidates c with log path scores, target tokens, parents (a candidate index, -1:
+// the root) and depths are ranked by score (descending; equal scores: shallower first, then by index; NaN last);
+// the tree keeps the first n - 1 under the root, n = `nodes` when fixed (at most `limit`), else the n in 1..limit
+// with the most expected tokens per millisecond, (1 + sum of the first n - 1 scores' exp) / curve_ms[n - 1] (the
+// first of equals). Returns the tree's tokens, parents and depths [n] (int64), root first, parents before children.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rerank_tree(const std::vector<double>& scores,
+                                                           const std::vector<int64_t>& tokens,
+                                                           const std::vector<int64_t>& parents,
+                                                           const std::vector<int64_t>& depths,
+                                                           const std::vector<double>& curve_ms, int64_t limit,
+                                                           int64_t nodes, int64_t root) {
+  const int64_t c = static_cast<int64_t>(scores.size());
+  TORCH_CHECK(static_cast<int64_t>(tokens.size()) == c && static_cast<int64_t>(parents.size()) == c &&
+                  static_cast<int64_t>(depths.size()) == c,
+              "rerank_tree: one token, parent and depth per score");
+  TORCH_CHECK(limit >= 1 && limit <= c + 1 && nodes >= 0, "rerank_tree: limit must be in [1, candidates + 1]");
+  TORCH_CHECK(nodes > 0 || static_cast<int64_t>(curve_ms.size()) >= limit, "rerank_tree: curve_ms needs ", limit,
+              " entries");
+  std::vector<int64_t> order(static_cast<size_t>(c));
+  for (int64_t i = 0; i < c; ++i) order[i] = i;
+  auto key = [&](int64_t i) { return std::isnan(scores[i]) ? -std::numeric_limits<double>::infinity() : scores[i]; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const double sa = key(a), sb = key(b);
+    if (sa != sb) return sa > sb;
+    if (std::isnan(scores[a]) != std::isnan(scores[b])) return !std::isnan(scores[a]);
+    return depths[a] < depths[b];
+  });
+  int64_t n = 1;
+  if (nodes > 0) {
+    n = std::min(nodes, limit);
+  } else {
+    double sum = 0.0, best = 1.0 / curve_ms[0];
+    for (int64_t i = 1; i < limit; ++i) {
+      sum += std::exp(scores[order[i - 1]]);
+      const double rate = (1.0 + sum) / curve_ms[i];
+      if (rate > best) {
+        best = rate;
+        n = i + 1;
+      }
+    }
+  }
+  std::vector<int64_t> chosen(order.begin(), order.begin() + (n - 1));
+  std::stable_sort(chosen.begin(), chosen.end(), [&](int64_t a, int64_t b) { return depths[a] < depths[b]; });
+  std::vector<int64_t> index(static_cast<size_t>(c), -1);
+  for (int64_t j = 0; j < n - 1; ++j) index[chosen[j]] = j + 1;
+  at::Tensor out_tokens = at::empty({n}, at::kLong), out_parents = at::empty({n}, at::kLong),
+             out_depths = at::empty({n}, at::kLong);
+  int64_t *tp = out_tokens.data_ptr<int64_t>(), *pp = out_parents.data_ptr<int64_t>(),
+          *dp = out_depths.data_ptr<int64_t>();
+  tp[0] = root;
+  pp[0] = -1;
+  dp[0] = 0;
+  for (int64_t j = 1; j < n; ++j) {
+    const int64_t cand = chosen[j - 1], up = parents[cand];
+    TORCH_CHECK(up >= -1 && up < c, "rerank_tree: a parent index out of range");
+    const int64_t at = up < 0 ? 0 : index[up];
+    TORCH_CHECK(at >= 0 && at < j && depths[cand] == dp[at] + 1,
+                "rerank: a chosen node's parent was not chosen, or the depths disagree with it");
+    tp[j] = tokens[cand];
+    pp[j] = at;
+    dp[j] = depths[cand];
+  }
+  return {out_tokens, out_parents, out_depths};
+}
+
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
@@ -1488,6 +1670,30 @@ void register_layer_ops(pybind11::module& m) {
            pybind11::arg("positions"), pybind11::arg("k_all"), pybind11::arg("v_all"), pybind11::arg("start"),
            pybind11::arg("visible"), pybind11::arg("write_slots"), pybind11::arg("taps"),
            pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gather_tap_rows", &gather_tap_rows,
+        "a feature drafter's input rows: entry p's rows of its n_taps sources side by side, the entries in order "
+        "([R, n_taps * d], the sources' dtype)",
+        pybind11::arg("sources"), pybind11::arg("rows"), pybind11::arg("n_taps"));
+  pybind11::class_<DraftLayerHead>(m, "DraftLayerHead",
+                                   "an EAGLE-3 drafter's fusion, decoder layer, final norm and head, kept once")
+      .def(pybind11::init<at::Tensor, int64_t, at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>,
+                          at::Tensor, at::Tensor, at::Tensor, int64_t, double, int64_t, int64_t>(),
+           pybind11::arg("fc"), pybind11::arg("f_fc"), pybind11::arg("in_norm"), pybind11::arg("hidden_norm"),
+           pybind11::arg("weights"), pybind11::arg("formats"), pybind11::arg("post_norm"),
+           pybind11::arg("final_norm"), pybind11::arg("head"), pybind11::arg("f_head"), pybind11::arg("eps"),
+           pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"))
+      .def("run", &DraftLayerHead::run,
+           "rows through the drafter's layer (fused from target taps first with fuse): returns (their outputs, or "
+           "the last row's with last_only; the top_k log-probabilities of the head; their draft ids)",
+           pybind11::arg("feat"), pybind11::arg("fuse"), pybind11::arg("pick"), pybind11::arg("emb"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"), pybind11::arg("k"),
+           pybind11::arg("v"), pybind11::arg("start"), pybind11::arg("visible"), pybind11::arg("write_slots"),
+           pybind11::arg("last_only"), pybind11::arg("top_k"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rerank_tree", &rerank_tree,
+        "EAGLE-2's rerank in one call: the candidates ranked by score, the tree of the first n - 1 (n fixed, or the "
+        "most expected tokens per millisecond on curve_ms): its tokens, parents and depths, root first",
+        pybind11::arg("scores"), pybind11::arg("tokens"), pybind11::arg("parents"), pybind11::arg("depths"),
+        pybind11::arg("curve_ms"), pybind11::arg("limit"), pybind11::arg("nodes"), pybind11::arg("root"));
   m.def("attention_many", &attention_many,
         "attention for several sequences in one call: sequence j's rows qkv[row_starts[j]:row_starts[j+1]] over "
         "k_all[j][layer] / v_all[j][layer] with its positions, start, visible and write_slots, as `attention` "

@@ -4,9 +4,9 @@
 * **The drafter's runner**: shared per target and drafter folder (:func:`load_runner`, built once and kept in the
   target's resource slots); each sequence gets a fresh cache of its own (:meth:`start`).
 * **Committing accepted rows**: the target's features of the accepted path (tapped in the verification forward
-  itself, :meth:`_taps`) and the accepted tokens become committed drafter rows. They wait in ``pending`` until the
-  drafter next drafts and go through it together (:meth:`_catch_up`), the prompt's rows too, so a step that drafts
-  nothing (a shared forward where no draft of this sequence pays, back-off) costs no drafter pass.
+  itself, gathered by :meth:`_gathered_taps`) and the accepted tokens become committed drafter rows. They wait in
+  ``pending`` until the drafter next drafts and go through it together (:meth:`_catch_up`), the prompt's rows too,
+  so a step that drafts nothing (a shared forward where no draft of this sequence pays, back-off) costs no drafter pass.
 * **The cost model**: fetched before the run's clock starts (:meth:`prepare`) unless the draft's size is fixed; a
   draft is priced as every draft is (:func:`~fastforward.costs.best_draft`: the tree sizes of :meth:`_tree_size`).
 * **Back-off** (:mod:`._backoff`) and, at temperature 0, the drafter's calibrated acceptance rates when asked for.
@@ -99,10 +99,13 @@ class FeatureDrafterProposer(Proposer):
         self.back_off = BackOff(self.backoff, backoff_on_loss)
         self.runner = None  # this sequence's: start()
         self.costs = None  # this machine's cost model (live), unless the size is fixed: prepare()
-        # accepted rows not yet given to the drafter: (the forward's hidden states, the accepted rows of them, the
-        # first row's position p, the number of rows r: positions p .. p + r - 1, whose next tokens are the run's
-        # ids p + 1 .. p + r, read at the catch-up -- an emitted token never changes)
-        self.pending: list[tuple[dict, slice | torch.Tensor, int, int]] = []
+        # accepted rows not yet given to the drafter: (the forward's hidden states, the accepted rows of them -- a
+        # list or a range --, the first row's position p, the number of rows r: positions p .. p + r - 1, whose next
+        # tokens are the run's ids p + 1 .. p + r, read at the catch-up -- an emitted token never changes)
+        self.pending: list[tuple[dict, list[int] | range, int, int]] = []
+        # the native gather of the waiting rows' taps, where the kernels built (else torch's indexing)
+        ops = getattr(runner, "ops", None)
+        self._gather_tap_rows = getattr(ops, "gather_tap_rows", None)
         self._ids: torch.Tensor | None = None  # the run's token ids (DecodeState.ids): start()
 
     # -- what a subclass says -----------------------------------------------------------------------------------
@@ -110,9 +113,6 @@ class FeatureDrafterProposer(Proposer):
         """The target layers whose inputs the drafter reads (the engine taps them in every forward)."""
         return engine_layers(runner.cfg.aux_layers)
 
-    def _taps(self, hidden: dict, rows) -> torch.Tensor:
-        """The drafter's input features of target rows ``rows`` from a forward's hidden states."""
-        return torch.stack([hidden[layer][rows] for layer in self.hidden_layers], dim=1)  # [r, n_taps, d_t]
 
     def _cache_reserve(self) -> int:
         """Cache rows a sequence needs beyond its prompt and new tokens."""
@@ -146,7 +146,7 @@ class FeatureDrafterProposer(Proposer):
         # the prompt's rows wait for the drafter's first pass like any accepted rows (_catch_up): a run that never
         # drafts (set aside, or stepping where no draft pays) never pays for them
         self._ids = state.ids
-        self.pending.append((hidden, slice(0, n), 0, n))
+        self.pending.append((hidden, range(n), 0, n))
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
         if self.drafts_with_probabilities and len(step.proposal.tree) > 1:
@@ -154,10 +154,9 @@ class FeatureDrafterProposer(Proposer):
         path = step.verdict.path
         r = len(path)
         root_pos = state.length - len(step.new_tokens) - 1  # the previous root's position
-        rows = slice(0, r) if path == list(range(r)) else torch.as_tensor(path)  # a prefix (a chain's): views
         # the features, tokens and positions are gathered when the drafter next drafts (_catch_up): a step it skips
         # costs no copy (the forward's hidden states are its own, never written again)
-        self.pending.append((step.hidden, rows, root_pos, r))
+        self.pending.append((step.hidden, path, root_pos, r))
         if self.counts_committed_rows:
             self._n["draft_rows"] += r
         if self.back_off.awaiting_verdict:
@@ -194,11 +193,7 @@ class FeatureDrafterProposer(Proposer):
         """Give the drafter the accepted rows that wait (one pass over all of them)."""
         if self.pending:
             pending, ids = self.pending, self._ids
-            if len(pending) == 1:
-                hidden, rows, _, _ = pending[0]
-                taps = self._taps(hidden, rows)
-            else:
-                taps = torch.cat([self._taps(hidden, rows) for hidden, rows, _, _ in pending])
+            taps = self._gathered_taps(pending)
             if all(a[2] + a[3] == b[2] for a, b in zip(pending, pending[1:], strict=False)):  # one run (usual)
                 first, end = pending[0][2], pending[-1][2] + pending[-1][3]
                 tokens, positions = ids[first + 1 : end + 1].clone(), torch.arange(first, end)
@@ -207,6 +202,19 @@ class FeatureDrafterProposer(Proposer):
                 positions = torch.cat([torch.arange(p, p + r) for _, _, p, r in pending])
             pending.clear()
             self._commit(taps, tokens, positions)
+
+    def _gathered_taps(self, pending: list) -> torch.Tensor:
+        """The drafter's input features of the waiting rows, in order: [R, n_taps * d_t], each row's taps side by
+        side (one native call where the kernels built; the same values either way)."""
+        layers = self.hidden_layers
+        if self._gather_tap_rows is not None:
+            return self._gather_tap_rows([hidden[layer] for hidden, _, _, _ in pending for layer in layers],
+                                         [rows for _, rows, _, _ in pending], len(layers))
+        parts = []
+        for hidden, rows, _, _ in pending:
+            index = slice(rows.start, rows.stop) if isinstance(rows, range) else torch.as_tensor(rows)
+            parts.append(torch.cat([hidden[layer][index] for layer in layers], dim=1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # -- sizing -------------------------------------------------------------------------------------------------
     def _curve_ms(self, numpy: bool = False) -> torch.Tensor | np.ndarray | None:
@@ -217,6 +225,9 @@ class FeatureDrafterProposer(Proposer):
         """The rerank's tree size n (root included) for candidates' path probabilities, ranked (a torch tensor or a
         numpy array): ``nodes`` when fixed, else the n the cost model prices best (:func:`._rerank.best_size`)."""
         numpy = isinstance(ranked_probs, np.ndarray)
-        limit = min(self.max_proposal_size(), (ranked_probs.size if numpy else ranked_probs.numel()) + 1,
-                    state.remaining + 1)
+        limit = self._size_limit(ranked_probs.size if numpy else ranked_probs.numel(), state)
         return best_size(ranked_probs, self._curve_ms(numpy), limit, self.nodes)
+
+    def _size_limit(self, candidates: int, state: DecodeState) -> int:
+        """The largest tree (root included) that ``candidates`` ranked candidates can make in this step."""
+        return min(self.max_proposal_size(), candidates + 1, state.remaining + 1)

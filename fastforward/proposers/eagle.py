@@ -54,7 +54,7 @@ from ..drafters.calibration import FLOOR
 from ..drafters.checkpoint import load_eagle3
 from ..drafters.eagle import Eagle3Runner
 from ..engine import DecodeState, Proposal, Proposer
-from ..tree import DraftTree
+from ..tree import DraftTree, TreeShape
 from ..verify import target_probs
 from . import register
 from ._call_cost import DrafterCallCost
@@ -84,6 +84,9 @@ class EagleProposer(FeatureDrafterProposer):
                          calibrated=calibrated)
         self.topk, self.depth, self.nodes, self.max_nodes, self.min_prob = topk, depth, nodes, max_nodes, min_prob
         self.last_h: torch.Tensor | None = None
+        self.root_top: tuple[np.ndarray, np.ndarray] | None = None  # the top-k after last_h: [1, k] each
+        # the rerank and its tree in one native call, where the kernels built (else numpy: the same tree)
+        self._rerank_tree = getattr(getattr(runner, "ops", None), "rerank_tree", None)
         self.call_cost = DrafterCallCost() if price_calls and not nodes else None  # a fixed size expands fully
         self._n = {"steps": 0, "draft_rows": 0, "draft_calls": 0, "nodes": 0, "skipped": 0, "unpaid_stops": 0}
 
@@ -115,7 +118,10 @@ class EagleProposer(FeatureDrafterProposer):
         return self._sampled_chain(state, k, next_q)
 
     def _commit(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        self.last_h = self.runner.commit(self.runner.fuse(taps), tokens, positions, last_only=True)
+        # the root's top-k comes with the last row (a sampled chain reads the whole distribution instead)
+        k = 0 if self.drafts_with_probabilities else self.topk
+        self.last_h, values, ids = self.runner.commit_top(taps, tokens, positions, k)
+        self.root_top = None if values is None else (values.numpy(), ids.numpy())
 
     def propose(self, state: DecodeState) -> Proposal | None:
         depth = self.depth if state.max_draft_depth is None else min(self.depth, state.max_draft_depth)
@@ -131,15 +137,16 @@ class EagleProposer(FeatureDrafterProposer):
             return self._sampled_chain_proposal(state, depth)
         return self._tree_proposal(*self.expand(state, depth, self._curve_ms()), state)
 
-    def expand(self, state: DecodeState, depth: int, curve_ms) -> tuple[list[torch.Tensor], ...]:
+    def expand(self, state: DecodeState, depth: int, curve_ms) -> tuple[np.ndarray, ...]:
         """Step 1 of the module docstring (the accepted rows committed first): the candidates of every depth up to
-        ``depth`` as lists per depth of draft ids, log path scores, global parent indices (-1: the root) and depths
-        (``curve_ms``: t(1..) for the priced calls, or None). The bookkeeping between drafter calls is a few numbers
-        per depth, kept in numpy (a torch operation on a tiny tensor costs several times more)."""
+        ``depth``, depth after depth, as numpy arrays [c] of draft ids, log path scores (float64), global parent
+        indices (-1: the root) and depths (``curve_ms``: t(1..) for the priced calls, or None). The bookkeeping
+        between drafter calls is a few numbers per depth, kept in numpy (a torch operation on a tiny tensor costs
+        several times more)."""
         run, k = self.runner, self.topk
         root_pos = state.root_position
         self._catch_up()
-        values, ids = (t.numpy() for t in run.top(self.last_h, k))  # [1, k]
+        values, ids = self.root_top  # [1, k]
         cand_tok = [ids[0]]  # per depth: draft ids [c_d]
         cand_score = [self._chance_np(values[0], 1)]  # log chance of acceptance of the path
         cand_parent = [np.full(k, -1, dtype=np.int64)]  # global candidate index of the parent (-1: root)
@@ -174,10 +181,12 @@ class EagleProposer(FeatureDrafterProposer):
             if self.call_cost is not None:
                 self.call_cost.start()
             draft_ids = cand_tok[-1][sel]
-            h = run.rows(src_h[torch.from_numpy(src_row[sel])], torch.from_numpy(draft_ids + d2t[draft_ids]),
-                         torch.full((r,), root_pos + d - 2, dtype=torch.long), run.length + n_rows,
-                         torch.from_numpy(sees[new, : n_rows + r]))
-            values, ids = (t.numpy() for t in run.top(h, k))  # [r, k]
+            position = root_pos + d - 2
+            visible = torch.from_numpy(np.ascontiguousarray(sees[new, : n_rows + r]))
+            h, values, ids = run.rows_top(src_h, src_row[sel].tolist(), torch.from_numpy(draft_ids + d2t[draft_ids]),
+                                          torch.full((r,), position, dtype=torch.long), position,
+                                          run.length + n_rows, visible, k)
+            values, ids = values.numpy(), ids.numpy()  # [r, k]
             if self.call_cost is not None:
                 self.call_cost.stop()
             n_rows += r
@@ -188,37 +197,43 @@ class EagleProposer(FeatureDrafterProposer):
             cand_score.append((best[:, None] + self._chance_np(values, d)).reshape(-1))
             cand_parent.append(np.repeat(glob, k))
             src_h, src_row = h, np.repeat(np.arange(r), k)
-        cand_depth = [np.full(t.size, i, dtype=np.int64) for i, t in enumerate(cand_tok, 1)]
-        return tuple([torch.from_numpy(a) for a in lists] for lists in (cand_tok, cand_score, cand_parent, cand_depth))
+        if len(cand_tok) == 1:
+            return cand_tok[0], cand_score[0].astype(np.float64), cand_parent[0], np.ones(k, dtype=np.int64)
+        depths = np.repeat(np.arange(1, len(cand_tok) + 1), [t.size for t in cand_tok])
+        return (np.concatenate(cand_tok), np.concatenate(cand_score).astype(np.float64), np.concatenate(cand_parent),
+                depths)
 
-    def _tree_proposal(self, cand_tok: list[torch.Tensor], cand_score: list[torch.Tensor],
-                       cand_parent: list[torch.Tensor], cand_depth: list[torch.Tensor],
+    def _tree_proposal(self, draft_ids: np.ndarray, scores: np.ndarray, parents: np.ndarray, depths: np.ndarray,
                        state: DecodeState) -> Proposal | None:
-        """The step's tree from the candidates of every depth (draft ids, path scores, parents, depths): the
-        best-ranked candidates, as many as :meth:`_tree_size` chooses (None when that is the root alone)."""
+        """The step's tree from the candidates of every depth (draft ids, log path scores, parents, depths, as
+        :meth:`expand` gives them): the best-ranked candidates, as many as :meth:`_tree_size` chooses (None when
+        that is the root alone) -- in one native call where the kernels built (the same tree)."""
         if self.topk == 1:  # a chain: already ranked (a path's probability only falls with depth), no rerank
-            return self._chain_proposal(cand_tok, cand_score, state)
+            return self._chain_proposal(draft_ids, scores, state)
+        tokens = draft_ids + self.runner.d2t.numpy()[draft_ids]  # the runner's to_target, in numpy
+        if self._rerank_tree is not None:
+            limit = self._size_limit(scores.size, state)
+            curve = () if self.nodes else self._curve_ms(numpy=True)[:limit]
+            tree_tokens, tree_parents, tree_depths = self._rerank_tree(scores, tokens, parents, depths, curve, limit,
+                                                                       self.nodes, state.root)
+            if not self._counted(tree_tokens.numel()):
+                return None
+            return Proposal(DraftTree(tree_tokens, TreeShape.from_checked(tree_parents, tree_depths)))
         # a step's candidates are tens of numbers: numpy does the rerank's small operations several times faster
         # than torch, with the same result (tests/test_rerank.py)
-        draft_ids = np.concatenate([t.numpy() for t in cand_tok])
-        tokens = draft_ids + self.runner.d2t.numpy()[draft_ids]  # the runner's to_target, in numpy
-        scores = np.concatenate([t.numpy() for t in cand_score]).astype(np.float64)
-        parents = np.concatenate([t.numpy() for t in cand_parent])
-        depths = np.concatenate([t.numpy() for t in cand_depth])
         order = rank(scores, depths)
         n = self._tree_size(np.exp(scores[order]), state)
         if not self._counted(n):
             return None
         return Proposal(build_tree(order[: n - 1], tokens, parents, depths, state.root))
 
-    def _chain_proposal(self, cand_tok: list[torch.Tensor], cand_score: list[torch.Tensor],
-                        state: DecodeState) -> Proposal | None:
+    def _chain_proposal(self, draft_ids: np.ndarray, scores: np.ndarray, state: DecodeState) -> Proposal | None:
         """:meth:`_tree_proposal` of a chain (``topk=1``: one candidate per depth, in rank order): its first n - 1
         drafts, n sized as for any tree."""
-        n = self._tree_size(torch.cat(cand_score).double().exp().numpy(), state)
+        n = self._tree_size(np.exp(scores), state)
         if not self._counted(n):
             return None
-        return Proposal(DraftTree.chain(state.root, self.runner.to_target(torch.cat(cand_tok[: n - 1]))))
+        return Proposal(DraftTree.chain(state.root, self.runner.to_target(torch.from_numpy(draft_ids[: n - 1]))))
 
     def _counted(self, n: int) -> bool:
         """Count a step whose tree has ``n`` nodes (root included) in the stats and the back-off; False when that

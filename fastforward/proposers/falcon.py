@@ -99,9 +99,6 @@ class FalconProposer(FeatureDrafterProposer):
     def _tap_layers(self, runner) -> tuple[int, ...]:
         return (FINAL,)  # the target's final (normed) states
 
-    def _taps(self, hidden: dict, rows) -> torch.Tensor:
-        return hidden[FINAL][rows]
-
     def _cache_reserve(self) -> int:
         return self.passes * self.shared.k * self.frontier + 8
 
