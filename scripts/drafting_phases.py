@@ -13,7 +13,8 @@ Per method (ms per decoding step, calls per step, ms per call):
   forwards (the prefill's chunks excluded) and, from the ``ar`` spec when it is listed first, drafting as a share of
   ``ar``'s forward per step;
 * the drafter's calls: ``commit`` (accepted rows into the drafter's cache: EAGLE's ``fuse`` + ``commit``, or
-  ``commit_top``, which also gives the root's top-k in the same native call; FastEagle's and Falcon's ``commit``;
+  ``commit_top``, which also gives the root's top-k in the same native call; FastEagle's ``commit``, or
+  ``commit_top`` with every depth's head and top-k; Falcon's ``commit``;
   whatever they call inside), ``layer`` (draft rows through the drafter's layer: EAGLE's ``rows``, or
   ``rows_top`` with the rows' head and top-k in the same native call; Falcon's ``first_block`` / ``extend``),
   ``head`` (the draft vocabulary's logits: ``logits``, and ``log_probs`` / ``probs`` where a normalised row is
@@ -39,7 +40,8 @@ import torch
 PHASES = {  # runner class -> {method: phase}
     "Eagle3Runner": {"fuse": "commit", "commit": "commit", "commit_top": "commit", "rows": "layer",
                      "rows_top": "layer", "logits": "head", "log_probs": "head", "top": "top-k"},
-    "FastEagleRunner": {"commit": "commit", "logits": "head", "probs": "head", "top": "top-k"},
+    "FastEagleRunner": {"commit": "commit", "commit_top": "commit", "logits": "head", "probs": "head",
+                        "top": "top-k"},
     "FalconRunner": {"commit": "commit", "first_block": "layer", "extend": "layer", "logits": "head", "probs": "head",
                      "top": "top-k"},
     "DraftModelProposer": {"_forward": "draft forward"},

@@ -272,6 +272,39 @@ def test_native_layer_ops_give_the_torch_rows(target, cascade):
         assert torch.allclose(x, y, atol=1e-4, rtol=1e-4)
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=3), k=st.integers(1, 6),
+       layers=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+def test_the_native_cascade_gives_the_runners_values(target, sizes, k, layers, seed):
+    """``commit_top`` in one native call per chunk (the fusion, the input projection, the cascaded layers, the
+    head's top-k) gives bitwise what the runner's ``commit`` + ``top`` give, and the same keys and values: commits
+    of 1-300 rows one after another (chunks of 256 past that)."""
+    import copy
+
+    drafter = _drafter(target, seed=11, layers=layers).float()
+    native = FastEagleRunner(drafter, target, capacity=4, weights="auto")
+    if native.native is None:
+        pytest.skip("the native kernels did not build on this machine")
+    plain = copy.copy(native)
+    plain.native = None
+    plain.k, plain.v = native.k.clone(), native.v.clone()
+    g = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    taps = torch.randn(n, 3 * drafter.cfg.target_hidden_size, generator=g)
+    toks = torch.randint(0, VOCAB, (n,), generator=g)
+    outs = []
+    for run in (native, plain):
+        got, a = [], 0
+        for size in sizes:
+            got.extend(run.commit_top(taps[a : a + size], toks[a : a + size], torch.arange(a, a + size), k))
+            a += size
+        outs.append((*got, run.k[:, :, :n], run.v[:, :, :n]))
+    assert native.length == plain.length == n
+    for x, y in zip(*outs, strict=True):
+        assert x.shape == y.shape and torch.equal(x, y)
+    assert outs[0][0].shape == (layers, drafter.cfg.hidden_size) and outs[0][1].shape == (layers, k)
+
+
 def test_a_sampled_chain_matches_the_target_distribution_and_repeats_with_its_seed(tmp_path, pin_costs):
     """topk=1 at T = 1: depth i sampled from cascade layer i's distribution (a draft vocabulary of 6 of the 8
     tokens), verified by rejection with those probabilities. chi-square of 3-token continuations against the exact

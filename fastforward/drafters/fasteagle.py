@@ -178,6 +178,35 @@ class FastEagleRunner(DrafterRunner):
         self.layers = [decode_layer(linear, layer) for layer in drafter.layers]
         self._alloc(capacity)
         self.length = 0
+        self.native = self._native_cascade()
+
+    def _native_cascade(self):
+        """The native :class:`CascadeDrafter` over this drafter's packed weights (the fusion, the input projection,
+        the cascaded layers, the head), which commits a call's rows and gives every depth's top-k in one call; None
+        where the kernels did not build, a weight is not packed for the integer kernel, or the layers do not cascade
+        (the "w/o cascade" ablation: the runner's own path)."""
+        from .pieces import DrafterLinear
+
+        linears = (self.fc, self.fc_in, self.head, *(lin for w in self.layers for lin in (w.qkv, w.o, w.gate_up,
+                                                                                           w.down)))
+        if self.ops is None or not hasattr(self.ops, "CascadeDrafter") or not self.cfg.cascade or \
+                not all(isinstance(lin, DrafterLinear) and lin.few.data is not None and not lin.few.padded
+                        for lin in linears):
+            return None
+        self._linears = linears
+        few = [lin.few for lin in linears]
+        return self.ops.CascadeDrafter(few[0].data, few[0].kernel_fmt, few[1].data, few[1].kernel_fmt,
+                                       self.fc_in_bias, self.e_norm, self.g_norm, [f.data for f in few[3:]],
+                                       [f.kernel_fmt for f in few[3:]], [w.in_norm for w in self.layers],
+                                       [w.post_norm for w in self.layers], few[2].data, few[2].kernel_fmt, self.eps,
+                                       self.cfg.num_attention_heads, self.cfg.num_key_value_heads)
+
+    def _native_for(self, rows: int):
+        """:attr:`native` when a call of ``rows`` rows runs every weight on the integer kernel it holds (on a CPU
+        with AMX, larger calls take the tile kernel's copies: the runner's own path), else None."""
+        if self.native is None or not all(lin.for_rows(rows) is lin.few for lin in self._linears):
+            return None
+        return self.native
 
     def _alloc(self, capacity: int, keep: int = 0) -> None:
         cfg = self.cfg
@@ -205,6 +234,26 @@ class FastEagleRunner(DrafterRunner):
             b = min(tokens.numel(), a + 256)
             out = self._rows(taps[a:b], tokens[a:b], positions[a:b])
         return out
+
+    def commit_top(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """:meth:`commit`, then with ``k`` > 0 :meth:`top` of every depth: (h_1..h_N [N, d], probabilities [N, k],
+        draft ids [N, k]; else None, None) -- the fusion, the layers and the head in one native call per chunk where
+        it can run (the same values). Committed positions ascend."""
+        n = tokens.numel()
+        if any(self._native_for(min(256, n - a)) is None for a in range(0, n, 256)):
+            h = self.commit(taps, tokens, positions)
+            return (h, *self.top(h, k)) if k > 0 else (h, None, None)
+        end, last = self.length + n, int(positions[-1])
+        if end > self.capacity or last >= self.cos.shape[0]:
+            self._alloc(max(2 * self.capacity, end, last + 1), keep=self.length)
+        taps = taps.reshape(n, -1).float()
+        for a in range(0, n, 256):
+            b = min(n, a + 256)
+            h, values, ids = self.native.run(taps[a:b], self.embed(tokens[a:b]), self.cos, self.sin, positions[a:b],
+                                             self.k, self.v, self.length, k if b == n else 0)
+            self.length += b - a
+        return (h, values.exp(), ids) if k > 0 else (h, None, None)
 
     def _rows(self, taps, tokens, positions) -> torch.Tensor:
         cfg = self.cfg

@@ -1621,6 +1621,83 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rerank_tree(const std::vector<dou
   return {out_tokens, out_parents, out_depths};
 }
 
+
+// FastEagle's cascaded drafter at decode time, kept once: the feature fusion (fc), the input projection over
+// [e_norm(embedding) ; g_norm(feature)] (fc_in, with its bias), N target-shaped decoder layers in cascade (layer i
+// reads layer i - 1's output) and the head (no norm: the layers are trained towards the target's normed state).
+// One call commits r accepted rows through all of it and returns the last row's output of every layer with the
+// head's top-k of each -- what the Python runner does in ~30 tensor operations. The same kernels in the same order:
+// bitwise the runner's values. The GIL is released while it runs.
+struct CascadeDrafter {
+  at::Tensor fc, fc_in, fc_in_bias, e_norm, g_norm, head;
+  int64_t f_fc, f_fc_in, f_head;
+  std::vector<at::Tensor> weights;  // 4 per layer: qkv, o, gate|up, down
+  std::vector<int64_t> formats;
+  std::vector<at::Tensor> in_norms, post_norms;  // per layer
+  double eps;
+  int64_t n_heads, n_kv_heads;
+
+  CascadeDrafter(at::Tensor fc_, int64_t f_fc_, at::Tensor fc_in_, int64_t f_fc_in_, at::Tensor bias,
+                 at::Tensor e_norm_, at::Tensor g_norm_, std::vector<at::Tensor> w, std::vector<int64_t> f,
+                 std::vector<at::Tensor> in_n, std::vector<at::Tensor> post_n, at::Tensor head_, int64_t f_head_,
+                 double eps_, int64_t nh, int64_t nkv)
+      : fc(std::move(fc_)), fc_in(std::move(fc_in_)), fc_in_bias(std::move(bias)), e_norm(std::move(e_norm_)),
+        g_norm(std::move(g_norm_)), head(std::move(head_)), f_fc(f_fc_), f_fc_in(f_fc_in_), f_head(f_head_),
+        weights(std::move(w)), formats(std::move(f)), in_norms(std::move(in_n)), post_norms(std::move(post_n)),
+        eps(eps_), n_heads(nh), n_kv_heads(nkv) {
+    const size_t L = in_norms.size();
+    TORCH_CHECK(L > 0 && weights.size() == 4 * L && formats.size() == 4 * L && post_norms.size() == L,
+                "CascadeDrafter: 4 weights and formats, an input norm and a post norm per layer");
+  }
+
+  // taps [r, n_taps * d_t] (fp32), emb [r, d] the next tokens' embeddings, at positions [r], their keys and values
+  // into slots start .. start + r - 1 of k_all / v_all [layers, n_kv_heads, capacity, head_dim] (causal after the
+  // first `start`). Returns (the last row's output of each layer [N, d], with top_k > 0 the head's top-k
+  // log-probabilities and draft ids of each [N, k]).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> run(const at::Tensor& taps, const at::Tensor& emb,
+                                                     const at::Tensor& cos, const at::Tensor& sin,
+                                                     const at::Tensor& positions, at::Tensor& k_all,
+                                                     at::Tensor& v_all, int64_t start, int64_t top_k) const {
+    check_f32(taps, "CascadeDrafter.run", "taps", 2);
+    const int64_t n = static_cast<int64_t>(in_norms.size());
+    TORCH_CHECK(k_all.dim() == 4 && v_all.dim() == 4 && k_all.size(0) >= n && v_all.size(0) >= n,
+                "CascadeDrafter.run: k_all and v_all must be [layers, n_kv_heads, capacity, head_dim]");
+    const at::Tensor t = taps.contiguous();
+    const at::Tensor g = ff_quant_mm(t, fc, f_fc, t.size(1));
+    TORCH_CHECK(emb.size(0) == g.size(0), "CascadeDrafter.run: one embedding row per row");
+    const at::Tensor cat = at::cat({rms_norm(emb.contiguous(), e_norm, eps), rms_norm(g, g_norm, eps)}, 1);
+    at::Tensor x = ff_quant_mm(cat, fc_in, f_fc_in, cat.size(1)).add(fc_in_bias).contiguous();
+    const int64_t r = x.size(0);
+    at::Tensor last = at::empty({n, x.size(1)}, x.options());
+    at::Tensor normed = rms_norm(x, in_norms[0], eps);
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t w = static_cast<size_t>(4 * i);
+      const at::Tensor& next_norm = i + 1 < n ? in_norms[i + 1] : post_norms[i];
+      if (i + 1 < n || r == 1) {
+        normed = packed_layer(x, normed, weights[w], formats[w], weights[w + 1], formats[w + 1], weights[w + 2],
+                              formats[w + 2], weights[w + 3], formats[w + 3], post_norms[i], next_norm, eps, cos, sin,
+                              positions, k_all, v_all, i, start, std::nullopt, n_heads, n_kv_heads, std::nullopt, 0,
+                              0.0, 0.0);
+      } else {  // the last layer: every row's keys and values, then the last row alone
+        const at::Tensor qkv = ff_quant_mm(normed, weights[w], formats[w], normed.size(1));
+        at::Tensor k_cache = k_all.select(0, i), v_cache = v_all.select(0, i);
+        const at::Tensor attn = attention(qkv, cos, sin, positions, k_cache, v_cache, start, std::nullopt, n_heads,
+                                          n_kv_heads, std::nullopt, 0, 0.0, 0.0)
+                                    .narrow(0, r - 1, 1);
+        at::Tensor xl = x.narrow(0, r - 1, 1);
+        const at::Tensor h2 = add_rms_norm(xl, ff_quant_mm(attn, weights[w + 1], formats[w + 1], attn.size(1)),
+                                           post_norms[i], eps);
+        const at::Tensor act = silu_mul(ff_quant_mm(h2, weights[w + 2], formats[w + 2], h2.size(1)));
+        add_rms_norm(xl, ff_quant_mm(act, weights[w + 3], formats[w + 3], act.size(1)), next_norm, eps);
+      }
+      last.select(0, i).copy_(x.select(0, r - 1));
+    }
+    if (top_k <= 0) return {last, at::Tensor(), at::Tensor()};
+    auto [values, ids] = log_softmax_topk(ff_quant_mm(last, head, f_head, last.size(1)), top_k);
+    return {last, values, ids};
+  }
+};
+
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
@@ -1694,6 +1771,21 @@ void register_layer_ops(pybind11::module& m) {
         "most expected tokens per millisecond on curve_ms): its tokens, parents and depths, root first",
         pybind11::arg("scores"), pybind11::arg("tokens"), pybind11::arg("parents"), pybind11::arg("depths"),
         pybind11::arg("curve_ms"), pybind11::arg("limit"), pybind11::arg("nodes"), pybind11::arg("root"));
+  pybind11::class_<CascadeDrafter>(m, "CascadeDrafter",
+                                   "a FastEagle drafter's fusion, input projection, cascaded layers and head, kept once")
+      .def(pybind11::init<at::Tensor, int64_t, at::Tensor, int64_t, at::Tensor, at::Tensor, at::Tensor,
+                          std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, at::Tensor, int64_t, double, int64_t, int64_t>(),
+           pybind11::arg("fc"), pybind11::arg("f_fc"), pybind11::arg("fc_in"), pybind11::arg("f_fc_in"),
+           pybind11::arg("fc_in_bias"), pybind11::arg("e_norm"), pybind11::arg("g_norm"), pybind11::arg("weights"),
+           pybind11::arg("formats"), pybind11::arg("in_norms"), pybind11::arg("post_norms"), pybind11::arg("head"),
+           pybind11::arg("f_head"), pybind11::arg("eps"), pybind11::arg("n_heads"), pybind11::arg("n_kv_heads"))
+      .def("run", &CascadeDrafter::run,
+           "commit rows through every layer: (the last row's output of each layer, the head's top_k "
+           "log-probabilities of each, their draft ids)",
+           pybind11::arg("taps"), pybind11::arg("emb"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("positions"), pybind11::arg("k_all"), pybind11::arg("v_all"), pybind11::arg("start"),
+           pybind11::arg("top_k"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("attention_many", &attention_many,
         "attention for several sequences in one call: sequence j's rows qkv[row_starts[j]:row_starts[j+1]] over "
         "k_all[j][layer] / v_all[j][layer] with its positions, start, visible and write_slots, as `attention` "

@@ -82,13 +82,17 @@ class FastEagleProposer(FeatureDrafterProposer):
         super().__init__(runner, fixed=fixed, backoff=backoff, backoff_on_loss=backoff_on_loss, calibrated=calibrated)
         self.topk, self.depth, self.fixed, self.max_nodes = topk, min(depth, runner.cfg.num_layers), fixed, max_nodes
         self.last_h: torch.Tensor | None = None
+        self.top_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # every depth's top-k after last_h: [N, k]
         self._n = {"steps": 0, "looks": 0, "draft_rows": 0, "nodes": 0, "levels": 0, "k": 0}
 
     def max_proposal_size(self) -> int:
         return min(self.max_nodes, self.depth * self.topk + 1)
 
     def _commit(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        self.last_h = self.runner.commit(taps, tokens, positions)
+        # every depth's top-k comes with the commit (a sampled chain reads the whole distributions instead)
+        k = 0 if self.drafts_with_probabilities else self.topk
+        self.last_h, probs, ids = self.runner.commit_top(taps, tokens, positions, k)
+        self.top_rows = None if probs is None else (probs, ids)
 
     def propose(self, state: DecodeState) -> Proposal | None:
         run = self.runner
@@ -104,7 +108,7 @@ class FastEagleProposer(FeatureDrafterProposer):
             return self._sampled_chain_proposal(state, room)
         self._catch_up()
         self._n["looks"] += 1
-        top_probs, top_ids = run.top(self.last_h[:room], self.topk)  # [levels, topk]: one head matmul for every depth
+        top_probs, top_ids = (t[:room] for t in self.top_rows)  # [levels, topk]: from the commit's head matmul
         limit = self.max_proposal_size()
         if self.fixed:
             levels, k = room, self.topk
