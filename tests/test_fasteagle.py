@@ -104,6 +104,52 @@ def test_backbone_tree_shape():
     assert chain.shape.parents.tolist() == [-1, 0, 1, 2] and chain.shape.depths.tolist() == [0, 1, 2, 3]
 
 
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(shape=st.tuples(st.integers(1, 8), st.integers(1, 5)).flatmap(lambda rk: st.lists(
+           st.lists(st.sampled_from([0.0, 1e-6, 0.05, 0.1, 0.2, 0.25, 0.5, 0.9, 1.0]), min_size=rk[1],
+                    max_size=rk[1]), min_size=rk[0], max_size=rk[0])),
+       curve_step=st.floats(0.0, 3.0), limit=st.integers(1, 41))
+def test_the_native_backbone_draft_chooses_the_python_tree(shape, curve_step, limit):
+    """``backbone_draft`` (one native call) picks the (levels, k) that ``_best_shape`` picks from the same top-k
+    probabilities and cost curve -- the same float64 sums, so the same choice on ties -- and builds
+    ``backbone_tree``'s tree of it (target ids through d2t)."""
+    from fastforward.kernels import load_native
+    from fastforward.proposers.fasteagle import FastEagleProposer
+
+    try:
+        native = load_native()
+    except Exception:  # noqa: BLE001 - no compiler here
+        native = None
+    if native is None or not hasattr(native, "backbone_draft"):
+        pytest.skip("the native kernels did not build on this machine")
+    probs = torch.tensor([sorted(row, reverse=True) for row in shape], dtype=torch.float32)
+    room, topk = probs.shape
+    ids = torch.arange(room * topk).view(room, topk) % 7
+    d2t = torch.tensor([3, 1, 4, 1, 5, 9, 2])
+    curve = 5.0 + curve_step * np.arange(max(limit, room * topk + 1))
+
+    class Sizing:  # what _best_shape reads of a proposer
+        greedy_map = None
+
+        def __init__(self):
+            self.topk = topk
+
+        def _curve_ms(self, numpy=False):
+            return curve
+
+        _chances = FastEagleProposer._chances
+
+    levels, k = FastEagleProposer._best_shape(Sizing(), probs.double(), room, limit)
+    tokens, parents, depths, got_levels, got_k = native.backbone_draft(probs, ids, d2t, curve[:limit], limit, 5)
+    assert (got_levels, got_k) == (levels, k)
+    if levels:
+        tree = backbone_tree(ids + d2t[ids], 5, levels, k)
+        assert tokens.tolist() == tree.tokens.tolist()
+        assert parents.tolist() == tree.shape.parents.tolist() and depths.tolist() == tree.shape.depths.tolist()
+    else:
+        assert tokens.tolist() == [5] and parents.tolist() == [-1] and depths.tolist() == [0]
+
+
 def test_expected_tokens_of_the_backbone_tree():
     q = torch.tensor([[0.5, 0.3], [0.4, 0.2]], dtype=torch.float64)
     e = expected_tokens(q)

@@ -1698,6 +1698,68 @@ struct CascadeDrafter {
   }
 };
 
+
+// FastEagle's draft in one call (fastforward/proposers/fasteagle.py's expected_tokens, _best_shape and
+// backbone_tree, the same answers): from every depth's top-K draft probabilities probs [room, K] (fp32, best first)
+// and draft ids, the backbone tree of `levels` depths of k candidates each -- depth i's candidates children of depth
+// i - 1's first -- with the most expected tokens per millisecond on curve_ms (t(q) = curve_ms[q - 1]) among those of
+// at most `limit` nodes, or nothing (a plain step) when that is best. Expected tokens: 1 + sum over depths i of
+// reach(i) * (the sum of depth i's first k probabilities), reach(i) the product of the first probabilities above it
+// (float64, summed in the same order). Returns (tokens, parents, depths) [levels * k + 1] int64 (target ids, root
+// first; [1] when nothing is drafted), levels, k.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t> backbone_draft(
+    const at::Tensor& probs_in, const at::Tensor& ids_in, const at::Tensor& d2t_in,
+    const std::vector<double>& curve_ms, int64_t limit, int64_t root) {
+  check_f32(probs_in, "backbone_draft", "probs", 2);
+  TORCH_CHECK(ids_in.sizes() == probs_in.sizes() && ids_in.scalar_type() == at::kLong &&
+                  d2t_in.scalar_type() == at::kLong && d2t_in.dim() == 1,
+              "backbone_draft: int64 ids shaped as probs and a 1-D int64 d2t");
+  const int64_t room = probs_in.size(0), K = probs_in.size(1);
+  TORCH_CHECK(room >= 1 && K >= 1 && limit >= 1 && static_cast<int64_t>(curve_ms.size()) >= limit,
+              "backbone_draft: at least one depth and candidate, limit >= 1 and curve_ms of limit entries");
+  const at::Tensor probs = probs_in.contiguous(), ids = ids_in.contiguous(), d2t = d2t_in.contiguous();
+  const float* pp = probs.data_ptr<float>();
+  std::vector<double> reach(static_cast<size_t>(room)), gain(static_cast<size_t>(K), 0.0);
+  reach[0] = 1.0;
+  for (int64_t i = 1; i < room; ++i)
+    reach[i] = i == 1 ? static_cast<double>(pp[0]) : reach[i - 1] * static_cast<double>(pp[(i - 1) * K]);
+  double best = 1.0 / curve_ms[0];
+  int64_t levels = 0, k = 0;
+  for (int64_t i = 0; i < room; ++i) {
+    double cs = 0.0;
+    for (int64_t j = 0; j < K; ++j) {
+      cs = j == 0 ? static_cast<double>(pp[i * K]) : cs + static_cast<double>(pp[i * K + j]);
+      gain[j] = i == 0 ? reach[0] * cs : gain[j] + reach[i] * cs;
+      const int64_t nodes = (i + 1) * (j + 1) + 1;
+      if (nodes > limit) continue;
+      const double rate = (1.0 + gain[j]) / curve_ms[nodes - 1];
+      if (rate > best) {
+        best = rate;
+        levels = i + 1;
+        k = j + 1;
+      }
+    }
+  }
+  const int64_t n = levels * k + 1;
+  at::Tensor tokens = at::empty({n}, at::kLong), parents = at::empty({n}, at::kLong), depths = at::empty({n}, at::kLong);
+  int64_t *tp = tokens.data_ptr<int64_t>(), *up = parents.data_ptr<int64_t>(), *dp = depths.data_ptr<int64_t>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t* mp = d2t.data_ptr<int64_t>();
+  const int64_t V = d2t.size(0);
+  tp[0] = root;
+  up[0] = -1;
+  dp[0] = 0;
+  for (int64_t i = 0; i < levels; ++i)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t node = 1 + i * k + j, id = ip[i * K + j];
+      TORCH_CHECK(id >= 0 && id < V, "backbone_draft: a draft id outside the draft vocabulary");
+      tp[node] = id + mp[id];
+      up[node] = i == 0 ? 0 : 1 + (i - 1) * k;
+      dp[node] = i + 1;
+    }
+  return {tokens, parents, depths, levels, k};
+}
+
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
@@ -1786,6 +1848,11 @@ void register_layer_ops(pybind11::module& m) {
            pybind11::arg("taps"), pybind11::arg("emb"), pybind11::arg("cos"), pybind11::arg("sin"),
            pybind11::arg("positions"), pybind11::arg("k_all"), pybind11::arg("v_all"), pybind11::arg("start"),
            pybind11::arg("top_k"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("backbone_draft", &backbone_draft,
+        "FastEagle's backbone tree with the most expected tokens per millisecond from every depth's top-K draft "
+        "probabilities and ids: (tokens, parents, depths, levels, k); a root alone when nothing pays",
+        pybind11::arg("probs"), pybind11::arg("ids"), pybind11::arg("d2t"), pybind11::arg("curve_ms"),
+        pybind11::arg("limit"), pybind11::arg("root"));
   m.def("attention_many", &attention_many,
         "attention for several sequences in one call: sequence j's rows qkv[row_starts[j]:row_starts[j+1]] over "
         "k_all[j][layer] / v_all[j][layer] with its positions, start, visible and write_slots, as `attention` "

@@ -83,6 +83,8 @@ class FastEagleProposer(FeatureDrafterProposer):
         self.topk, self.depth, self.fixed, self.max_nodes = topk, min(depth, runner.cfg.num_layers), fixed, max_nodes
         self.last_h: torch.Tensor | None = None
         self.top_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # every depth's top-k after last_h: [N, k]
+        # the best backbone tree in one native call, where the kernels built (else numpy: the same tree)
+        self._backbone_draft = getattr(getattr(runner, "ops", None), "backbone_draft", None)
         self._n = {"steps": 0, "looks": 0, "draft_rows": 0, "nodes": 0, "levels": 0, "k": 0}
 
     def max_proposal_size(self) -> int:
@@ -110,10 +112,16 @@ class FastEagleProposer(FeatureDrafterProposer):
         self._n["looks"] += 1
         top_probs, top_ids = (t[:room] for t in self.top_rows)  # [levels, topk]: from the commit's head matmul
         limit = self.max_proposal_size()
+        tree = None
         if self.fixed:
             levels, k = room, self.topk
             while levels * k + 1 > limit and levels > 1:
                 levels -= 1
+        elif self._backbone_draft is not None and self.greedy_map is None:  # the same choice in one native call
+            tokens, parents, depths, levels, k = self._backbone_draft(top_probs, top_ids, run.d2t,
+                                                                      self._curve_ms(numpy=True)[:limit], limit,
+                                                                      state.root)
+            tree = DraftTree(tokens, TreeShape.from_checked(parents, depths))
         else:
             levels, k = self._best_shape(top_probs.double(), room, limit)
         self._n["levels"] += levels
@@ -122,7 +130,8 @@ class FastEagleProposer(FeatureDrafterProposer):
             self._n["nodes"] += 1
             self.back_off.drafted_nothing()
             return None
-        tree = backbone_tree(run.to_target(top_ids), state.root, levels, k)
+        if tree is None:
+            tree = backbone_tree(run.to_target(top_ids), state.root, levels, k)
         self.back_off.drafted(len(tree))
         self._n["nodes"] += len(tree)
         return Proposal(tree)
