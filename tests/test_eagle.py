@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -355,6 +356,55 @@ def test_the_native_drafter_call_gives_the_runners_values(target, n, tree, k, se
     for a, b in zip(*outs, strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
     assert outs[0][0].shape == (1, drafter.cfg.hidden_size) and outs[0][1].shape == (1, k)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), topk=st.integers(1, 4),
+       depth=st.integers(1, 6), min_prob=st.sampled_from([0.0, 0.02, 0.2]))
+def test_the_native_expansion_gives_the_python_candidates(target, drafter_dir, pin_costs, monkeypatch, prompt, topk,
+                                                          depth, min_prob):
+    """The whole expansion in one native call (``Eagle3Runner.expand``) gives every step the candidates the
+    proposer's numpy loop gives -- draft ids, path scores, parents, depths -- and so the same drafts and output."""
+    from fastforward.proposers import make_proposer
+
+    pin_costs(target, CostCurve({1: 1.0, 2: 1.05, 4: 1.2, 8: 1.6, 64: 10.0}))
+    seen = []
+    ran = []
+    native_expand = Eagle3Runner.expand
+
+    def counted(self, *args, **kwargs):
+        out = native_expand(self, *args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Eagle3Runner, "expand", counted)
+    for native in (True, False):
+        proposer = make_proposer("eagle", target, drafter=str(drafter_dir), topk=topk, depth=depth,
+                                 min_prob=min_prob, backoff=0, price_calls=False, weights="auto")
+        if not getattr(proposer.shared, "expands_natively", False):
+            pytest.skip("the native kernels did not build on this machine")
+        steps = []
+        original = proposer._tree_proposal
+
+        def record(*args, steps=steps, original=original):
+            steps.append([np.array(a) for a in args[:4]])
+            return original(*args)
+
+        proposer._tree_proposal = record
+        proposer.shared.expands_natively = native
+        try:
+            out = ff.generate(target, prompt, proposer, max_new_tokens=16).token_ids
+        finally:
+            proposer.shared.expands_natively = True
+        seen.append((out, steps, sum(ran)))
+        ran.clear()
+    (out_native, native_steps, native_calls), (out_python, python_steps, python_calls) = seen
+    assert native_calls > 0 and python_calls == 0
+    assert out_native == out_python
+    assert len(native_steps) == len(python_steps) > 0
+    for a, b in zip(native_steps, python_steps, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.dtype == y.dtype and np.array_equal(x, y)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

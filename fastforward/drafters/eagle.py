@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -301,10 +302,25 @@ class Eagle3Runner(DrafterRunner):
             return None
         self._linears = linears
         few = [lin.few for lin in linears]
-        return self.ops.DraftLayerHead(few[0].data, few[0].kernel_fmt, self.layer.in_norm, self.hidden_norm,
-                                       [f.data for f in few[1:5]], [f.kernel_fmt for f in few[1:5]],
-                                       self.layer.post_norm, self.final_norm, few[5].data, few[5].kernel_fmt,
-                                       self.eps, self.cfg.num_attention_heads, self.cfg.num_key_value_heads)
+        native = self.ops.DraftLayerHead(few[0].data, few[0].kernel_fmt, self.layer.in_norm, self.hidden_norm,
+                                         [f.data for f in few[1:5]], [f.kernel_fmt for f in few[1:5]],
+                                         self.layer.post_norm, self.final_norm, few[5].data, few[5].kernel_fmt,
+                                         self.eps, self.cfg.num_attention_heads, self.cfg.num_key_value_heads)
+        # the target's embedding, for the native expansion (which looks its draft tokens up itself) where it is one
+        # the kernels read: packed rows or a dense table
+        from ..linear import DenseLinear, PackedLinear
+
+        embed = getattr(self.target.backend, "embed", None)
+        self.expands_natively = False
+        if isinstance(embed, PackedLinear) and embed.native is not None and embed._dense is None and \
+                embed.in_features == self.cfg.hidden_size:
+            native.set_embedding(embed.data, embed.kernel_fmt)
+            self.expands_natively = True
+        elif isinstance(embed, DenseLinear) and embed.w_out_in.dtype in (torch.float32, torch.float64) and \
+                embed.w_out_in.shape[1] == self.cfg.hidden_size:
+            native.set_embedding(embed.w_out_in.float(), -1)  # an fp64 table's fp32 copy: what .float() of its rows is
+            self.expands_natively = True
+        return native
 
     def _native_for(self, rows: int):
         """:attr:`native` when a call of ``rows`` rows runs every weight on the integer kernel it holds (on a CPU
@@ -416,6 +432,24 @@ class Eagle3Runner(DrafterRunner):
         write = None if slot == self.length else torch.arange(slot, end)
         return native.run(feat, False, pick, self.embed(tokens), self.cos, self.sin, positions, self.k, self.v,
                           self.length, visible, write, False, k)
+
+    def expand(self, root_values: torch.Tensor, root_ids: torch.Tensor, last_h: torch.Tensor, k: int, depth: int,
+               min_prob: float, token_ms: float, call_ms: float | None, smoothing: float,
+               root_position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[float]] | None:
+        """EAGLE-2's expansion of a step's draft in one native call (the proposer's ``expand`` loop, the same
+        candidates): (draft ids, log path scores, parents, depths) as numpy arrays and [rows, calls, unpaid stops,
+        call ms]; None where it cannot run (no native layer, an embedding the kernels do not read, or calls of
+        ``k`` rows that take the tile kernel). ``token_ms`` > 0 prices each depth's call against ``call_ms`` (the
+        moving average of a call's wall time, updated with ``smoothing``; None: not measured yet)."""
+        if not getattr(self, "expands_natively", False) or self._native_for(k) is None:
+            return None
+        need = self.length + k * max(depth - 1, 0)
+        if need > self.capacity or root_position + depth >= self.cos.shape[0]:
+            self._grow(max(need, root_position + depth + 1))
+        out = self.native.expand(root_values, root_ids, last_h, self.d2t, k, depth, min_prob, token_ms,
+                                 -1.0 if call_ms is None else call_ms, smoothing, self.cos, self.sin, self.k, self.v,
+                                 self.length, root_position)
+        return (*(t.numpy() for t in out[:4]), out[4])
 
     def commit_top(self, taps: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                    k: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

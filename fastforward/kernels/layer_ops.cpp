@@ -66,10 +66,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -84,6 +88,7 @@
 #include "isa.h"
 
 at::Tensor ff_quant_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K);  // quant_gemm.cpp
+at::Tensor ff_quant_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids);  // quant_gemm.cpp
 
 namespace {
 
@@ -1494,6 +1499,9 @@ struct DraftLayerHead {
   double eps;
   int64_t n_heads, n_kv_heads;
 
+  at::Tensor embedding;        // the target's token embedding: packed rows (f_embedding >= 0) or fp32 [V, d]
+  int64_t f_embedding = -1;
+
   DraftLayerHead(at::Tensor fc_, int64_t f_fc_, at::Tensor in_norm_, at::Tensor hidden_norm_,
                  std::vector<at::Tensor> w, std::vector<int64_t> f, at::Tensor post, at::Tensor final_,
                  at::Tensor head_, int64_t f_head_, double eps_, int64_t nh, int64_t nkv)
@@ -1551,6 +1559,130 @@ struct DraftLayerHead {
     const at::Tensor normed = rms_norm(out, final_norm, eps);
     auto [values, ids] = log_softmax_topk(ff_quant_mm(normed, head, f_head, normed.size(1)), top_k);
     return {out, values, ids};
+  }
+
+  // The target's token embedding, for `expand` to look its draft tokens up: packed rows of kernel format `fmt`
+  // (quant_rows), or with fmt < 0 an fp32 table [V, d].
+  void set_embedding(at::Tensor table, int64_t fmt) {
+    TORCH_CHECK(fmt >= 0 || (table.dim() == 2 && table.scalar_type() == at::kFloat),
+                "DraftLayerHead.set_embedding: a dense table must be fp32 [V, d]");
+    embedding = fmt >= 0 ? std::move(table) : table.contiguous();
+    f_embedding = fmt;
+  }
+
+  at::Tensor embed(const at::Tensor& ids) const {
+    if (f_embedding >= 0) return ff_quant_rows(embedding, f_embedding, in_norm.size(0), ids);
+    return embedding.index_select(0, ids);
+  }
+
+  // EAGLE-2's expansion of one step's draft (fastforward/proposers/eagle.py's `expand`, the same candidates), after
+  // the committed rows: the root's top-k (root_values / root_ids [1, k], log-probabilities and draft ids) are depth
+  // 1's candidates; then depth by depth, the k candidates of the best path score each get a drafter row -- reading
+  // its parent's output (last_h for depth 1's), its own token at position root_position + depth - 2, and the rows of
+  // its ancestors -- and contribute their top-k children. Expansion stops at `depth`, when the best frontier path's
+  // probability falls under min_prob, or (token_ms > 0) when the frontier's summed path probability times token_ms
+  // is less than a call's measured milliseconds (call_ms, a moving average updated with `smoothing` after each call;
+  // < 0: none measured yet). Draft rows are written at slots length .. of k / v (the caller has made room).
+  // Returns (draft ids, log path scores (float64), parent candidate indices (-1: root), depths) [c] and
+  // (rows, calls, unpaid stops, call_ms).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, std::vector<double>> expand(
+      const at::Tensor& root_values, const at::Tensor& root_ids, const at::Tensor& last_h, const at::Tensor& d2t_in,
+      int64_t k, int64_t depth, double min_prob, double token_ms, double call_ms, double smoothing,
+      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, int64_t length,
+      int64_t root_position) const {
+    TORCH_CHECK(embedding.defined(), "DraftLayerHead.expand: no embedding set");
+    TORCH_CHECK(root_values.numel() == k && root_ids.numel() == k && k >= 1 && depth >= 1,
+                "DraftLayerHead.expand: the root's k values and ids");
+    const at::Tensor d2t = d2t_in.contiguous();
+    const int64_t* mp = d2t.data_ptr<int64_t>();
+    std::vector<int64_t> tok, parent, dep;
+    std::vector<float> score;  // float32 sums, as the proposer's numpy arrays
+    {
+      const at::Tensor rv = root_values.contiguous(), ri = root_ids.contiguous();
+      for (int64_t j = 0; j < k; ++j) {
+        tok.push_back(ri.data_ptr<int64_t>()[j]);
+        score.push_back(rv.data_ptr<float>()[j]);
+        parent.push_back(-1);
+        dep.push_back(1);
+      }
+    }
+    const int64_t max_rows = k * std::max<int64_t>(depth - 1, 0);
+    std::vector<uint8_t> sees(static_cast<size_t>(std::max<int64_t>(max_rows, 1) * std::max<int64_t>(max_rows, 1)), 0);
+    std::vector<int64_t> row_of(static_cast<size_t>(k + std::max<int64_t>(depth - 1, 0) * k * k), -1);
+    at::Tensor src_h = last_h.contiguous();
+    std::vector<int64_t> src_row(static_cast<size_t>(k), 0);
+    int64_t n_rows = 0, offset = 0, prev = 0, calls = 0, unpaid = 0;  // prev: the first candidate of the last depth
+    const auto long_opts = at::TensorOptions().dtype(at::kLong);
+    for (int64_t d = 2; d <= depth; ++d) {
+      const int64_t c = static_cast<int64_t>(score.size()) - prev;  // candidates at depth d - 1
+      const int64_t r = std::min(k, c);
+      std::vector<int64_t> sel(static_cast<size_t>(c));
+      for (int64_t i = 0; i < c; ++i) sel[i] = i;
+      std::stable_sort(sel.begin(), sel.end(), [&](int64_t a, int64_t b) { return score[prev + a] > score[prev + b]; });
+      sel.resize(static_cast<size_t>(r));
+      std::vector<float> best(static_cast<size_t>(r));
+      double mass = 0.0;
+      for (int64_t i = 0; i < r; ++i) {
+        best[i] = score[prev + sel[i]];
+        mass += std::exp(static_cast<double>(best[i]));
+      }
+      if (std::exp(static_cast<double>(best[0])) < min_prob) break;
+      if (token_ms > 0.0 && call_ms >= 0.0 && mass * token_ms < call_ms) {
+        ++unpaid;
+        break;
+      }
+      at::Tensor tokens = at::empty({r}, long_opts), visible = at::zeros({r, n_rows + r}, at::kBool),
+                 pick = at::empty({r}, long_opts);
+      int64_t* tp = tokens.data_ptr<int64_t>();
+      int64_t* pk = pick.data_ptr<int64_t>();
+      bool* vp = visible.data_ptr<bool>();
+      for (int64_t i = 0; i < r; ++i) {
+        const int64_t glob = sel[i] + offset, up = parent[glob], row = n_rows + i;
+        uint8_t* mine = sees.data() + row * max_rows;
+        if (up >= 0) std::memcpy(mine, sees.data() + row_of[up] * max_rows, static_cast<size_t>(n_rows));
+        mine[row] = 1;
+        row_of[glob] = row;
+        for (int64_t j = 0; j < n_rows + r; ++j) vp[i * (n_rows + r) + j] = mine[j] != 0;
+        tp[i] = tok[glob] + mp[tok[glob]];
+        pk[i] = src_row[sel[i]];
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      const at::Tensor positions = at::full({r}, root_position + d - 2, long_opts);
+      const int64_t slot = length + n_rows;
+      std::optional<at::Tensor> write;
+      if (n_rows) write = at::arange(slot, slot + r, long_opts);
+      const std::vector<int64_t> none;
+      auto [h, values, ids] = run(src_h.index_select(0, pick), false, none, embed(tokens), cos, sin, positions, kc, vc,
+                                  length, visible, write, false, k);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      call_ms = call_ms < 0.0 ? ms : call_ms + smoothing * (ms - call_ms);
+      ++calls;
+      n_rows += r;
+      offset += c;
+      prev = static_cast<int64_t>(score.size());
+      const float* vv = values.data_ptr<float>();
+      const int64_t* iv = ids.data_ptr<int64_t>();
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t j = 0; j < k; ++j) {
+          tok.push_back(iv[i * k + j]);
+          score.push_back(best[i] + vv[i * k + j]);
+          parent.push_back(sel[i] + offset - c);
+          dep.push_back(d);
+        }
+      src_h = h;
+      src_row.assign(static_cast<size_t>(r * k), 0);
+      for (int64_t i = 0; i < r * k; ++i) src_row[i] = i / k;
+    }
+    const int64_t n = static_cast<int64_t>(score.size());
+    at::Tensor out_tok = at::empty({n}, long_opts), out_score = at::empty({n}, at::kDouble),
+               out_parent = at::empty({n}, long_opts), out_depth = at::empty({n}, long_opts);
+    std::memcpy(out_tok.data_ptr<int64_t>(), tok.data(), sizeof(int64_t) * n);
+    std::memcpy(out_parent.data_ptr<int64_t>(), parent.data(), sizeof(int64_t) * n);
+    std::memcpy(out_depth.data_ptr<int64_t>(), dep.data(), sizeof(int64_t) * n);
+    double* sp = out_score.data_ptr<double>();
+    for (int64_t i = 0; i < n; ++i) sp[i] = static_cast<double>(score[i]);
+    return {out_tok, out_score, out_parent, out_depth,
+            {static_cast<double>(n_rows), static_cast<double>(calls), static_cast<double>(unpaid), call_ms}};
   }
 };
 
@@ -1827,7 +1959,18 @@ void register_layer_ops(pybind11::module& m) {
            pybind11::arg("feat"), pybind11::arg("fuse"), pybind11::arg("pick"), pybind11::arg("emb"),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"), pybind11::arg("k"),
            pybind11::arg("v"), pybind11::arg("start"), pybind11::arg("visible"), pybind11::arg("write_slots"),
-           pybind11::arg("last_only"), pybind11::arg("top_k"), pybind11::call_guard<pybind11::gil_scoped_release>());
+           pybind11::arg("last_only"), pybind11::arg("top_k"), pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("set_embedding", &DraftLayerHead::set_embedding,
+           "the target's token embedding for expand: packed rows of kernel format fmt, or (fmt < 0) an fp32 table",
+           pybind11::arg("table"), pybind11::arg("fmt"))
+      .def("expand", &DraftLayerHead::expand,
+           "EAGLE-2's expansion of a step's draft after the committed rows: (draft ids, log path scores, parents, "
+           "depths, [rows, calls, unpaid stops, call_ms])",
+           pybind11::arg("root_values"), pybind11::arg("root_ids"), pybind11::arg("last_h"), pybind11::arg("d2t"),
+           pybind11::arg("k"), pybind11::arg("depth"), pybind11::arg("min_prob"), pybind11::arg("token_ms"),
+           pybind11::arg("call_ms"), pybind11::arg("smoothing"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("kc"), pybind11::arg("vc"), pybind11::arg("length"), pybind11::arg("root_position"),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rerank_tree", &rerank_tree,
         "EAGLE-2's rerank in one call: the candidates ranked by score, the tree of the first n - 1 (n fixed, or the "
         "most expected tokens per millisecond on curve_ms): its tokens, parents and depths, root first",

@@ -862,6 +862,9 @@ void ff_decode_gguf_rows(const uint8_t* rows, int64_t n_rows, int64_t row_bytes,
 
 // For the other sources of the module (layer_ops.cpp's fused layer): the same product.
 at::Tensor ff_quant_mm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) { return quant_mm(x, w, fmt, K); }
+at::Tensor ff_quant_rows(const at::Tensor& w, int64_t fmt, int64_t K, const at::Tensor& ids) {
+  return quant_rows(w, fmt, K, ids);
+}
 
 void register_quant_gemm(pybind11::module& m) {
   m.def("regroup_block_scales_", &regroup_block_scales_,

@@ -411,10 +411,8 @@ class AutoProposer(Proposer):
 
     def _from_drafter(self, state: DecodeState, depth: int) -> Candidates:
         d = self.drafter
-        tok, score, parent, dep = d.expand(state, min(depth, d.depth), d._curve_ms())
-        return Candidates(DRAFTER, d.runner.to_target(torch.cat(tok)).numpy().astype(np.int64),
-                          torch.cat(parent).numpy(), torch.cat(dep).numpy(),
-                          torch.cat(score).double().exp().numpy(), 1)
+        tok, score, parent, dep = d.expand(state, min(depth, d.depth), d._curve_ms(numpy=True))
+        return Candidates(DRAFTER, (tok + d.runner.d2t.numpy()[tok]).astype(np.int64), parent, dep, np.exp(score), 1)
 
     def _timed(self, source: int, make, state: DecodeState, depth: int) -> tuple[Candidates | None, float]:
         """``make``'s scored candidates (None: nothing to draft) and the milliseconds it took. A source that raises

@@ -84,7 +84,7 @@ class EagleProposer(FeatureDrafterProposer):
                          calibrated=calibrated)
         self.topk, self.depth, self.nodes, self.max_nodes, self.min_prob = topk, depth, nodes, max_nodes, min_prob
         self.last_h: torch.Tensor | None = None
-        self.root_top: tuple[np.ndarray, np.ndarray] | None = None  # the top-k after last_h: [1, k] each
+        self.root_top: tuple[torch.Tensor, torch.Tensor] | None = None  # the top-k after last_h: [1, k] each
         # the rerank and its tree in one native call, where the kernels built (else numpy: the same tree)
         self._rerank_tree = getattr(getattr(runner, "ops", None), "rerank_tree", None)
         self.call_cost = DrafterCallCost() if price_calls and not nodes else None  # a fixed size expands fully
@@ -121,7 +121,7 @@ class EagleProposer(FeatureDrafterProposer):
         # the root's top-k comes with the last row (a sampled chain reads the whole distribution instead)
         k = 0 if self.drafts_with_probabilities else self.topk
         self.last_h, values, ids = self.runner.commit_top(taps, tokens, positions, k)
-        self.root_top = None if values is None else (values.numpy(), ids.numpy())
+        self.root_top = None if values is None else (values, ids)
 
     def propose(self, state: DecodeState) -> Proposal | None:
         depth = self.depth if state.max_draft_depth is None else min(self.depth, state.max_draft_depth)
@@ -135,7 +135,7 @@ class EagleProposer(FeatureDrafterProposer):
         self.back_off.looking()
         if self.drafts_with_probabilities:
             return self._sampled_chain_proposal(state, depth)
-        return self._tree_proposal(*self.expand(state, depth, self._curve_ms()), state)
+        return self._tree_proposal(*self.expand(state, depth, self._curve_ms(numpy=True)), state)
 
     def expand(self, state: DecodeState, depth: int, curve_ms) -> tuple[np.ndarray, ...]:
         """Step 1 of the module docstring (the accepted rows committed first): the candidates of every depth up to
@@ -146,7 +146,21 @@ class EagleProposer(FeatureDrafterProposer):
         run, k = self.runner, self.topk
         root_pos = state.root_position
         self._catch_up()
-        values, ids = self.root_top  # [1, k]
+        if self.greedy_map is None:  # the whole loop in one native call where it can run (the same candidates)
+            cost = self.call_cost
+            priced = cost is not None and depth > 1
+            out = run.expand(*self.root_top, self.last_h, k, depth, self.min_prob,
+                             float(curve_ms[0]) if priced else 0.0, cost.ms if priced else None,
+                             cost.smoothing if priced else 0.0, root_pos)
+            if out is not None:
+                *candidates, (rows, calls, unpaid, call_ms) = out
+                if priced and calls:
+                    cost.ms = call_ms
+                self._n["draft_rows"] += int(rows)
+                self._n["draft_calls"] += int(calls)
+                self._n["unpaid_stops"] += int(unpaid)
+                return tuple(candidates)
+        values, ids = (t.numpy() for t in self.root_top)  # [1, k]
         cand_tok = [ids[0]]  # per depth: draft ids [c_d]
         cand_score = [self._chance_np(values[0], 1)]  # log chance of acceptance of the path
         cand_parent = [np.full(k, -1, dtype=np.int64)]  # global candidate index of the parent (-1: root)
