@@ -16,7 +16,8 @@ Per method (ms per decoding step, calls per step, ms per call):
   ``commit_top``, which also gives the root's top-k in the same native call; FastEagle's ``commit``, or
   ``commit_top`` with every depth's head and top-k; Falcon's ``commit``;
   whatever they call inside), ``layer`` (draft rows through the drafter's layer: EAGLE's ``rows``, or
-  ``rows_top`` with the rows' head and top-k in the same native call; Falcon's ``first_block`` / ``extend``),
+  ``rows_top`` with the rows' head and top-k in the same native call, or ``expand``, the whole expansion in one;
+  Falcon's ``first_block`` / ``extend``),
   ``head`` (the draft vocabulary's logits: ``logits``, and ``log_probs`` / ``probs`` where a normalised row is
   wanted), ``top-k`` (what ``top`` adds to the head: the k best per row, natively from the logits where the
   kernels built; before the runners had ``top``, the proposers' ``topk`` counted in ``other``), and for ``sps``
@@ -39,7 +40,7 @@ import torch
 
 PHASES = {  # runner class -> {method: phase}
     "Eagle3Runner": {"fuse": "commit", "commit": "commit", "commit_top": "commit", "rows": "layer",
-                     "rows_top": "layer", "logits": "head", "log_probs": "head", "top": "top-k"},
+                     "rows_top": "layer", "expand": "layer", "logits": "head", "log_probs": "head", "top": "top-k"},
     "FastEagleRunner": {"commit": "commit", "commit_top": "commit", "logits": "head", "probs": "head",
                         "top": "top-k"},
     "FalconRunner": {"commit": "commit", "first_block": "layer", "extend": "layer", "logits": "head", "probs": "head",

@@ -90,7 +90,7 @@ def test_eagle_expands_a_depth_only_when_its_call_pays(target, drafter_dir, call
     opts = dict(drafter=str(drafter_dir), topk=3, depth=4, min_prob=0.0, backoff=0)
     priced = make_proposer("eagle", target, **opts)
     priced.call_cost.ms = call_ms
-    priced.call_cost.stop = lambda: None  # keep the injected cost
+    priced.call_cost.smoothing = 0.0  # keep the injected cost (the native expansion's moving average too)
     unpriced = make_proposer("eagle", target, price_calls=False, **opts)
     outs = [ff.generate(target, prompt, prop, max_new_tokens=24) for prop in (priced, unpriced)]
     assert outs[0].token_ids == outs[1].token_ids == ar

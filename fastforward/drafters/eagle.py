@@ -295,6 +295,7 @@ class Eagle3Runner(DrafterRunner):
         not packed for the integer kernel."""
         from .pieces import DrafterLinear
 
+        self.expands_natively = False
         linears = (self.fc, self.layer.qkv, self.layer.o, self.layer.gate_up, self.layer.down, self.head)
         if self.ops is None or not hasattr(self.ops, "DraftLayerHead") or \
                 not all(isinstance(lin, DrafterLinear) and lin.few.data is not None and not lin.few.padded
@@ -311,7 +312,6 @@ class Eagle3Runner(DrafterRunner):
         from ..linear import DenseLinear, PackedLinear
 
         embed = getattr(self.target.backend, "embed", None)
-        self.expands_natively = False
         if isinstance(embed, PackedLinear) and embed.native is not None and embed._dense is None and \
                 embed.in_features == self.cfg.hidden_size:
             native.set_embedding(embed.data, embed.kernel_fmt)
@@ -430,8 +430,13 @@ class Eagle3Runner(DrafterRunner):
         if visible is None and slot != self.length:
             visible = self._causal_visible(r, slot)
         write = None if slot == self.length else torch.arange(slot, end)
-        return native.run(feat, False, pick, self.embed(tokens), self.cos, self.sin, positions, self.k, self.v,
+        return native.run(feat, False, pick, self._embedded(tokens), self.cos, self.sin, positions, self.k, self.v,
                           self.length, visible, write, False, k)
+
+    def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What the native call reads for ``tokens``: the ids themselves where it holds the target's embedding, else
+        their embedding rows."""
+        return tokens if self.expands_natively else self.embed(tokens)
 
     def expand(self, root_values: torch.Tensor, root_ids: torch.Tensor, last_h: torch.Tensor, k: int, depth: int,
                min_prob: float, token_ms: float, call_ms: float | None, smoothing: float,
@@ -458,7 +463,7 @@ class Eagle3Runner(DrafterRunner):
         layer and the head in one native call per chunk where it can run (the same values as :meth:`fuse`,
         :meth:`commit` and :meth:`top`)."""
         n = tokens.numel()
-        if any(self._native_for(min(256, n - a)) is None for a in range(0, n, 256)):
+        if self._native_for(min(256, n)) is None:  # the largest chunk's (a smaller one's kernel is no other)
             h = self.commit(self.fuse(taps), tokens, positions, last_only=True)
             return (h, *self.top(h, k)) if k > 0 else (h, None, None)
         last = int(positions[-1])
@@ -467,7 +472,7 @@ class Eagle3Runner(DrafterRunner):
         taps = taps.reshape(n, -1).float()
         for a in range(0, n, 256):
             b = min(n, a + 256)
-            h, values, ids = self.native.run(taps[a:b], True, [], self.embed(tokens[a:b]), self.cos, self.sin,
+            h, values, ids = self.native.run(taps[a:b], True, [], self._embedded(tokens[a:b]), self.cos, self.sin,
                                              positions[a:b], self.k, self.v, self.length, None, None, True,
                                              k if b == n else 0)
             self.length += b - a

@@ -1512,7 +1512,8 @@ struct DraftLayerHead {
   }
 
   // feat: [n, 3 d_t] target taps when `fuse` (through fc first), else [n, d] earlier rows' outputs; `pick`: the rows
-  // of it the r new rows read (empty: all of them, in order). emb [r, d]: the new rows' token embeddings, at
+  // of it the r new rows read (empty: all of them, in order). emb [r, d]: the new rows' token embeddings (or their
+  // token ids [r], int64, looked up in the embedding set_embedding gave), at
   // `positions` [r]; their keys and values go to k / v [n_kv_heads, capacity, head_dim] at write_slots (None:
   // start ..), each row seeing the first `start` slots and the slots after them `visible` names (None: causal).
   // last_only: only the last row goes on past the attention. top_k > 0: the k best of the head's log-softmax of
@@ -1536,8 +1537,9 @@ struct DraftLayerHead {
     }
     x = x.contiguous();
     const int64_t r = x.size(0);
-    TORCH_CHECK(r >= 1 && emb.size(0) == r, "DraftLayerHead.run: one embedding row per new row");
-    const at::Tensor h = at::cat({rms_norm(emb.contiguous(), in_norm, eps), rms_norm(x, hidden_norm, eps)}, 1);
+    const at::Tensor e = emb.scalar_type() == at::kLong ? embed(emb.contiguous()) : emb.contiguous();
+    TORCH_CHECK(r >= 1 && e.size(0) == r, "DraftLayerHead.run: one embedding row (or token id) per new row");
+    const at::Tensor h = at::cat({rms_norm(e, in_norm, eps), rms_norm(x, hidden_norm, eps)}, 1);
     at::Tensor k4 = k.unsqueeze(0), v4 = v.unsqueeze(0);
     at::Tensor out = x;
     if (!last_only || r == 1) {
@@ -1571,6 +1573,7 @@ struct DraftLayerHead {
   }
 
   at::Tensor embed(const at::Tensor& ids) const {
+    TORCH_CHECK(embedding.defined(), "DraftLayerHead: token ids given, but no embedding set");
     if (f_embedding >= 0) return ff_quant_rows(embedding, f_embedding, in_norm.size(0), ids);
     return embedding.index_select(0, ids);
   }

@@ -196,7 +196,8 @@ class FeatureDrafterProposer(Proposer):
             taps = self._gathered_taps(pending)
             if all(a[2] + a[3] == b[2] for a, b in zip(pending, pending[1:], strict=False)):  # one run (usual)
                 first, end = pending[0][2], pending[-1][2] + pending[-1][3]
-                tokens, positions = ids[first + 1 : end + 1].clone(), torch.arange(first, end)
+                # a view: emitted ids never change, and the commit reads them now
+                tokens, positions = ids[first + 1 : end + 1], torch.arange(first, end)
             else:
                 tokens = torch.cat([ids[p + 1 : p + 1 + r] for _, _, p, r in pending])
                 positions = torch.cat([torch.arange(p, p + r) for _, _, p, r in pending])
