@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_helpers import native_or_skip
 
 from fastforward.drafters.pieces import DrafterLinear, decode_linear_factory, top_k_rows
 from fastforward.linear import DenseLinear
@@ -38,12 +39,7 @@ def test_top_k_rows_of_a_draft_vocabulary_row():
 
 
 def _native():
-    from fastforward.kernels import load_native
-
-    native = load_native()
-    if native is None or not hasattr(native, "log_softmax_topk"):
-        pytest.skip("the native kernels are unavailable here")
-    return native
+    return native_or_skip("log_softmax_topk")
 
 
 @settings(max_examples=60, deadline=None)
@@ -117,14 +113,7 @@ def test_native_gather_of_waiting_rows_is_torchs(entries, n_taps, d, double, see
     """``gather_tap_rows`` -- a feature drafter's waiting rows in one native call -- equals the torch indexing it
     replaces: each entry's rows (a prefix as a range, or any rows as a list) of its taps side by side, the entries
     one after another, in the sources' dtype; a row out of range is refused."""
-    from fastforward.kernels import load_native
-
-    try:
-        native = load_native()
-    except Exception:  # noqa: BLE001 - no compiler here
-        native = None
-    if native is None or not hasattr(native, "gather_tap_rows"):
-        pytest.skip("the native kernels did not build on this machine")
+    native = native_or_skip("gather_tap_rows")
     g = torch.Generator().manual_seed(seed)
     dtype = torch.float64 if double else torch.float32
     sources, rows = [], []

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from native_helpers import with_python_twin
 
 import fastforward as ff
 from fastforward.costs import CostCurve
@@ -332,12 +333,7 @@ def test_the_native_drafter_call_gives_the_runners_values(target, n, tree, k, se
     leave the same keys and values: a commit of n rows (chunks of 256 past that), then a tree's depth whose rows read
     picked rows of an earlier output after unseen draft slots."""
     drafter = _drafter(target, seed=10).float()
-    native = Eagle3Runner(drafter, target, capacity=8, weights="auto")
-    if native.native is None:
-        pytest.skip("the native kernels did not build on this machine")
-    plain = copy.copy(native)
-    plain.native = None
-    plain.k, plain.v = native.k.clone(), native.v.clone()
+    native, plain = with_python_twin(Eagle3Runner(drafter, target, capacity=8, weights="auto"))
     g = torch.Generator().manual_seed(seed)
     taps = torch.randn(n, 3 * drafter.cfg.target_hidden_size, generator=g)
     toks = torch.randint(0, VOCAB, (n + 2 * tree,), generator=g)

@@ -13,6 +13,7 @@ import torch
 from cli_helpers import assert_one_line_error, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from native_helpers import native_or_skip, with_python_twin
 
 import fastforward as ff
 from fastforward.drafters.eagle import target_embedding_rows
@@ -113,15 +114,9 @@ def test_the_native_backbone_draft_chooses_the_python_tree(shape, curve_step, li
     """``backbone_draft`` (one native call) picks the (levels, k) that ``_best_shape`` picks from the same top-k
     probabilities and cost curve -- the same float64 sums, so the same choice on ties -- and builds
     ``backbone_tree``'s tree of it (target ids through d2t)."""
-    from fastforward.kernels import load_native
     from fastforward.proposers.fasteagle import FastEagleProposer
 
-    try:
-        native = load_native()
-    except Exception:  # noqa: BLE001 - no compiler here
-        native = None
-    if native is None or not hasattr(native, "backbone_draft"):
-        pytest.skip("the native kernels did not build on this machine")
+    native = native_or_skip("backbone_draft")
     probs = torch.tensor([sorted(row, reverse=True) for row in shape], dtype=torch.float32)
     room, topk = probs.shape
     ids = torch.arange(room * topk).view(room, topk) % 7
@@ -325,15 +320,8 @@ def test_the_native_cascade_gives_the_runners_values(target, sizes, k, layers, s
     """``commit_top`` in one native call per chunk (the fusion, the input projection, the cascaded layers, the
     head's top-k) gives bitwise what the runner's ``commit`` + ``top`` give, and the same keys and values: commits
     of 1-300 rows one after another (chunks of 256 past that)."""
-    import copy
-
     drafter = _drafter(target, seed=11, layers=layers).float()
-    native = FastEagleRunner(drafter, target, capacity=4, weights="auto")
-    if native.native is None:
-        pytest.skip("the native kernels did not build on this machine")
-    plain = copy.copy(native)
-    plain.native = None
-    plain.k, plain.v = native.k.clone(), native.v.clone()
+    native, plain = with_python_twin(FastEagleRunner(drafter, target, capacity=4, weights="auto"))
     g = torch.Generator().manual_seed(seed)
     n = sum(sizes)
     taps = torch.randn(n, 3 * drafter.cfg.target_hidden_size, generator=g)

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_helpers import native_or_skip
 
 from fastforward.proposers._rerank import best_size, build_tree, rank
 
@@ -76,16 +77,7 @@ def test_the_native_rerank_builds_the_numpy_rerank_tree(n, curve_step, nodes, ro
     """``rerank_tree`` (one native call) keeps the tree the numpy rank, size and build_tree keep: the same size when
     fixed, else one with the best rate (equal rates up to the exponential's last bits may pick either), and for that
     size the same tokens, parents and depths."""
-    from fastforward.kernels import load_native
-
-    try:
-        native = load_native()
-    except Exception:  # noqa: BLE001 - no compiler here: nothing native to compare
-        native = None
-    if native is None or not hasattr(native, "rerank_tree"):
-        import pytest
-
-        pytest.skip("the native kernels did not build on this machine")
+    native = native_or_skip("rerank_tree")
     scores, parents, depths = _candidate_tree(*n)
     tokens = np.arange(100, 100 + scores.size, dtype=np.int64)
     limit = min(scores.size + 1, room + 1)
@@ -113,14 +105,7 @@ def test_the_native_rerank_builds_the_numpy_rerank_tree(n, curve_step, nodes, ro
 def test_the_native_rerank_refuses_a_parent_not_chosen():
     import pytest
 
-    from fastforward.kernels import load_native
-
-    try:
-        native = load_native()
-    except Exception:  # noqa: BLE001
-        native = None
-    if native is None or not hasattr(native, "rerank_tree"):
-        pytest.skip("the native kernels did not build on this machine")
+    native = native_or_skip("rerank_tree")
     # candidate 1 (depth 2) outranks its parent 0: a score order no drafter gives
     with pytest.raises(RuntimeError, match="parent was not chosen"):
         native.rerank_tree([-2.0, -0.1], [7, 8], [-1, 0], [1, 2], (), 2, 2, 5)
