@@ -147,7 +147,10 @@ int64_t panel_row_bytes(int f, int64_t K) { return K / layout_of(f).qk * layout_
 // of 2.4-3.4 KB interleaved like these, 1.1-1.3x faster at 8 and 16 rows but 1.7-2.8x slower at one and two; the two
 // blocks interleaved 32 bytes at a time (one 512-bit load per slice of 16 rows: 46-48 multiply-adds per cycle in L1
 // against 29 for the 256-bit tiles), 1.08-1.23x faster at 8-16 rows but 1.5x slower at one and two, reading from
-// memory at two thirds of the rate. A decoding step is one row: the K-quants keep single panels.
+// memory at two thirds of the rate. A third try kept single panels and read two neighbouring ones as two streams in
+// 512-bit tiles for calls of 2+ rows: 1.2x on a weight in L3, but the 1B file's products from memory at 2 / 4 / 8
+// rows took 38.7 / 44.8 / 59.9 ms against 23.3 / 31.1 / 53.3. A decoding step is one row: the K-quants keep single
+// panels.
 constexpr bool in_pairs(int f) {
 #if defined(FF_Q8_ZMM)
   return q8_format(f) && !is_k(f);
@@ -778,7 +781,10 @@ void k4_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t
 
 // Q6_K: q in 0..63 (4 low bits from ql, 2 high bits from qh) times the activation, per 16-weight sub-block i
 // times its int8 scale, less 32 * sc_i * (the activation's sum over i). A pair is at most 2 * 63 * 127 = 16002,
-// so two slices (t, t + 1: same sub-block) are summed in int16; |I| < 16 * 16 * 63 * 127 * 128 < 2^31.
+// so two slices (t, t + 1: same sub-block) are summed in int16; with VNNI a sub-block's four slices are summed in
+// int32 and multiplied by its scale once (one vpmulld per 4 vpdpbusd, not per 2; Zen 4, 2 threads, a 2048 x 8192
+// weight from L3: 4-12 rows 1.07-1.23x; the 1B Q4_K_M file's products at 4 / 16 rows 31.4 / 90.5 -> 29.6 / 86.6
+// ms); |I| < 16 * 16 * 63 * 127 * 128 < 2^31.
 template <int R>
 void q6k_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
   constexpr Layout L = layout_of(kQ6_K);
@@ -802,19 +808,22 @@ void q6k_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_
       // pattern g: 0 = A low nibbles (elements 4t..), 1 = B low (32+4t..), 2 = A high (64+4t..), 3 = B high (96+4t..)
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
-#pragma GCC unroll 4
-        for (int tp = 0; tp < 4; ++tp) {
-          const int j = 8 * h + 2 * g + (tp >> 1);  // the sub-block of slices 2tp, 2tp + 1
+#pragma GCC unroll 2
+        for (int u = 0; u < 2; ++u) {
+          const int j = 8 * h + 2 * g + u;  // the sub-block of slices 4u .. 4u + 3
 #if defined(FF_Q8_VNNI)
-          V S[R];
+          V S[R];  // its four slices' integers (|S| <= 16 * 63 * 127), then one multiply by its scale
           for (int i = 0; i < R; ++i) S[i] = _mm256_setzero_si256();
-#else
+#endif
+#pragma GCC unroll 2
+          for (int tq = 0; tq < 2; ++tq) {
+#if !defined(FF_Q8_VNNI)
           V p[R];
           for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
 #endif
 #pragma GCC unroll 2
           for (int tt = 0; tt < 2; ++tt) {
-            const int t = 2 * tp + tt;
+            const int t = 4 * u + 2 * tq + tt;
             const uint8_t* sp = hp + 96 * t;
             const V q4 = vload(sp + 32 * (g & 1));
             const V H = vload(sp + 64);
@@ -836,12 +845,14 @@ void q6k_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_
 #endif
             }
           }
+#if !defined(FF_Q8_VNNI)
+          const V sc = pairs_s8(P + kQ6ScAt + 8 * j);
+          for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
+#endif
+          }
 #if defined(FF_Q8_VNNI)
           const V sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * j)));
           for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_mullo_epi32(S[i], sc32));
-#else
-          const V sc = pairs_s8(P + kQ6ScAt + 8 * j);
-          for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
 #endif
         }
       }
