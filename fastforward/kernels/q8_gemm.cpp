@@ -756,11 +756,45 @@ void k4_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t
       for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
 #endif
     };
+#if defined(FF_Q8_VNNI)
+    // Both sub-blocks of a chunk in one pass: each slice loaded once for its low and high nibbles.
+    auto chunk = [&](int c) {
+      V S0[R], S1[R];
+      for (int i = 0; i < R; ++i) S0[i] = S1[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const V w = vload(qs + 256 * c + 32 * t);
+        V x0 = nib_lo(w), x1 = nib_hi(w);
+        if constexpr (F == kQ5_K) {
+          const V qh = vload(P + kQ5KQhAt + 32 * t);
+          switch (c) {  // bits 2c and 2c + 1 of the qh byte: the two sub-blocks' high bits
+            case 0: x0 = _mm256_or_si256(x0, bit_to_4<0>(qh)); x1 = _mm256_or_si256(x1, bit_to_4<1>(qh)); break;
+            case 1: x0 = _mm256_or_si256(x0, bit_to_4<2>(qh)); x1 = _mm256_or_si256(x1, bit_to_4<3>(qh)); break;
+            case 2: x0 = _mm256_or_si256(x0, bit_to_4<4>(qh)); x1 = _mm256_or_si256(x1, bit_to_4<5>(qh)); break;
+            default: x0 = _mm256_or_si256(x0, bit_to_4<6>(qh)); x1 = _mm256_or_si256(x1, bit_to_4<7>(qh)); break;
+          }
+        }
+        for (int i = 0; i < R; ++i) {
+          const int8_t* ap = ar[i] + 256 * sb + 64 * c + 4 * t;
+          S0[i] = FF_DPBUSD(S0[i], x0, bcast4(ap));
+          S1[i] = FF_DPBUSD(S1[i], x1, bcast4(ap + 32));
+        }
+      }
+      const V sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 16 * c)));
+      const V sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 16 * c + 8)));
+      for (int i = 0; i < R; ++i)
+        I[i] = _mm256_add_epi32(_mm256_add_epi32(I[i], _mm256_mullo_epi32(S0[i], sc0)), _mm256_mullo_epi32(S1[i], sc1));
+    };
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) chunk(c);
+    (void)chunk_half;
+#else
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       chunk_half(c, std::integral_constant<int, 0>{});
       chunk_half(c, std::integral_constant<int, 1>{});
     }
+#endif
     V mn[4];
     for (int k = 0; k < 4; ++k)
       mn[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + kMnAt + 16 * k)));
