@@ -341,6 +341,9 @@ struct Acts {
   const float* s = nullptr;
   const int16_t* bs16 = nullptr;
   const int16_t* bs32 = nullptr;
+  // Q4_K / Q5_K in 512-bit builds: q again with the two sub-blocks of each chunk of 64 interleaved 4 bytes at a
+  // time (chunk bytes 4t..4t+3, then 32+4t..32+4t+3, for t = 0..7), for k4_tile_z's 8-byte broadcasts.
+  const int8_t* qp = nullptr;
 };
 
 inline float fp16_round(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
@@ -443,7 +446,13 @@ Acts quantize_rows(const float* x, int64_t M, int64_t K, int f) {
   const int64_t nb = K / (k ? 256 : 32);
   const int64_t q_bytes = (M * K + 63) / 64 * 64, f_bytes = (M * nb * 4 + 63) / 64 * 64;
   const int64_t bs_bytes = k ? (M * nb * 24 * 2 + 63) / 64 * 64 : 0;
-  const size_t need = static_cast<size_t>(q_bytes + 3 * f_bytes + bs_bytes + 64);
+#if defined(FF_Q8_ZMM)
+  const bool pairs = f == kQ4_K || f == kQ5_K;
+#else
+  const bool pairs = false;
+#endif
+  const int64_t qp_bytes = pairs ? q_bytes : 0;
+  const size_t need = static_cast<size_t>(q_bytes + 3 * f_bytes + bs_bytes + qp_bytes + 64);
   if (buf.size() < need) buf.resize(need);
   uint8_t* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
   Acts a;
@@ -456,13 +465,21 @@ Acts quantize_rows(const float* x, int64_t M, int64_t K, int f) {
   int16_t* bs16 = reinterpret_cast<int16_t*>(base + q_bytes + 3 * f_bytes);
   int16_t* bs32 = bs16 + M * nb * 16;
   a.q = q, a.d = d, a.off = off, a.s = s, a.bs16 = bs16, a.bs32 = bs32;
+  int8_t* qp = pairs ? reinterpret_cast<int8_t*>(base + q_bytes + 3 * f_bytes + bs_bytes) : nullptr;
+  a.qp = qp;
   const int offset = act_offset_of(f);
   const bool q8_1 = has_min(f);
   at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      if (k)
+      if (k) {
         quantize_row_k(x + m * K, K, q + m * K, d + m * nb, bs16 + m * nb * 16, bs32 + m * nb * 8);
-      else
+        if (qp)
+          for (int64_t c = 0; c < K; c += 64)
+            for (int t = 0; t < 8; ++t) {
+              std::memcpy(qp + m * K + c + 8 * t, q + m * K + c + 4 * t, 4);
+              std::memcpy(qp + m * K + c + 8 * t + 4, q + m * K + c + 32 + 4 * t, 4);
+            }
+      } else
         quantize_row_32(x + m * K, K, offset, q8_1, q + m * K, d + m * nb, off + m * nb, s + m * nb);
     }
   });
@@ -812,6 +829,82 @@ void k4_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
 }
+
+#if defined(FF_Q8_ZMM)
+// Q4_K / Q5_K with 512-bit VNNI, one panel: a chunk's two sub-blocks (low and high nibbles of the same slices) side by
+// side in one register, lane 2r the row's sub-block 2c and lane 2r + 1 its sub-block 2c + 1, against the activation
+// pair [a(2c) | a(2c + 1)] of Acts::qp broadcast as one 8-byte value: one load and one 512-bit vpdpbusd per row and
+// slice, where k4_tile's 256-bit tiles take two of each (Zen 4 runs a 256-bit broadcast + vpdpbusd pair at 60-70% of
+// the multiplier's rate). The integer of every (row, sub-block) and their sum over the super-block are k4_tile's
+// (exact: the same bounds), and the super-block's fp32 part is k4_tile's code, so every output is its bits.
+template <int F, int R>
+void k4_tile_z(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
+  constexpr Layout L = layout_of(F);
+  __m256 acc[R];
+  const int8_t* ar[R];
+  for (int i = 0; i < R; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    ar[i] = a.qp + (m0 + i) * a.K;
+  }
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // each slice dword twice
+  const __m512i nib = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);  // low, high nibbles
+  for (int64_t sb = 0; sb < a.nb; ++sb) {
+    FF_MCA_BEGIN();
+    const uint8_t* P = panel + sb * L.panel_bytes;
+    prefetch_block<L.panel_bytes>(P);
+    const __m256 dw = halfs8(P), dmin = halfs8(P + 16);
+    const uint8_t* qs = P + k_qs_at(F);
+    __m512i I[R];
+    for (int i = 0; i < R; ++i) I[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      // bit 2c (lanes 2r) and 2c + 1 (lanes 2r + 1) of a Q5_K qh byte rotated to bit 4
+      const __m512i hb = _mm512_setr_epi32((36 - 2 * c) % 32, (35 - 2 * c) % 32, (36 - 2 * c) % 32, (35 - 2 * c) % 32,
+                                     (36 - 2 * c) % 32, (35 - 2 * c) % 32, (36 - 2 * c) % 32, (35 - 2 * c) % 32,
+                                     (36 - 2 * c) % 32, (35 - 2 * c) % 32, (36 - 2 * c) % 32, (35 - 2 * c) % 32,
+                                     (36 - 2 * c) % 32, (35 - 2 * c) % 32, (36 - 2 * c) % 32, (35 - 2 * c) % 32);
+      __m512i S[R];
+      for (int i = 0; i < R; ++i) S[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m512i w = _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(vload(qs + 256 * c + 32 * t)));
+        __m512i x = _mm512_and_si512(_mm512_srlv_epi32(w, nib), m4);
+        if constexpr (F == kQ5_K) {
+          const __m512i qh = _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(vload(P + kQ5KQhAt + 32 * t)));
+          x = _mm512_or_si512(x, _mm512_and_si512(_mm512_rolv_epi32(qh, hb), _mm512_set1_epi8(0x10)));
+        }
+        for (int i = 0; i < R; ++i) {
+          int64_t v;
+          std::memcpy(&v, ar[i] + 256 * sb + 64 * c + 8 * t, 8);
+          S[i] = _mm512_dpbusd_epi32(S[i], x, _mm512_set1_epi64(v));
+        }
+      }
+      const __m128i sc = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 16 * c)),
+                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 16 * c + 8)));
+      const __m512i sc32 = _mm512_cvtepu8_epi32(sc);
+      for (int i = 0; i < R; ++i) I[i] = _mm512_add_epi32(I[i], _mm512_mullo_epi32(S[i], sc32));
+    }
+    V mn[4];
+    for (int k = 0; k < 4; ++k)
+      mn[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + kMnAt + 16 * k)));
+    for (int i = 0; i < R; ++i) {
+      // row r's integer: lanes 2r + 2r + 1
+      const V Ii = _mm512_cvtepi64_epi32(_mm512_add_epi32(I[i], _mm512_srli_epi64(I[i], 32)));
+      const int64_t ab = (m0 + i) * a.nb + sb;
+      const int16_t* bs = a.bs32 + ab * 8;
+      V Im = _mm256_madd_epi16(mn[0], bcast4(bs));
+      for (int k = 1; k < 4; ++k) Im = _mm256_add_epi32(Im, _mm256_madd_epi16(mn[k], bcast4(bs + 2 * k)));
+      const __m256 da = _mm256_set1_ps(a.d[ab]);
+      const __m256 term = _mm256_sub_ps(_mm256_mul_ps(cvt(Ii), _mm256_mul_ps(dw, da)),
+                                        _mm256_mul_ps(cvt(Im), _mm256_mul_ps(dmin, da)));
+      acc[i] = _mm256_add_ps(acc[i], term);
+    }
+    FF_MCA_END();
+  }
+  for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
+}
+#endif
 
 // Q6_K: q in 0..63 (4 low bits from ql, 2 high bits from qh) times the activation, per 16-weight sub-block i
 // times its int8 scale, less 32 * sc_i * (the activation's sum over i). A pair is at most 2 * 63 * 127 = 16002,
@@ -1396,8 +1489,12 @@ Path auto_path(int64_t rows) {
 // With AVX-512 VNNI (32 vector registers) the K-quants take more rows per tile: one core, weights in L1 (the AMD
 // EPYC, Zen 4), Q4_K 28.7 / 37.3 / 40.3 multiply-adds per cycle at 2 / 4 / 6 rows a tile, Q5_K 25.2 / 33.4 at 2 / 4,
 // Q6_K 22.2 / 28.2 / 25.8 at 2 / 4 / 6.
+// With 512-bit tiles (k4_tile_z) 8 rows: the 1B Q4_K_M file's products at 4 / 8 / 16 rows 28.7 / 46.9 / 80.7 ms
+// against 29.6 / 50.5 / 81.1 at 6 and 28.4 / 50.7 / 85.8 at 4 (Zen 4, 2 threads, alternated in one process).
 #ifndef FF_Q8_K_ROWS
-#if defined(FF_VNNI_512)
+#if defined(FF_Q8_ZMM)
+#define FF_Q8_K_ROWS 8
+#elif defined(FF_VNNI_512)
 #define FF_Q8_K_ROWS 6
 #else
 #define FF_Q8_K_ROWS 2
@@ -1415,10 +1512,17 @@ constexpr int tile_rows() {
   return F == kQ6_K ? FF_Q8_Q6K_ROWS : is_k(F) ? FF_Q8_K_ROWS : FF_Q8_LEGACY_ROWS;
 }
 
+// Fewest rows of a tile for which Q4_K / Q5_K take k4_tile_z (512-bit VNNI builds).
+#ifndef FF_Q8_KZ_MIN_ROWS
+#define FF_Q8_KZ_MIN_ROWS 2
+#endif
 template <int F, int R>
 inline void tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
   if constexpr (F == kQ8_0) q8_0_tile<R>(panel, a, m0, out, ldo);
   else if constexpr (F == kQ6_K) q6k_tile<R>(panel, a, m0, out, ldo);
+#if defined(FF_Q8_ZMM)
+  else if constexpr (is_k(F) && R >= FF_Q8_KZ_MIN_ROWS) k4_tile_z<F, R>(panel, a, m0, out, ldo);
+#endif
   else if constexpr (is_k(F)) k4_tile<F, R>(panel, a, m0, out, ldo);
   else legacy_tile<F, R>(panel, a, m0, out, ldo);
 }
