@@ -331,6 +331,11 @@ at::Tensor q8_unpack(const at::Tensor& w, int64_t fmt, int64_t K, int64_t N) {
 
 // ---- activation rows ----------------------------------------------------------------------------------------------
 
+// Fewest rows of a tile for which the K-quants take the 512-bit tiles k4_tile_z / q6k_tile_z (512-bit VNNI builds).
+#ifndef FF_Q8_KZ_MIN_ROWS
+#define FF_Q8_KZ_MIN_ROWS 2
+#endif
+
 // One call's quantised activation rows. Legacy formats (blocks of 32): q, d, and per block `off` = offset * sum(q)
 // (Q4_0: 8, Q5_0: 16) or `s` (Q8_1). K-quants (blocks of 256): q, d, bsums of 16 (bs16) and of 32 (bs32), int16.
 struct Acts {
@@ -448,7 +453,7 @@ Acts quantize_rows(const float* x, int64_t M, int64_t K, int f) {
   const int64_t q_bytes = (M * K + 63) / 64 * 64, f_bytes = (M * nb * 4 + 63) / 64 * 64;
   const int64_t bs_bytes = k ? (M * nb * 24 * 2 + 63) / 64 * 64 : 0;
 #if defined(FF_Q8_ZMM)
-  const bool pairs = is_k(f);
+  const bool pairs = is_k(f) && M >= FF_Q8_KZ_MIN_ROWS;  // one row: k4_tile / q6k_tile read q
 #else
   const bool pairs = false;
 #endif
@@ -728,61 +733,8 @@ void k4_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t
     const uint8_t* qs = P + k_qs_at(F);
     V I[R];
     for (int i = 0; i < R; ++i) I[i] = _mm256_setzero_si256();
-    auto chunk_half = [&](int c, auto hc) {  // sub-block j = 2c + h: the low (h = 0) or high nibbles of chunk c
-      constexpr int h = decltype(hc)::value;
-      const int j = 2 * c + h;
 #if defined(FF_Q8_VNNI)
-      V S[R];
-      for (int i = 0; i < R; ++i) S[i] = _mm256_setzero_si256();
-#else
-      const V sc = pairs_u8(P + kScAt + 8 * j);
-      V p[R];
-      for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
-#endif
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
-        const uint8_t* wp = qs + 256 * c + 32 * t;
-        const V w = vload(wp);
-        V x = h ? nib_hi(w) : nib_lo(w);
-        if constexpr (F == kQ5_K) {
-          const V qh = vload(P + kQ5KQhAt + 32 * t);
-          switch (j) {  // bit j of the qh byte is this sub-block's high bit
-            case 0: x = _mm256_or_si256(x, bit_to_4<0>(qh)); break;
-            case 1: x = _mm256_or_si256(x, bit_to_4<1>(qh)); break;
-            case 2: x = _mm256_or_si256(x, bit_to_4<2>(qh)); break;
-            case 3: x = _mm256_or_si256(x, bit_to_4<3>(qh)); break;
-            case 4: x = _mm256_or_si256(x, bit_to_4<4>(qh)); break;
-            case 5: x = _mm256_or_si256(x, bit_to_4<5>(qh)); break;
-            case 6: x = _mm256_or_si256(x, bit_to_4<6>(qh)); break;
-            default: x = _mm256_or_si256(x, bit_to_4<7>(qh)); break;
-          }
-        }
-        for (int i = 0; i < R; ++i) {
-          const V av = bcast4(ar[i] + 256 * sb + 64 * c + 32 * h + 4 * t);
-#if defined(FF_Q8_VNNI)
-          S[i] = FF_DPBUSD(S[i], x, av);
-#else
-          p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(x, av));
-#endif
-        }
-#if !defined(FF_Q8_VNNI)
-        if (F == kQ5_K && t == 3) {
-          for (int i = 0; i < R; ++i) {
-            I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
-            p[i] = _mm256_setzero_si256();
-          }
-        }
-#endif
-      }
-#if defined(FF_Q8_VNNI)
-      const V sc32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 8 * j)));
-      for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_mullo_epi32(S[i], sc32));
-#else
-      for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
-#endif
-    };
-#if defined(FF_Q8_VNNI)
-    // Both sub-blocks of a chunk in one pass: each slice loaded once for its low and high nibbles.
+    // A chunk's two sub-blocks (its slices' low and high nibbles) in one pass: each slice loaded once.
     auto chunk = [&](int c) {
       V S0[R], S1[R];
       for (int i = 0; i < R; ++i) S0[i] = S1[i] = _mm256_setzero_si256();
@@ -812,8 +764,42 @@ void k4_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t
     };
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) chunk(c);
-    (void)chunk_half;
 #else
+    auto chunk_half = [&](int c, auto hc) {  // sub-block j = 2c + h: the low (h = 0) or high nibbles of chunk c
+      constexpr int h = decltype(hc)::value;
+      const int j = 2 * c + h;
+      const V sc = pairs_u8(P + kScAt + 8 * j);
+      V p[R];
+      for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const uint8_t* wp = qs + 256 * c + 32 * t;
+        const V w = vload(wp);
+        V x = h ? nib_hi(w) : nib_lo(w);
+        if constexpr (F == kQ5_K) {
+          const V qh = vload(P + kQ5KQhAt + 32 * t);
+          switch (j) {  // bit j of the qh byte is this sub-block's high bit
+            case 0: x = _mm256_or_si256(x, bit_to_4<0>(qh)); break;
+            case 1: x = _mm256_or_si256(x, bit_to_4<1>(qh)); break;
+            case 2: x = _mm256_or_si256(x, bit_to_4<2>(qh)); break;
+            case 3: x = _mm256_or_si256(x, bit_to_4<3>(qh)); break;
+            case 4: x = _mm256_or_si256(x, bit_to_4<4>(qh)); break;
+            case 5: x = _mm256_or_si256(x, bit_to_4<5>(qh)); break;
+            case 6: x = _mm256_or_si256(x, bit_to_4<6>(qh)); break;
+            default: x = _mm256_or_si256(x, bit_to_4<7>(qh)); break;
+          }
+        }
+        for (int i = 0; i < R; ++i)
+          p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(x, bcast4(ar[i] + 256 * sb + 64 * c + 32 * h + 4 * t)));
+        if (F == kQ5_K && t == 3) {
+          for (int i = 0; i < R; ++i) {
+            I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
+            p[i] = _mm256_setzero_si256();
+          }
+        }
+      }
+      for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
+    };
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       chunk_half(c, std::integral_constant<int, 0>{});
@@ -1603,10 +1589,6 @@ constexpr int tile_rows() {
   return F == kQ6_K ? FF_Q8_Q6K_ROWS : is_k(F) ? FF_Q8_K_ROWS : FF_Q8_LEGACY_ROWS;
 }
 
-// Fewest rows of a tile for which Q4_K / Q5_K take k4_tile_z (512-bit VNNI builds).
-#ifndef FF_Q8_KZ_MIN_ROWS
-#define FF_Q8_KZ_MIN_ROWS 2
-#endif
 template <int F, int R>
 inline void tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
   if constexpr (F == kQ8_0) q8_0_tile<R>(panel, a, m0, out, ldo);
