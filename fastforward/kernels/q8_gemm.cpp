@@ -733,44 +733,17 @@ void k4_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t
     const uint8_t* qs = P + k_qs_at(F);
     V I[R];
     for (int i = 0; i < R; ++i) I[i] = _mm256_setzero_si256();
-#if defined(FF_Q8_VNNI)
-    // A chunk's two sub-blocks (its slices' low and high nibbles) in one pass: each slice loaded once.
-    auto chunk = [&](int c) {
-      V S0[R], S1[R];
-      for (int i = 0; i < R; ++i) S0[i] = S1[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
-        const V w = vload(qs + 256 * c + 32 * t);
-        V x0 = nib_lo(w), x1 = nib_hi(w);
-        if constexpr (F == kQ5_K) {
-          const V qh = vload(P + kQ5KQhAt + 32 * t);
-          switch (c) {  // bits 2c and 2c + 1 of the qh byte: the two sub-blocks' high bits
-            case 0: x0 = _mm256_or_si256(x0, bit_to_4<0>(qh)); x1 = _mm256_or_si256(x1, bit_to_4<1>(qh)); break;
-            case 1: x0 = _mm256_or_si256(x0, bit_to_4<2>(qh)); x1 = _mm256_or_si256(x1, bit_to_4<3>(qh)); break;
-            case 2: x0 = _mm256_or_si256(x0, bit_to_4<4>(qh)); x1 = _mm256_or_si256(x1, bit_to_4<5>(qh)); break;
-            default: x0 = _mm256_or_si256(x0, bit_to_4<6>(qh)); x1 = _mm256_or_si256(x1, bit_to_4<7>(qh)); break;
-          }
-        }
-        for (int i = 0; i < R; ++i) {
-          const int8_t* ap = ar[i] + 256 * sb + 64 * c + 4 * t;
-          S0[i] = FF_DPBUSD(S0[i], x0, bcast4(ap));
-          S1[i] = FF_DPBUSD(S1[i], x1, bcast4(ap + 32));
-        }
-      }
-      const V sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 16 * c)));
-      const V sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 16 * c + 8)));
-      for (int i = 0; i < R; ++i)
-        I[i] = _mm256_add_epi32(_mm256_add_epi32(I[i], _mm256_mullo_epi32(S0[i], sc0)), _mm256_mullo_epi32(S1[i], sc1));
-    };
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) chunk(c);
-#else
     auto chunk_half = [&](int c, auto hc) {  // sub-block j = 2c + h: the low (h = 0) or high nibbles of chunk c
       constexpr int h = decltype(hc)::value;
       const int j = 2 * c + h;
+#if defined(FF_Q8_VNNI)
+      V S[R];
+      for (int i = 0; i < R; ++i) S[i] = _mm256_setzero_si256();
+#else
       const V sc = pairs_u8(P + kScAt + 8 * j);
       V p[R];
       for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
+#endif
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         const uint8_t* wp = qs + 256 * c + 32 * t;
@@ -789,23 +762,35 @@ void k4_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t
             default: x = _mm256_or_si256(x, bit_to_4<7>(qh)); break;
           }
         }
-        for (int i = 0; i < R; ++i)
-          p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(x, bcast4(ar[i] + 256 * sb + 64 * c + 32 * h + 4 * t)));
+        for (int i = 0; i < R; ++i) {
+          const V av = bcast4(ar[i] + 256 * sb + 64 * c + 32 * h + 4 * t);
+#if defined(FF_Q8_VNNI)
+          S[i] = FF_DPBUSD(S[i], x, av);
+#else
+          p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(x, av));
+#endif
+        }
+#if !defined(FF_Q8_VNNI)
         if (F == kQ5_K && t == 3) {
           for (int i = 0; i < R; ++i) {
             I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
             p[i] = _mm256_setzero_si256();
           }
         }
+#endif
       }
+#if defined(FF_Q8_VNNI)
+      const V sc32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 8 * j)));
+      for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_mullo_epi32(S[i], sc32));
+#else
       for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
+#endif
     };
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       chunk_half(c, std::integral_constant<int, 0>{});
       chunk_half(c, std::integral_constant<int, 1>{});
     }
-#endif
     V mn[4];
     for (int k = 0; k < 4; ++k)
       mn[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + kMnAt + 16 * k)));
@@ -902,10 +887,7 @@ void k4_tile_z(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64
 
 // Q6_K: q in 0..63 (4 low bits from ql, 2 high bits from qh) times the activation, per 16-weight sub-block i
 // times its int8 scale, less 32 * sc_i * (the activation's sum over i). A pair is at most 2 * 63 * 127 = 16002,
-// so two slices (t, t + 1: same sub-block) are summed in int16; with VNNI a sub-block's four slices are summed in
-// int32 and multiplied by its scale once (one vpmulld per 4 vpdpbusd, not per 2; Zen 4, 2 threads, a 2048 x 8192
-// weight from L3: 4-12 rows 1.07-1.23x; the 1B Q4_K_M file's products at 4 / 16 rows 31.4 / 90.5 -> 29.6 / 86.6
-// ms); |I| < 16 * 16 * 63 * 127 * 128 < 2^31.
+// so two slices (t, t + 1: same sub-block) are summed in int16; |I| < 16 * 16 * 63 * 127 * 128 < 2^31.
 template <int R>
 void q6k_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t ldo) {
   constexpr Layout L = layout_of(kQ6_K);
@@ -929,22 +911,19 @@ void q6k_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_
       // pattern g: 0 = A low nibbles (elements 4t..), 1 = B low (32+4t..), 2 = A high (64+4t..), 3 = B high (96+4t..)
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
-#pragma GCC unroll 2
-        for (int u = 0; u < 2; ++u) {
-          const int j = 8 * h + 2 * g + u;  // the sub-block of slices 4u .. 4u + 3
+#pragma GCC unroll 4
+        for (int tp = 0; tp < 4; ++tp) {
+          const int j = 8 * h + 2 * g + (tp >> 1);  // the sub-block of slices 2tp, 2tp + 1
 #if defined(FF_Q8_VNNI)
-          V S[R];  // its four slices' integers (|S| <= 16 * 63 * 127), then one multiply by its scale
+          V S[R];
           for (int i = 0; i < R; ++i) S[i] = _mm256_setzero_si256();
-#endif
-#pragma GCC unroll 2
-          for (int tq = 0; tq < 2; ++tq) {
-#if !defined(FF_Q8_VNNI)
+#else
           V p[R];
           for (int i = 0; i < R; ++i) p[i] = _mm256_setzero_si256();
 #endif
 #pragma GCC unroll 2
           for (int tt = 0; tt < 2; ++tt) {
-            const int t = 4 * u + 2 * tq + tt;
+            const int t = 2 * tp + tt;
             const uint8_t* sp = hp + 96 * t;
             const V q4 = vload(sp + 32 * (g & 1));
             const V H = vload(sp + 64);
@@ -966,14 +945,12 @@ void q6k_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_
 #endif
             }
           }
-#if !defined(FF_Q8_VNNI)
-          const V sc = pairs_s8(P + kQ6ScAt + 8 * j);
-          for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
-#endif
-          }
 #if defined(FF_Q8_VNNI)
           const V sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * j)));
           for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_mullo_epi32(S[i], sc32));
+#else
+          const V sc = pairs_s8(P + kQ6ScAt + 8 * j);
+          for (int i = 0; i < R; ++i) I[i] = _mm256_add_epi32(I[i], _mm256_madd_epi16(p[i], sc));
 #endif
         }
       }
