@@ -223,6 +223,27 @@ def test_every_method_equals_q8_ar(tiny_q8, prompt, max_new, method):
     assert ff.generate(q8, prompt, method, max_new_tokens=max_new).token_ids == ar
 
 
+@pytest.fixture(scope="module")
+def tiny_q8_kquants(tmp_path_factory):
+    """A tiny random GGUF of K-quants (Q4_K linears, a tied Q6_K embedding and head) in the q8 arithmetic: its drafts'
+    verification rows go through the K-quants' several-row tiles, its decoding steps through the one-row ones."""
+    q8, _ = tiny_gguf_target(tmp_path_factory.mktemp("q8k") / "tiny.gguf", arithmetic="q8", linear_type="Q4_K",
+                             embed_type="Q6_K", hidden_size=256, intermediate_size=512, vocab_size=256)
+    return q8
+
+
+@needs_native
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt=st.lists(st.integers(0, 255), min_size=1, max_size=20),
+    max_new=st.integers(1, 40),
+    method=st.sampled_from(["jacobi", "pld", "lookahead", "tr-jacobi"]),
+)
+def test_every_method_equals_q8_ar_on_k_quants(tiny_q8_kquants, prompt, max_new, method):
+    ar = ff.generate(tiny_q8_kquants, prompt, "ar", max_new_tokens=max_new).token_ids
+    assert ff.generate(tiny_q8_kquants, prompt, method, max_new_tokens=max_new).token_ids == ar
+
+
 @needs_native
 def test_batched_sequences_equal_their_solo_q8_outputs(tiny_q8):
     q8, _ = tiny_q8
