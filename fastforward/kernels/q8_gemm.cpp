@@ -810,6 +810,21 @@ void k4_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t
 }
 
 #if defined(FF_Q8_ZMM)
+// The 512-bit K-quant tiles' pieces: a value pair repeated over the 16 lanes; the 8 dwords of a 32-byte slice each
+// twice (lanes 2r, 2r + 1: weight row r); 8 bytes of Acts::qp in every 64-bit pair of lanes; each row's integer from
+// its two lanes.
+inline __m512i lane_pairs(int a, int b) { return _mm512_setr_epi32(a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b); }
+inline __m512i dwords_twice(const uint8_t* p) {
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                                  _mm512_castsi256_si512(vload(p)));
+}
+inline __m512i act_pair(const int8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm512_set1_epi64(v);
+}
+inline V row_sums(__m512i I) { return _mm512_cvtepi64_epi32(_mm512_add_epi32(I, _mm512_srli_epi64(I, 32))); }
+
 // Q4_K / Q5_K with 512-bit VNNI, one panel: a chunk's two sub-blocks (low and high nibbles of the same slices) side by
 // side in one register, lane 2r the row's sub-block 2c and lane 2r + 1 its sub-block 2c + 1, against the activation
 // pair [a(2c) | a(2c + 1)] of Acts::qp broadcast as one 8-byte value: one load and one 512-bit vpdpbusd per row and
@@ -825,9 +840,7 @@ void k4_tile_z(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64
     acc[i] = _mm256_setzero_ps();
     ar[i] = a.qp + (m0 + i) * a.K;
   }
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // each slice dword twice
-  const __m512i nib = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);  // low, high nibbles
+  const __m512i m4 = _mm512_set1_epi8(0x0F), nib = lane_pairs(0, 4);  // low, high nibbles
   for (int64_t sb = 0; sb < a.nb; ++sb) {
     FF_MCA_BEGIN();
     const uint8_t* P = panel + sb * L.panel_bytes;
@@ -839,25 +852,17 @@ void k4_tile_z(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       // bit 2c (lanes 2r) and 2c + 1 (lanes 2r + 1) of a Q5_K qh byte rotated to bit 4
-      const __m512i hb = _mm512_setr_epi32((36 - 2 * c) % 32, (35 - 2 * c) % 32, (36 - 2 * c) % 32, (35 - 2 * c) % 32,
-                                     (36 - 2 * c) % 32, (35 - 2 * c) % 32, (36 - 2 * c) % 32, (35 - 2 * c) % 32,
-                                     (36 - 2 * c) % 32, (35 - 2 * c) % 32, (36 - 2 * c) % 32, (35 - 2 * c) % 32,
-                                     (36 - 2 * c) % 32, (35 - 2 * c) % 32, (36 - 2 * c) % 32, (35 - 2 * c) % 32);
+      const __m512i hb = lane_pairs((36 - 2 * c) % 32, (35 - 2 * c) % 32);
       __m512i S[R];
       for (int i = 0; i < R; ++i) S[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
-        const __m512i w = _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(vload(qs + 256 * c + 32 * t)));
-        __m512i x = _mm512_and_si512(_mm512_srlv_epi32(w, nib), m4);
-        if constexpr (F == kQ5_K) {
-          const __m512i qh = _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(vload(P + kQ5KQhAt + 32 * t)));
-          x = _mm512_or_si512(x, _mm512_and_si512(_mm512_rolv_epi32(qh, hb), _mm512_set1_epi8(0x10)));
-        }
-        for (int i = 0; i < R; ++i) {
-          int64_t v;
-          std::memcpy(&v, ar[i] + 256 * sb + 64 * c + 8 * t, 8);
-          S[i] = _mm512_dpbusd_epi32(S[i], x, _mm512_set1_epi64(v));
-        }
+        __m512i x = _mm512_and_si512(_mm512_srlv_epi32(dwords_twice(qs + 256 * c + 32 * t), nib), m4);
+        if constexpr (F == kQ5_K)
+          x = _mm512_or_si512(x, _mm512_and_si512(_mm512_rolv_epi32(dwords_twice(P + kQ5KQhAt + 32 * t), hb),
+                                                  _mm512_set1_epi8(0x10)));
+        for (int i = 0; i < R; ++i)
+          S[i] = _mm512_dpbusd_epi32(S[i], x, act_pair(ar[i] + 256 * sb + 64 * c + 8 * t));
       }
       const __m128i sc = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 16 * c)),
                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kScAt + 16 * c + 8)));
@@ -868,8 +873,7 @@ void k4_tile_z(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64
     for (int k = 0; k < 4; ++k)
       mn[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + kMnAt + 16 * k)));
     for (int i = 0; i < R; ++i) {
-      // row r's integer: lanes 2r + 2r + 1
-      const V Ii = _mm512_cvtepi64_epi32(_mm512_add_epi32(I[i], _mm512_srli_epi64(I[i], 32)));
+      const V Ii = row_sums(I[i]);
       const int64_t ab = (m0 + i) * a.nb + sb;
       const int16_t* bs = a.bs32 + ab * 8;
       V Im = _mm256_madd_epi16(mn[0], bcast4(bs));
@@ -989,12 +993,9 @@ void q6k_tile_z(const uint8_t* panel, const Acts a, int64_t m0, float* out, int6
     acc[i] = _mm256_setzero_ps();
     ar[i] = a.qp + (m0 + i) * a.K;
   }
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
-  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i nib = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30), nib = lane_pairs(0, 4);
   // qh bits to 4-5, by rotating each dword left: g = 0 / 2 (bits 0-1 / 4-5) and g = 1 / 3 (bits 2-3 / 6-7)
-  const __m512i rot[2] = {_mm512_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0),
-                          _mm512_setr_epi32(2, 30, 2, 30, 2, 30, 2, 30, 2, 30, 2, 30, 2, 30, 2, 30)};
+  const __m512i rot[2] = {lane_pairs(4, 0), lane_pairs(2, 30)};
   for (int64_t sb = 0; sb < a.nb; ++sb) {
     FF_MCA_BEGIN();
     const uint8_t* P = panel + sb * L.panel_bytes;
@@ -1016,15 +1017,10 @@ void q6k_tile_z(const uint8_t* panel, const Acts a, int64_t m0, float* out, int6
           for (int tt = 0; tt < 4; ++tt) {
             const int t = 4 * u + tt;
             const uint8_t* sp = hp + 96 * t;
-            const __m512i q4 = _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(vload(sp + 32 * g)));
-            const __m512i H = _mm512_permutexvar_epi32(dup, _mm512_castsi256_si512(vload(sp + 64)));
-            const __m512i x = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(q4, nib), m4),
-                                              _mm512_and_si512(_mm512_rolv_epi32(H, rot[g]), m2));
-            for (int i = 0; i < R; ++i) {
-              int64_t v;
-              std::memcpy(&v, ar[i] + 256 * sb + 128 * h + 64 * g + 8 * t, 8);
-              S[i] = _mm512_dpbusd_epi32(S[i], x, _mm512_set1_epi64(v));
-            }
+            const __m512i x = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(dwords_twice(sp + 32 * g), nib), m4),
+                                              _mm512_and_si512(_mm512_rolv_epi32(dwords_twice(sp + 64), rot[g]), m2));
+            for (int i = 0; i < R; ++i)
+              S[i] = _mm512_dpbusd_epi32(S[i], x, act_pair(ar[i] + 256 * sb + 128 * h + 64 * g + 8 * t));
           }
           const __m512i sc32 = _mm512_cvtepi8_epi32(
               _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * j)),
@@ -1040,7 +1036,7 @@ void q6k_tile_z(const uint8_t* panel, const Acts a, int64_t m0, float* out, int6
       scp[k] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));
     }
     for (int i = 0; i < R; ++i) {
-      const V Ii = _mm512_cvtepi64_epi32(_mm512_add_epi32(I[i], _mm512_srli_epi64(I[i], 32)));
+      const V Ii = row_sums(I[i]);
       const int64_t ab = (m0 + i) * a.nb + sb;
       const int16_t* bs = a.bs16 + ab * 16;
       V Io = _mm256_madd_epi16(scp[0], bcast4(bs));
