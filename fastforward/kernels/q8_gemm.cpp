@@ -712,6 +712,43 @@ void q8_0_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
 }
 
+// A K-quant super-block's end, shared by the 256-bit and 512-bit tiles: per row, its integer I (int32 per weight row)
+// with the mins' (Q4_K / Q5_K) or the offset's (Q6_K) term from the activation's sums, scaled in fp32 into acc.
+struct K4Mins {  // [mn_2k, mn_2k+1] pairs per weight row
+  V mn[4];
+  explicit K4Mins(const uint8_t* P) {
+    for (int k = 0; k < 4; ++k)
+      mn[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + kMnAt + 16 * k)));
+  }
+};
+inline __m256 k4_end(__m256 acc, V I, const K4Mins& m, const Acts& a, int64_t ab, __m256 dw, __m256 dmin) {
+  const int16_t* bs = a.bs32 + ab * 8;
+  V Im = _mm256_madd_epi16(m.mn[0], bcast4(bs));
+  for (int k = 1; k < 4; ++k) Im = _mm256_add_epi32(Im, _mm256_madd_epi16(m.mn[k], bcast4(bs + 2 * k)));
+  const __m256 da = _mm256_set1_ps(a.d[ab]);
+  const __m256 term = _mm256_sub_ps(_mm256_mul_ps(cvt(I), _mm256_mul_ps(dw, da)),
+                                    _mm256_mul_ps(cvt(Im), _mm256_mul_ps(dmin, da)));
+  return _mm256_add_ps(acc, term);
+}
+struct Q6Scales {  // [sc_2k, sc_2k+1] pairs per weight row
+  V scp[8];
+  explicit Q6Scales(const uint8_t* P) {
+    for (int k = 0; k < 8; ++k) {
+      const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * (2 * k)));
+      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * (2 * k + 1)));
+      scp[k] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));
+    }
+  }
+};
+// less 32 * sum_i sc_i * bsum_i
+inline __m256 q6k_end(__m256 acc, V I, const Q6Scales& s, const Acts& a, int64_t ab, __m256 dw) {
+  const int16_t* bs = a.bs16 + ab * 16;
+  V Io = _mm256_madd_epi16(s.scp[0], bcast4(bs));
+  for (int k = 1; k < 8; ++k) Io = _mm256_add_epi32(Io, _mm256_madd_epi16(s.scp[k], bcast4(bs + 2 * k)));
+  const V t = _mm256_sub_epi32(I, _mm256_slli_epi32(Io, 5));
+  return _mm256_add_ps(acc, _mm256_mul_ps(cvt(t), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab]))));
+}
+
 // Q4_K / Q5_K: per 32-weight sub-block j, the int16 sums times its 6-bit scale (vpmaddwd with [sc, sc] pairs)
 // into the super-block's int32 I; the mins' term from the activation's sums of 32. Bounds: a Q4 sub-block's eight
 // pairs sum to at most 30480 in int16, a Q5 one's pairs are widened every four (31496); |I| <= 8 * 32 * 31 * 127 *
@@ -791,19 +828,8 @@ void k4_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_t
       chunk_half(c, std::integral_constant<int, 0>{});
       chunk_half(c, std::integral_constant<int, 1>{});
     }
-    V mn[4];
-    for (int k = 0; k < 4; ++k)
-      mn[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + kMnAt + 16 * k)));
-    for (int i = 0; i < R; ++i) {
-      const int64_t ab = (m0 + i) * a.nb + sb;
-      const int16_t* bs = a.bs32 + ab * 8;
-      V Im = _mm256_madd_epi16(mn[0], bcast4(bs));
-      for (int k = 1; k < 4; ++k) Im = _mm256_add_epi32(Im, _mm256_madd_epi16(mn[k], bcast4(bs + 2 * k)));
-      const __m256 da = _mm256_set1_ps(a.d[ab]);
-      const __m256 term = _mm256_sub_ps(_mm256_mul_ps(cvt(I[i]), _mm256_mul_ps(dw, da)),
-                                        _mm256_mul_ps(cvt(Im), _mm256_mul_ps(dmin, da)));
-      acc[i] = _mm256_add_ps(acc[i], term);
-    }
+    const K4Mins mins(P);
+    for (int i = 0; i < R; ++i) acc[i] = k4_end(acc[i], I[i], mins, a, (m0 + i) * a.nb + sb, dw, dmin);
     FF_MCA_END();
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
@@ -869,20 +895,8 @@ void k4_tile_z(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64
       const __m512i sc32 = _mm512_cvtepu8_epi32(sc);
       for (int i = 0; i < R; ++i) I[i] = _mm512_add_epi32(I[i], _mm512_mullo_epi32(S[i], sc32));
     }
-    V mn[4];
-    for (int k = 0; k < 4; ++k)
-      mn[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + kMnAt + 16 * k)));
-    for (int i = 0; i < R; ++i) {
-      const V Ii = row_sums(I[i]);
-      const int64_t ab = (m0 + i) * a.nb + sb;
-      const int16_t* bs = a.bs32 + ab * 8;
-      V Im = _mm256_madd_epi16(mn[0], bcast4(bs));
-      for (int k = 1; k < 4; ++k) Im = _mm256_add_epi32(Im, _mm256_madd_epi16(mn[k], bcast4(bs + 2 * k)));
-      const __m256 da = _mm256_set1_ps(a.d[ab]);
-      const __m256 term = _mm256_sub_ps(_mm256_mul_ps(cvt(Ii), _mm256_mul_ps(dw, da)),
-                                        _mm256_mul_ps(cvt(Im), _mm256_mul_ps(dmin, da)));
-      acc[i] = _mm256_add_ps(acc[i], term);
-    }
+    const K4Mins mins(P);
+    for (int i = 0; i < R; ++i) acc[i] = k4_end(acc[i], row_sums(I[i]), mins, a, (m0 + i) * a.nb + sb, dw, dmin);
     FF_MCA_END();
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
@@ -959,21 +973,8 @@ void q6k_tile(const uint8_t* panel, const Acts a, int64_t m0, float* out, int64_
         }
       }
     }
-    // the offset: 32 * sum_i sc_i * bsum_i, with [sc_2k, sc_2k+1] pairs per row against the activation's sums
-    V scp[8];
-    for (int k = 0; k < 8; ++k) {
-      const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * (2 * k)));
-      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * (2 * k + 1)));
-      scp[k] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));
-    }
-    for (int i = 0; i < R; ++i) {
-      const int64_t ab = (m0 + i) * a.nb + sb;
-      const int16_t* bs = a.bs16 + ab * 16;
-      V Io = _mm256_madd_epi16(scp[0], bcast4(bs));
-      for (int k = 1; k < 8; ++k) Io = _mm256_add_epi32(Io, _mm256_madd_epi16(scp[k], bcast4(bs + 2 * k)));
-      const V t = _mm256_sub_epi32(I[i], _mm256_slli_epi32(Io, 5));
-      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(cvt(t), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab]))));
-    }
+    const Q6Scales scales(P);
+    for (int i = 0; i < R; ++i) acc[i] = q6k_end(acc[i], I[i], scales, a, (m0 + i) * a.nb + sb, dw);
     FF_MCA_END();
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
@@ -1029,21 +1030,8 @@ void q6k_tile_z(const uint8_t* panel, const Acts a, int64_t m0, float* out, int6
         }
       }
     }
-    V scp[8];
-    for (int k = 0; k < 8; ++k) {
-      const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * (2 * k)));
-      const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(P + kQ6ScAt + 8 * (2 * k + 1)));
-      scp[k] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));
-    }
-    for (int i = 0; i < R; ++i) {
-      const V Ii = row_sums(I[i]);
-      const int64_t ab = (m0 + i) * a.nb + sb;
-      const int16_t* bs = a.bs16 + ab * 16;
-      V Io = _mm256_madd_epi16(scp[0], bcast4(bs));
-      for (int k = 1; k < 8; ++k) Io = _mm256_add_epi32(Io, _mm256_madd_epi16(scp[k], bcast4(bs + 2 * k)));
-      const V t = _mm256_sub_epi32(Ii, _mm256_slli_epi32(Io, 5));
-      acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(cvt(t), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab]))));
-    }
+    const Q6Scales scales(P);
+    for (int i = 0; i < R; ++i) acc[i] = q6k_end(acc[i], row_sums(I[i]), scales, a, (m0 + i) * a.nb + sb, dw);
     FF_MCA_END();
   }
   for (int i = 0; i < R; ++i) _mm256_storeu_ps(out + (m0 + i) * ldo, acc[i]);
