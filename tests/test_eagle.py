@@ -56,14 +56,15 @@ def test_aux_layers_follow_the_serving_engines_default():
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), topk=st.integers(1, 4),
        depth=st.integers(1, 5), nodes=st.sampled_from([0, 0, 3, 9]), backoff=st.sampled_from([0, 1, 8]),
-       price_calls=st.booleans(), on_loss=st.booleans(), weights=st.sampled_from(["auto", "q4_0", "fp32"]))
+       price_calls=st.booleans(), on_loss=st.booleans(), weights=st.sampled_from(["auto", "q4_0", "fp32"]),
+       window=st.sampled_from([0, 1, 4, 256]))
 def test_eagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, nodes, backoff, price_calls, on_loss,
-                                weights):
+                                weights, window):
     ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
     out = ff.generate(target, prompt, "eagle", max_new_tokens=24,
                       method_options=dict(drafter=str(drafter_dir), topk=topk, depth=depth, nodes=nodes,
                                           min_prob=0.0, backoff=backoff, price_calls=price_calls,
-                                          backoff_on_loss=on_loss, weights=weights))
+                                          backoff_on_loss=on_loss, weights=weights, prompt_window=window))
     assert out.token_ids == ar
 
 

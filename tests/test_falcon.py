@@ -215,12 +215,12 @@ def F_embed(embed, ids):
 @settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), topk=st.integers(1, 4),
        passes=st.integers(1, 3), frontier=st.integers(1, 3), nodes=st.sampled_from([0, 0, 5]),
-       backoff=st.sampled_from([0, 8]))
-def test_falcon_greedy_equals_ar(target, drafter_dir, prompt, topk, passes, frontier, nodes, backoff):
+       backoff=st.sampled_from([0, 8]), window=st.sampled_from([0, 1, 4, 256]))
+def test_falcon_greedy_equals_ar(target, drafter_dir, prompt, topk, passes, frontier, nodes, backoff, window):
     ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
     out = ff.generate(target, prompt, "falcon", max_new_tokens=24,
                       method_options=dict(drafter=str(drafter_dir), topk=topk, passes=passes, frontier=frontier,
-                                          nodes=nodes, backoff=backoff))
+                                          nodes=nodes, backoff=backoff, prompt_window=window))
     assert out.token_ids == ar
 
 

@@ -156,12 +156,13 @@ def test_expected_tokens_of_the_backbone_tree():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), topk=st.integers(1, 4),
-       depth=st.integers(1, 4), fixed=st.booleans(), backoff=st.sampled_from([0, 1, 8]), on_loss=st.booleans())
-def test_fasteagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, fixed, backoff, on_loss):
+       depth=st.integers(1, 4), fixed=st.booleans(), backoff=st.sampled_from([0, 1, 8]), on_loss=st.booleans(),
+       window=st.sampled_from([0, 1, 4, 256]))
+def test_fasteagle_greedy_equals_ar(target, drafter_dir, prompt, topk, depth, fixed, backoff, on_loss, window):
     ar = ff.generate(target, prompt, "ar", max_new_tokens=24).token_ids
     out = ff.generate(target, prompt, "fasteagle", max_new_tokens=24,
                       method_options=dict(drafter=str(drafter_dir), topk=topk, depth=depth, fixed=fixed,
-                                          backoff=backoff, backoff_on_loss=on_loss))
+                                          backoff=backoff, backoff_on_loss=on_loss, prompt_window=window))
     assert out.token_ids == ar
 
 
@@ -176,18 +177,20 @@ def test_batch_equals_solo(target, drafter_dir):
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=10), topk=st.integers(1, 3),
-       fixed=st.booleans())
-def test_drafter_kv_holds_accepted_positions_only(target, drafter_dir, prompt, topk, fixed):
-    """After decoding, the drafter's caches hold rows 0 .. n-1 of the output only (rows of the last steps may still
-    wait: the step that ends the generation, or steps the back-off skipped), and they equal the caches of one commit
-    of the final sequence: no rejected draft ever entered them."""
-    prop = make_proposer("fasteagle", target, drafter=str(drafter_dir), topk=topk, fixed=fixed)
+       fixed=st.booleans(), window=st.sampled_from([0, 1, 3]))
+def test_drafter_kv_holds_accepted_positions_only(target, drafter_dir, prompt, topk, fixed, window):
+    """After decoding, the drafter's caches hold rows first .. n-1 of the output only -- first = 0, or with a prompt
+    window the prompt's last ``window`` rows onwards (rows of the last steps may still wait: the step that ends the
+    generation, or steps the back-off skipped) -- and they equal the caches of one commit of the final sequence from
+    row first: no rejected draft, and no prompt row before the window, ever entered them."""
+    prop = make_proposer("fasteagle", target, drafter=str(drafter_dir), topk=topk, fixed=fixed, prompt_window=window)
     res = ff.generate(target, prompt, prop, max_new_tokens=16)
     seq = torch.tensor(prompt + res.token_ids)
     run = prop.runner
-    assert len(prompt) <= run.length <= seq.numel() - 1
+    first = max(0, len(prompt) - window) if window else 0
+    assert len(prompt) - first <= run.length <= seq.numel() - 1 - first
     again = prop.shared.fresh(64)
-    again.commit(compute_features(target, seq)["taps"][:-1], seq[1:], torch.arange(seq.numel() - 1))
+    again.commit(compute_features(target, seq)["taps"][first:-1], seq[first + 1:], torch.arange(first, seq.numel() - 1))
     n = run.length
     assert torch.allclose(run.k[:, :, :n], again.k[:, :, :n], atol=1e-4)
     assert torch.allclose(run.v[:, :, :n], again.v[:, :, :n], atol=1e-4)

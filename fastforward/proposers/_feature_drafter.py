@@ -32,7 +32,15 @@ from ..errors import UsageError
 from ..tree import DraftTree
 from ..verify import sample
 from ._backoff import BackOff
-from ._options import Option, backoff_on_loss_option, backoff_option, drafter_option, weights_option
+from ._options import (
+    PROMPT_WINDOW,
+    Option,
+    backoff_on_loss_option,
+    backoff_option,
+    drafter_option,
+    prompt_window_option,
+    weights_option,
+)
 from ._rerank import best_size
 
 
@@ -80,15 +88,17 @@ def calibrated_option() -> Option:
 class FeatureDrafterProposer(Proposer):
     """See the module docstring. ``fixed``: the draft's size does not follow the cost model (no cost model, no
     back-off); ``calibrated``: at temperature 0, the drafter's calibrated greedy-acceptance rates (if its folder has
-    a map) in place of its probabilities."""
+    a map) in place of its probabilities; ``prompt_window``: the prompt's last tokens the drafter reads (0: all)."""
 
     #: whether committed rows count as ``draft_rows`` in the stats (else the subclass counts its drafting rows)
     counts_committed_rows = True
     #: whether its chains (``topk=1``) sample their drafts at temperature > 0 (:meth:`_sampled_chain`)
     samples_chains = False
 
-    def __init__(self, runner, *, fixed: bool, backoff: int, backoff_on_loss: bool = True, calibrated: bool = False):
+    def __init__(self, runner, *, fixed: bool, backoff: int, backoff_on_loss: bool = True, calibrated: bool = False,
+                 prompt_window: int = PROMPT_WINDOW):
         self.shared = runner
+        self.prompt_window = prompt_window
         self.fixed_size = fixed
         self.hidden_layers = self._tap_layers(runner)
         # at temperature 0, draft probabilities mapped to greedy acceptance rates (if the drafter has a map)
@@ -143,10 +153,11 @@ class FeatureDrafterProposer(Proposer):
         self.back_off = BackOff(self.backoff, self.backoff_on_loss and not self.drafts_with_probabilities)
         if not self.fixed_size and self.costs is None:
             self.prepare(state.target)
-        # the prompt's rows wait for the drafter's first pass like any accepted rows (_catch_up): a run that never
-        # drafts (set aside, or stepping where no draft pays) never pays for them
+        # the prompt's rows (its last prompt_window) wait for the drafter's first pass like any accepted rows
+        # (_catch_up): a run that never drafts (set aside, or stepping where no draft pays) never pays for them
         self._ids = state.ids
-        self.pending.append((hidden, range(n), 0, n))
+        first = max(0, n - self.prompt_window) if self.prompt_window else 0
+        self.pending.append((hidden, range(first, n), first, n - first))
 
     def observe(self, state: DecodeState, step: StepResult) -> None:
         if self.drafts_with_probabilities and len(step.proposal.tree) > 1:

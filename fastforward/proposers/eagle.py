@@ -59,7 +59,7 @@ from ..verify import target_probs
 from . import register
 from ._call_cost import DrafterCallCost
 from ._feature_drafter import FeatureDrafterProposer, calibrated_option, drafter_options, load_runner
-from ._options import MAX_TREE_NODES, Option, max_nodes_option, nodes_option
+from ._options import MAX_TREE_NODES, PROMPT_WINDOW, Option, max_nodes_option, nodes_option
 from ._rerank import build_tree, rank
 
 #: the most children per expanded node, and the deepest tree: a step's candidate table holds topk + (depth - 1) x
@@ -79,9 +79,9 @@ class EagleProposer(FeatureDrafterProposer):
 
     def __init__(self, runner: Eagle3Runner, *, topk: int, depth: int, nodes: int, max_nodes: int,
                  min_prob: float, backoff: int = 0, calibrated: bool = False, price_calls: bool = True,
-                 backoff_on_loss: bool = True):
+                 backoff_on_loss: bool = True, prompt_window: int = PROMPT_WINDOW):
         super().__init__(runner, fixed=bool(nodes), backoff=backoff, backoff_on_loss=backoff_on_loss,
-                         calibrated=calibrated)
+                         calibrated=calibrated, prompt_window=prompt_window)
         self.topk, self.depth, self.nodes, self.max_nodes, self.min_prob = topk, depth, nodes, max_nodes, min_prob
         self.last_h: torch.Tensor | None = None
         self.root_top: tuple[torch.Tensor, torch.Tensor] | None = None  # the top-k after last_h: [1, k] each
@@ -300,9 +300,9 @@ class EagleProposer(FeatureDrafterProposer):
           ))
 def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
           min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = False,
-          price_calls: bool = True, backoff_on_loss: bool = True) -> Proposer:
+          price_calls: bool = True, backoff_on_loss: bool = True, prompt_window: int = PROMPT_WINDOW) -> Proposer:
     """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
     runner = drafter_runner(target, drafter, weights)
     return EagleProposer(runner, topk=topk, depth=depth, nodes=nodes, max_nodes=max_nodes, min_prob=float(min_prob),
                          backoff=backoff, calibrated=calibrated, price_calls=price_calls,
-                         backoff_on_loss=backoff_on_loss)
+                         backoff_on_loss=backoff_on_loss, prompt_window=prompt_window)

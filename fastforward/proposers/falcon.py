@@ -36,7 +36,7 @@ from ..drafters.features import FINAL
 from ..engine import DecodeState, Proposal, Proposer
 from . import register
 from ._feature_drafter import FeatureDrafterProposer, drafter_options, load_runner
-from ._options import MAX_TREE_NODES, Option, max_nodes_option, nodes_option
+from ._options import MAX_TREE_NODES, PROMPT_WINDOW, Option, max_nodes_option, nodes_option
 from ._rerank import build_tree, rank
 
 #: candidates per depth, drafter passes per step, and frontier nodes fed back per pass: a pass drafts k depths of
@@ -90,8 +90,9 @@ class FalconProposer(FeatureDrafterProposer):
     hidden_layers = (FINAL,)
 
     def __init__(self, runner: FalconRunner, *, topk: int, passes: int, frontier: int, nodes: int, max_nodes: int,
-                 backoff: int, backoff_on_loss: bool = True):
-        super().__init__(runner, fixed=bool(nodes), backoff=backoff, backoff_on_loss=backoff_on_loss)
+                 backoff: int, backoff_on_loss: bool = True, prompt_window: int = PROMPT_WINDOW):
+        super().__init__(runner, fixed=bool(nodes), backoff=backoff, backoff_on_loss=backoff_on_loss,
+                         prompt_window=prompt_window)
         self.topk, self.passes, self.frontier = topk, passes, frontier
         self.nodes, self.max_nodes = nodes, max_nodes
         self._n = {"steps": 0, "looks": 0, "passes": 0, "draft_rows": 0, "nodes": 0}
@@ -202,8 +203,9 @@ class FalconProposer(FeatureDrafterProposer):
               max_nodes_option(32),
           ))
 def falcon(target, *, drafter: str | None = None, topk: int = 4, passes: int = 2, frontier: int = 4, nodes: int = 0,
-           max_nodes: int = 32, backoff: int = 8, weights: str = "auto", backoff_on_loss: bool = True) -> Proposer:
+           max_nodes: int = 32, backoff: int = 8, weights: str = "auto", backoff_on_loss: bool = True,
+           prompt_window: int = PROMPT_WINDOW) -> Proposer:
     """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
     runner = falcon_runner(target, drafter, weights)
     return FalconProposer(runner, topk=topk, passes=passes, frontier=frontier, nodes=nodes, max_nodes=max_nodes,
-                          backoff=backoff, backoff_on_loss=backoff_on_loss)
+                          backoff=backoff, backoff_on_loss=backoff_on_loss, prompt_window=prompt_window)

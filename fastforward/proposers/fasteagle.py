@@ -39,7 +39,7 @@ from ..tree import DraftTree, TreeShape
 from ..verify import target_probs
 from . import register
 from ._feature_drafter import FeatureDrafterProposer, calibrated_option, drafter_options, load_runner
-from ._options import MAX_TREE_NODES, Option, max_nodes_option
+from ._options import MAX_TREE_NODES, PROMPT_WINDOW, Option, max_nodes_option
 
 #: the most tokens per depth and the most depths of the backbone expansion tree (levels x k + 1 nodes, also at most
 #: max_nodes)
@@ -78,8 +78,10 @@ class FastEagleProposer(FeatureDrafterProposer):
     samples_chains = True  # at T > 0 a chain samples depth i from layer i's distribution (one pass, as greedy)
 
     def __init__(self, runner: FastEagleRunner, *, topk: int, depth: int, fixed: bool, max_nodes: int,
-                 backoff: int, calibrated: bool = False, backoff_on_loss: bool = True):
-        super().__init__(runner, fixed=fixed, backoff=backoff, backoff_on_loss=backoff_on_loss, calibrated=calibrated)
+                 backoff: int, calibrated: bool = False, backoff_on_loss: bool = True,
+                 prompt_window: int = PROMPT_WINDOW):
+        super().__init__(runner, fixed=fixed, backoff=backoff, backoff_on_loss=backoff_on_loss, calibrated=calibrated,
+                         prompt_window=prompt_window)
         self.topk, self.depth, self.fixed, self.max_nodes = topk, min(depth, runner.cfg.num_layers), fixed, max_nodes
         self.last_h: torch.Tensor | None = None
         self.top_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # every depth's top-k after last_h: [N, k]
@@ -199,8 +201,8 @@ class FastEagleProposer(FeatureDrafterProposer):
           ))
 def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int = 16, fixed: bool = False,
               max_nodes: int = 32, backoff: int = 8, weights: str = "auto", calibrated: bool = False,
-              backoff_on_loss: bool = True) -> Proposer:
+              backoff_on_loss: bool = True, prompt_window: int = PROMPT_WINDOW) -> Proposer:
     """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
     runner = fasteagle_runner(target, drafter, weights)
     return FastEagleProposer(runner, topk=topk, depth=depth, fixed=fixed, max_nodes=max_nodes, backoff=backoff,
-                             calibrated=calibrated, backoff_on_loss=backoff_on_loss)
+                             calibrated=calibrated, backoff_on_loss=backoff_on_loss, prompt_window=prompt_window)
