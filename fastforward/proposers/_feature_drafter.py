@@ -75,9 +75,9 @@ def load_runner(method: str, kind: str, target, drafter: str | None, weights: st
 
 def drafter_options(method: str, *own: Option, extra: tuple[Option, ...] = ()) -> tuple[Option, ...]:
     """A feature drafter's options in the order they are listed: its drafter folder, the method's ``own`` (its
-    draft's shape and size), back-off, the drafter's weights, ``extra``, back-off on loss."""
+    draft's shape and size), back-off, the drafter's weights, ``extra``, back-off on loss, the prompt window."""
     return (drafter_option(method), *own, backoff_option(), weights_option(DRAFTER_WEIGHTS), *extra,
-            backoff_on_loss_option())
+            backoff_on_loss_option(), prompt_window_option())
 
 
 def calibrated_option() -> Option:
