@@ -205,6 +205,36 @@ def test_default_model_packed_matches_dequantised_fp32(default_exact):
     assert torch.equal(default_exact.backend.layers[0].qkv.dense(), qkv)
 
 
+def test_the_fused_stack_follows_every_change_of_the_layers(tmp_path):
+    """The one-call stack of packed layers is kept between forwards and rebuilt when a layer's linear is set, a layer
+    is replaced, or the ops change; a forward after each change is the forward of a model loaded with that change."""
+    import dataclasses
+
+    packed, _ = tiny_gguf_target(tmp_path / "tiny.gguf")
+    backend = packed.backend
+    if backend.ops is None or not hasattr(backend.ops, "PackedStack"):
+        pytest.skip("no native layer ops here")
+    prompt = torch.tensor([3, 17, 42, 8, 91, 5, 60])
+
+    def logits():
+        return packed.forward(prompt, torch.arange(7), packed.new_cache(16)).logits
+
+    first = backend._packed_stack()
+    assert first is not None and backend._packed_stack() is first  # kept
+    before = logits()
+    layers = backend.layers
+    layers[0].down, layers[1].down = layers[1].down, layers[0].down  # same shapes: a different model
+    assert backend._packed_stack() is not first
+    assert not torch.equal(logits(), before)
+    layers[0].down, layers[1].down = layers[1].down, layers[0].down
+    assert torch.equal(logits(), before)
+    layers[1] = dataclasses.replace(layers[1], gate_up=layers[0].gate_up)  # a layer replaced in the list
+    assert backend._packed_stack() is not first
+    again, _ = tiny_gguf_target(tmp_path / "again.gguf")
+    again.backend.layers[1].gate_up = again.backend.layers[0].gate_up
+    assert torch.equal(logits(), again.forward(prompt, torch.arange(7), again.new_cache(16)).logits)
+
+
 def test_fused_packed_layer_is_bitwise_the_per_op_forward(tiny_packed):
     """One sequence over packed layers runs every layer in one native call (``ops.PackedStack``), or each layer as
     one (``ops.packed_layer``): logits, hidden states and the KV cache written are bitwise those of the per-op calls,
