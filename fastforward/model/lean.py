@@ -725,7 +725,8 @@ class LeanLlama:
             bounds.append((row, row + r.size))
             row += r.size
         starts = [r.cache.length for r in requests]
-        positions = [r.positions.to(torch.long) for r in requests]
+        # (each tensor call costs ~10 us right after a forward streamed the weights, even one that changes nothing)
+        positions = [r.positions if r.positions.dtype == torch.long else r.positions.to(torch.long) for r in requests]
         visible = [None if r.tree_mask is None else r.tree_mask.to(torch.bool).contiguous() for r in requests]
         wanted = set(hidden_layers)
         hidden = {}
@@ -741,10 +742,11 @@ class LeanLlama:
         stack = self._packed_stack() if fused else None
         if stack is not None:  # every layer in one native call: the same packed_layer calls as the loop below
             r = requests[0]
-            taps = sorted(i for i in wanted if 0 <= i < len(self.layers))
+            taps = sorted(i for i in wanted if 0 <= i < len(self.layers)) if wanted else []
             h, copies = stack.run(x, h, self.cos, self.sin, positions[0], r.cache.k, r.cache.v, starts[0], visible[0],
                                   r.write_slots, taps)
-            hidden.update(zip(taps, copies, strict=True))
+            if taps:
+                hidden.update(zip(taps, copies, strict=True))
         for i, layer in enumerate(self.layers if stack is None else ()):
             next_norm = self.norm if i + 1 == len(self.layers) else self.layers[i + 1].in_norm
             packed = layer.packed_weights() if fused else None
