@@ -73,11 +73,13 @@ def load_runner(method: str, kind: str, target, drafter: str | None, weights: st
                          lambda folder: runner_class(load(folder, target), target, capacity=64, weights=weights))
 
 
-def drafter_options(method: str, *own: Option, extra: tuple[Option, ...] = ()) -> tuple[Option, ...]:
+def drafter_options(method: str, *own: Option, extra: tuple[Option, ...] = (),
+                    prompt_window: int = PROMPT_WINDOW) -> tuple[Option, ...]:
     """A feature drafter's options in the order they are listed: its drafter folder, the method's ``own`` (its
-    draft's shape and size), back-off, the drafter's weights, ``extra``, back-off on loss, the prompt window."""
+    draft's shape and size), back-off, the drafter's weights, ``extra``, back-off on loss, the prompt window (with
+    the method's default)."""
     return (drafter_option(method), *own, backoff_option(), weights_option(DRAFTER_WEIGHTS), *extra,
-            backoff_on_loss_option(), prompt_window_option())
+            backoff_on_loss_option(), prompt_window_option(prompt_window))
 
 
 def calibrated_option() -> Option:
