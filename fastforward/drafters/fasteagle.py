@@ -193,7 +193,8 @@ class FastEagleRunner(DrafterRunner):
                 not all(isinstance(lin, DrafterLinear) and lin.few.data is not None and not lin.few.padded
                         for lin in linears):
             return None
-        self._linears = linears
+        # the weights kept for another kernel too (AMX's tiles, which larger calls take); none elsewhere
+        self._tiled = [lin for lin in linears if lin.many is not None]
         few = [lin.few for lin in linears]
         return self.ops.CascadeDrafter(few[0].data, few[0].kernel_fmt, few[1].data, few[1].kernel_fmt,
                                        self.fc_in_bias, self.e_norm, self.g_norm, [f.data for f in few[3:]],
@@ -204,7 +205,7 @@ class FastEagleRunner(DrafterRunner):
     def _native_for(self, rows: int):
         """:attr:`native` when a call of ``rows`` rows runs every weight on the integer kernel it holds (on a CPU
         with AMX, larger calls take the tile kernel's copies: the runner's own path), else None."""
-        if self.native is None or not all(lin.for_rows(rows) is lin.few for lin in self._linears):
+        if self.native is None or any(lin.for_rows(rows) is not lin.few for lin in self._tiled):
             return None
         return self.native
 
@@ -247,11 +248,16 @@ class FastEagleRunner(DrafterRunner):
         end, last = self.length + n, int(positions[-1])
         if end > self.capacity or last >= self.cos.shape[0]:
             self._alloc(max(2 * self.capacity, end, last + 1), keep=self.length)
-        taps = taps.reshape(n, -1).float()
-        for a in range(0, n, 256):
+        taps = taps.reshape(n, -1)
+        if taps.dtype != torch.float32:
+            taps = taps.float()
+        for a in range(0, n, 256):  # a decoding step's rows in one chunk: the tensors as they are (no slices)
             b = min(n, a + 256)
-            h, values, ids = self.native.run(taps[a:b], self.embed(tokens[a:b]), self.cos, self.sin, positions[a:b],
-                                             self.k, self.v, self.length, k if b == n else 0)
+            whole = a == 0 and b == n
+            h, values, ids = self.native.run(taps if whole else taps[a:b],
+                                             self.embed(tokens if whole else tokens[a:b]), self.cos, self.sin,
+                                             positions if whole else positions[a:b], self.k, self.v, self.length,
+                                             k if b == n else 0)
             self.length += b - a
         return (h, values.exp(), ids) if k > 0 else (h, None, None)
 
