@@ -127,6 +127,13 @@ def test_drafters_train_under_bf16_autocast(setup, tmp_path, capsys, method):
     target = ff.load(str(model))
     got = ff.generate(target, [5, 6, 7, 8], method, max_new_tokens=10, method_options={"drafter": str(out)})
     assert got.token_ids == ff.generate(target, [5, 6, 7, 8], "ar", max_new_tokens=10).token_ids
+    # the draft ids ranked by their frequency in the training responses, beside the drafter (its head_vocab option)
+    ranked = json.loads((out / "draft_vocab_frequency.json").read_text())
+    assert sorted(ranked["order"]) == list(range(40)) and ranked["tokens_counted"] > 0
+    got = ff.generate(target, [5, 6, 7, 8], method, max_new_tokens=10,
+                      method_options={"drafter": str(out), "head_vocab": 8})
+    assert got.token_ids == ff.generate(target, [5, 6, 7, 8], "ar", max_new_tokens=10).token_ids
+    assert got.stats.method_stats["head_rows"] == 8
 
 
 def test_sigterm_stops_training_with_a_checkpoint(setup, tmp_path):

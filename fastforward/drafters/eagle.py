@@ -273,8 +273,9 @@ class Eagle3Runner(DrafterRunner):
     native kernels, the row-wise ops are the target's native layer ops (RMSNorm, RoPE + KV write + masked attention,
     SiLU*mul), which spare the ~20 small torch ops a drafter row otherwise costs."""
 
-    def __init__(self, drafter: Eagle3Drafter, target, capacity: int, weights: str = "auto"):
-        linear = self.setup(drafter, target, weights)
+    def __init__(self, drafter: Eagle3Drafter, target, capacity: int, weights: str = "auto",
+                 head_rows=None):
+        linear = self.setup(drafter, target, weights, head_rows)
         cfg = self.cfg
         self.ops = linear.layer_ops  # None: plain torch ops
         self.fc = linear(drafter.fc.weight)

@@ -184,8 +184,9 @@ class FalconRunner(DrafterRunner):
     stay valid whichever block it later belongs to: the first pass of a draft only re-reads the last k committed rows
     as queries."""
 
-    def __init__(self, drafter: FalconDrafter, target, capacity: int, weights: str = "auto"):
-        linear = self.setup(drafter, target, weights)
+    def __init__(self, drafter: FalconDrafter, target, capacity: int, weights: str = "auto",
+                 head_rows=None):
+        linear = self.setup(drafter, target, weights, head_rows)
         self.k = drafter.cfg.block_size
         lstm = drafter.lstm
         self.w1, self.b1 = linear(lstm.w1), lstm.b1.detach().float()

@@ -166,8 +166,9 @@ class FastEagleRunner(DrafterRunner):
     kernel when it builds -- the drafter only proposes, so rounding never changes the output), and one KV cache per
     layer holding committed (accepted) rows only."""
 
-    def __init__(self, drafter: FastEagleDrafter, target, capacity: int, weights: str = "auto"):
-        linear = self.setup(drafter, target, weights)
+    def __init__(self, drafter: FastEagleDrafter, target, capacity: int, weights: str = "auto",
+                 head_rows=None):
+        linear = self.setup(drafter, target, weights, head_rows)
         self.ops = linear.layer_ops  # the target's native layer ops, or None: plain torch ops
         self.fc = linear(drafter.fc.weight)
         self.fc_in = linear(drafter.fc_in.weight)

@@ -446,11 +446,19 @@ class DrafterRunner:
     target id map, and the torch-op steps of a decoder layer over rows (the native layer ops are the runners' own).
     A subclass calls :meth:`setup` first and builds its other weights with the ``linear`` it returns."""
 
-    def setup(self, drafter: DrafterModule, target, weights: str):
+    def setup(self, drafter: DrafterModule, target, weights: str, head_rows=None):
+        """``head_rows``: None (the whole head), or (the draft ids whose head rows are kept, ascending; the draft ->
+        target offsets over them) from :meth:`~fastforward.drafters.vocab.DraftVocab.keep_most_frequent`: the
+        runner's draft ids are then indices into the kept rows."""
         self.cfg, self.target = drafter.cfg, target
         linear = decode_linear_factory(weights)
-        self.head = linear(drafter.lm_head.weight)
-        self.d2t = drafter.d2t.clone()
+        if head_rows is None:
+            self.head = linear(drafter.lm_head.weight)
+            self.d2t = drafter.d2t.clone()
+        else:
+            keep, d2t = head_rows
+            self.head = linear(drafter.lm_head.weight.detach()[keep].contiguous())
+            self.d2t = d2t.clone()
         self.eps = drafter.cfg.rms_norm_eps
         # the native top-k of a head's log-softmax (one pass over each row, no row written), where it built
         self._log_softmax_topk = getattr(linear.layer_ops, "log_softmax_topk", None)

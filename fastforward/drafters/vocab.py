@@ -5,15 +5,27 @@ weights, and on CPU its cost decides the drafting time).
 The maps follow the EAGLE-3 / SpecForge convention, so checkpoints load in vLLM and SGLang unchanged:
 ``used`` = the chosen target ids sorted ascending; ``d2t[i] = used[i] - i`` (int64, ``target = draft + d2t[draft]``);
 ``t2d[j] = j in used`` (bool, over the target vocabulary).
+
+**The head's rows by frequency** (FR-Spec's idea: Zhao et al. 2025, *FR-Spec: Accelerating Large-Vocabulary Language
+Models via Frequency-Ranked Speculative Sampling*). A drafter folder may rank its draft tokens by how often they occur
+in the target's own answers (``draft_vocab_frequency.json``, written by the trainers and by
+``scripts/rank_draft_vocab.py``); at decode time the head can keep the ``head_vocab`` most frequent of them
+(:meth:`DraftVocab.keep_most_frequent`): a head call reads that share of the head's weights. The target verifies
+every draft, so which rows the head keeps changes how often drafts are right, never the output.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..errors import UsageError
+
+#: a drafter folder's ranking of its draft tokens, most frequent first
+FREQUENCY_FILE = "draft_vocab_frequency.json"
 
 
 @dataclass
@@ -91,3 +103,47 @@ class DraftVocab:
             total += s.numel()
             hit += int(self.t2d[s].sum())
         return hit / max(total, 1)
+
+    def frequency_order(self, sequences) -> list[int]:
+        """The draft ids ordered by how often their target tokens occur in ``sequences`` (most frequent first, ties
+        by id)."""
+        counts = torch.zeros(self.vocab_size, dtype=torch.long)
+        for seq in sequences:
+            counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=self.vocab_size)
+        draft_counts = counts[self.target_ids]
+        order = torch.argsort(-draft_counts * self.size + torch.arange(self.size))
+        return order.tolist()
+
+    def keep_most_frequent(self, order, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's rows to keep and the draft -> target offsets over them: the draft ids of the first ``n`` of
+        ``order`` (:meth:`frequency_order`), ascending ([n] int64), and ``d2t`` of the smaller draft vocabulary they
+        make (kept row i drafts target id ``i + d2t[i]``)."""
+        keep = torch.as_tensor(sorted(order[:n]), dtype=torch.long)
+        return keep, self.target_ids[keep] - torch.arange(keep.numel())
+
+
+def write_frequency_order(folder, order: list[int], tokens: int, source: str) -> Path:
+    """``draft_vocab_frequency.json`` in the drafter ``folder``: ``order`` (every draft id, most frequent first),
+    counted over ``tokens`` tokens of ``source``."""
+    path = Path(folder) / FREQUENCY_FILE
+    path.write_text(json.dumps({"tokens_counted": int(tokens), "source": source,
+                                "order": [int(i) for i in order]}) + "\n")
+    return path
+
+
+def read_frequency_order(folder, size: int) -> list[int] | None:
+    """The drafter ``folder``'s ranking of its ``size`` draft ids (None when it has none); a one-line refusal when
+    the file is not a ranking of exactly those ids."""
+    path = Path(folder) / FREQUENCY_FILE
+    if not path.is_file():
+        return None
+    try:
+        order = json.loads(path.read_text())["order"]
+        ok = isinstance(order, list) and len(order) == size and all(type(i) is int for i in order) and \
+            sorted(order) == list(range(size))
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise UsageError(f"{path}: not a ranking of the drafter's {size} draft ids (a JSON object whose 'order' lists "
+                         f"each of 0..{size - 1} once); remove it or write it again with scripts/rank_draft_vocab.py")
+    return order

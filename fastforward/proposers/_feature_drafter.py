@@ -27,17 +27,20 @@ from ..drafters import shipped_drafter
 from ..drafters.calibration import calibration_of
 from ..drafters.features import engine_layers
 from ..drafters.pieces import DRAFTER_WEIGHTS
+from ..drafters.vocab import read_frequency_order
 from ..engine import DecodeState, Proposal, Proposer, StepResult
 from ..errors import UsageError
 from ..tree import DraftTree
 from ..verify import sample
 from ._backoff import BackOff
 from ._options import (
+    HEAD_VOCAB,
     PROMPT_WINDOW,
     Option,
     backoff_on_loss_option,
     backoff_option,
     drafter_option,
+    head_vocab_option,
     prompt_window_option,
     weights_option,
 )
@@ -59,27 +62,40 @@ def drafter_folder(method: str, kind: str, target, drafter: str | None) -> Path:
     return folder
 
 
-def shared_runner(method: str, kind: str, target, drafter: str | None, weights: str, build):
-    """``build(folder)`` once per (method, folder, weights) and target, kept in the target's resource slots
-    (:mod:`fastforward.model.slots`): it lives as long as the target, and a new target never gets an old one's."""
+def shared_runner(method: str, kind: str, target, drafter: str | None, weights, build):
+    """``build(folder)`` once per (method, folder, ``weights`` -- what else tells runners apart) and target, kept in
+    the target's resource slots (:mod:`fastforward.model.slots`): it lives as long as the target, and a new target
+    never gets an old one's."""
     folder = drafter_folder(method, kind, target, drafter)
     return target.shared(("drafter runner", method, str(folder.resolve()), weights), lambda: build(folder))
 
 
-def load_runner(method: str, kind: str, target, drafter: str | None, weights: str, load, runner_class):
+def load_runner(method: str, kind: str, target, drafter: str | None, weights: str, load, runner_class,
+                head_vocab: int = HEAD_VOCAB):
     """The target's shared decode-time ``runner_class`` over the drafter ``load(folder, target)`` reads (its weights
-    read and packed once; see :func:`shared_runner`)."""
-    return shared_runner(method, kind, target, drafter, weights,
-                         lambda folder: runner_class(load(folder, target), target, capacity=64, weights=weights))
+    read and packed once; see :func:`shared_runner`). ``head_vocab`` > 0: its head keeps the rows of the
+    ``head_vocab`` most frequent draft tokens where the folder ranks them (:mod:`fastforward.drafters.vocab`);
+    ``runner.head_rows`` says how many it kept."""
+
+    def build(folder: Path):
+        module = load(folder, target)
+        vocab = module.vocab
+        order = read_frequency_order(folder, vocab.size) if 0 < head_vocab < vocab.size else None
+        kept = None if order is None else vocab.keep_most_frequent(order, head_vocab)
+        runner = runner_class(module, target, capacity=64, weights=weights, head_rows=kept)
+        runner.head_rows = vocab.size if kept is None else head_vocab
+        return runner
+
+    return shared_runner(method, kind, target, drafter, (weights, head_vocab), build)
 
 
 def drafter_options(method: str, *own: Option, extra: tuple[Option, ...] = (),
-                    prompt_window: int = PROMPT_WINDOW) -> tuple[Option, ...]:
+                    prompt_window: int = PROMPT_WINDOW, head_vocab: int = HEAD_VOCAB) -> tuple[Option, ...]:
     """A feature drafter's options in the order they are listed: its drafter folder, the method's ``own`` (its
-    draft's shape and size), back-off, the drafter's weights, ``extra``, back-off on loss, the prompt window (with
-    the method's default)."""
+    draft's shape and size), back-off, the drafter's weights, ``extra``, back-off on loss, the prompt window and the
+    head's rows (with the method's defaults)."""
     return (drafter_option(method), *own, backoff_option(), weights_option(DRAFTER_WEIGHTS), *extra,
-            backoff_on_loss_option(), prompt_window_option(prompt_window))
+            backoff_on_loss_option(), prompt_window_option(prompt_window), head_vocab_option(head_vocab))
 
 
 def calibrated_option() -> Option:

@@ -59,7 +59,7 @@ from ..verify import target_probs
 from . import register
 from ._call_cost import DrafterCallCost
 from ._feature_drafter import FeatureDrafterProposer, calibrated_option, drafter_options, load_runner
-from ._options import MAX_TREE_NODES, Option, max_nodes_option, nodes_option
+from ._options import HEAD_VOCAB, MAX_TREE_NODES, Option, head_covers, max_nodes_option, nodes_option
 from ._rerank import build_tree, rank
 
 #: the most children per expanded node, and the deepest tree: a step's candidate table holds topk + (depth - 1) x
@@ -71,8 +71,8 @@ MAX_DEPTH = 16
 EAGLE_PROMPT_WINDOW = 0
 
 
-def drafter_runner(target, drafter: str | None, weights: str) -> Eagle3Runner:
-    return load_runner("eagle", "eagle3", target, drafter, weights, load_eagle3, Eagle3Runner)
+def drafter_runner(target, drafter: str | None, weights: str, head_vocab: int = HEAD_VOCAB) -> Eagle3Runner:
+    return load_runner("eagle", "eagle3", target, drafter, weights, load_eagle3, Eagle3Runner, head_vocab)
 
 
 class EagleProposer(FeatureDrafterProposer):
@@ -279,7 +279,8 @@ class EagleProposer(FeatureDrafterProposer):
         steps = max(self._n["steps"], 1)
         return {"draft_calls_per_step": self._n["draft_calls"] / steps, "draft_rows": self._n["draft_rows"],
                 "mean_tree_nodes": self._n["nodes"] / steps, "steps_backed_off": self._n["skipped"],
-                "expansions_not_worth_a_call": self._n["unpaid_stops"]}
+                "expansions_not_worth_a_call": self._n["unpaid_stops"],
+                "head_rows": getattr(self.shared, "head_rows", None)}
 
 
 @register("eagle", "EAGLE-3-style drafter over the target's features, dynamic tree (EAGLE-2)",
@@ -301,12 +302,13 @@ class EagleProposer(FeatureDrafterProposer):
                             help="a depth's drafter call is made only if its frontier can pay it back (when the size "
                                  "is not fixed)")),
               prompt_window=EAGLE_PROMPT_WINDOW,
-          ))
+          ), checks=(head_covers(),))
 def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
           min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = False,
-          price_calls: bool = True, backoff_on_loss: bool = True, prompt_window: int = EAGLE_PROMPT_WINDOW) -> Proposer:
+          price_calls: bool = True, backoff_on_loss: bool = True, prompt_window: int = EAGLE_PROMPT_WINDOW,
+          head_vocab: int = HEAD_VOCAB) -> Proposer:
     """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
-    runner = drafter_runner(target, drafter, weights)
+    runner = drafter_runner(target, drafter, weights, head_vocab)
     return EagleProposer(runner, topk=topk, depth=depth, nodes=nodes, max_nodes=max_nodes, min_prob=float(min_prob),
                          backoff=backoff, calibrated=calibrated, price_calls=price_calls,
                          backoff_on_loss=backoff_on_loss, prompt_window=prompt_window)

@@ -36,7 +36,7 @@ from ..drafters.features import FINAL
 from ..engine import DecodeState, Proposal, Proposer
 from . import register
 from ._feature_drafter import FeatureDrafterProposer, drafter_options, load_runner
-from ._options import MAX_TREE_NODES, PROMPT_WINDOW, Option, max_nodes_option, nodes_option
+from ._options import HEAD_VOCAB, MAX_TREE_NODES, PROMPT_WINDOW, Option, head_covers, max_nodes_option, nodes_option
 from ._rerank import build_tree, rank
 
 #: candidates per depth, drafter passes per step, and frontier nodes fed back per pass: a pass drafts k depths of
@@ -46,8 +46,8 @@ MAX_PASSES = 8
 MAX_FRONTIER = 16
 
 
-def falcon_runner(target, drafter: str | None, weights: str) -> FalconRunner:
-    return load_runner("falcon", "falcon", target, drafter, weights, load_falcon, FalconRunner)
+def falcon_runner(target, drafter: str | None, weights: str, head_vocab: int = HEAD_VOCAB) -> FalconRunner:
+    return load_runner("falcon", "falcon", target, drafter, weights, load_falcon, FalconRunner, head_vocab)
 
 
 class Candidates:
@@ -180,7 +180,8 @@ class FalconProposer(FeatureDrafterProposer):
         steps = max(self._n["steps"], 1)
         looks = max(self._n["looks"], 1)
         return {"mean_tree_nodes": self._n["nodes"] / steps, "looks_per_step": self._n["looks"] / steps,
-                "passes_per_look": self._n["passes"] / looks, "draft_rows": self._n["draft_rows"]}
+                "passes_per_look": self._n["passes"] / looks, "draft_rows": self._n["draft_rows"],
+                "head_rows": getattr(self.shared, "head_rows", None)}
 
 
 @register("falcon", "Falcon: a semi-autoregressive drafter drafts k tokens per pass, verified as a tree of k-blocks",
@@ -201,11 +202,12 @@ class FalconProposer(FeatureDrafterProposer):
                            f"({MAX_TREE_NODES} nodes)"),
               nodes_option(),
               max_nodes_option(32),
-          ))
+          ), checks=(head_covers(),))
 def falcon(target, *, drafter: str | None = None, topk: int = 4, passes: int = 2, frontier: int = 4, nodes: int = 0,
            max_nodes: int = 32, backoff: int = 8, weights: str = "auto", backoff_on_loss: bool = True,
-           prompt_window: int = PROMPT_WINDOW) -> Proposer:
+           prompt_window: int = PROMPT_WINDOW,
+           head_vocab: int = HEAD_VOCAB) -> Proposer:
     """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
-    runner = falcon_runner(target, drafter, weights)
+    runner = falcon_runner(target, drafter, weights, head_vocab)
     return FalconProposer(runner, topk=topk, passes=passes, frontier=frontier, nodes=nodes, max_nodes=max_nodes,
                           backoff=backoff, backoff_on_loss=backoff_on_loss, prompt_window=prompt_window)

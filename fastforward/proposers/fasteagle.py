@@ -39,7 +39,7 @@ from ..tree import DraftTree, TreeShape
 from ..verify import target_probs
 from . import register
 from ._feature_drafter import FeatureDrafterProposer, calibrated_option, drafter_options, load_runner
-from ._options import MAX_TREE_NODES, PROMPT_WINDOW, Option, max_nodes_option
+from ._options import HEAD_VOCAB, MAX_TREE_NODES, PROMPT_WINDOW, Option, head_covers, max_nodes_option
 
 #: the most tokens per depth and the most depths of the backbone expansion tree (levels x k + 1 nodes, also at most
 #: max_nodes)
@@ -47,8 +47,8 @@ MAX_TOPK = 16
 MAX_DEPTH = 64
 
 
-def fasteagle_runner(target, drafter: str | None, weights: str) -> FastEagleRunner:
-    return load_runner("fasteagle", "fasteagle", target, drafter, weights, load_fasteagle, FastEagleRunner)
+def fasteagle_runner(target, drafter: str | None, weights: str, head_vocab: int = HEAD_VOCAB) -> FastEagleRunner:
+    return load_runner("fasteagle", "fasteagle", target, drafter, weights, load_fasteagle, FastEagleRunner, head_vocab)
 
 
 def backbone_tree(tokens: torch.Tensor, root: int, levels: int, k: int) -> DraftTree:
@@ -181,7 +181,8 @@ class FastEagleProposer(FeatureDrafterProposer):
         looks = max(self._n["looks"], 1)
         return {"mean_tree_nodes": self._n["nodes"] / steps, "looks_per_step": self._n["looks"] / steps,
                 "mean_levels_per_look": self._n["levels"] / looks, "mean_k_per_look": self._n["k"] / looks,
-                "draft_rows": self._n["draft_rows"]}
+                "draft_rows": self._n["draft_rows"],
+                "head_rows": getattr(self.shared, "head_rows", None)}
 
 
 @register("fasteagle", "FastEagle: a cascaded drafter drafts the whole tree in one pass (backbone expansion tree)",
@@ -198,11 +199,12 @@ class FastEagleProposer(FeatureDrafterProposer):
               Option("fixed", "bool", False, help="always the full tree (else sized each step by the cost curve)"),
               max_nodes_option(32),
               extra=(calibrated_option(),),
-          ))
+          ), checks=(head_covers(),))
 def fasteagle(target, *, drafter: str | None = None, topk: int = 3, depth: int = 16, fixed: bool = False,
               max_nodes: int = 32, backoff: int = 8, weights: str = "auto", calibrated: bool = False,
-              backoff_on_loss: bool = True, prompt_window: int = PROMPT_WINDOW) -> Proposer:
+              backoff_on_loss: bool = True, prompt_window: int = PROMPT_WINDOW,
+              head_vocab: int = HEAD_VOCAB) -> Proposer:
     """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
-    runner = fasteagle_runner(target, drafter, weights)
+    runner = fasteagle_runner(target, drafter, weights, head_vocab)
     return FastEagleProposer(runner, topk=topk, depth=depth, fixed=fixed, max_nodes=max_nodes, backoff=backoff,
                              calibrated=calibrated, backoff_on_loss=backoff_on_loss, prompt_window=prompt_window)

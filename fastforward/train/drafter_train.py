@@ -115,8 +115,11 @@ class DrafterMethod:
         from ..drafters.eagle import target_embedding_rows
         from ..drafters.vocab import DraftVocab
 
-        self.vocab = DraftVocab.most_frequent([r["response_ids"] for r in records], target.vocab_size,
-                                              min(draft_vocab, target.vocab_size), always=sorted(target.eos_token_ids))
+        responses = [r["response_ids"] for r in records]
+        self.vocab = DraftVocab.most_frequent(responses, target.vocab_size, min(draft_vocab, target.vocab_size),
+                                              always=sorted(target.eos_token_ids))
+        # the draft ids by frequency in the same responses, saved beside the drafter (its head's head_vocab option)
+        self.frequency = (self.vocab.frequency_order(responses), sum(len(r) for r in responses), len(records))
         self.embed = target_embedding_rows(target, torch.arange(target.vocab_size))
 
     def to(self, device) -> None:
@@ -349,6 +352,11 @@ def train_drafter(cfg: DrafterTrainConfig, method: DrafterMethod, log=None) -> d
         if held is not None:
             summary["heldout"] = held
         method.save(trained.cpu(), run.out)
+        if getattr(method, "frequency", None) is not None:
+            from ..drafters.vocab import write_frequency_order
+
+            order, tokens, n = method.frequency
+            write_frequency_order(run.out, order, tokens, f"the response tokens of the {n} records it trained on")
         run.plot_losses(f"train {method.name}")
         run.summary_file.write_text(json.dumps(summary, indent=1) + "\n")
     run.accelerator.wait_for_everyone()
