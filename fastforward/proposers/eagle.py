@@ -59,16 +59,13 @@ from ..verify import target_probs
 from . import register
 from ._call_cost import DrafterCallCost
 from ._feature_drafter import FeatureDrafterProposer, calibrated_option, drafter_options, load_runner
-from ._options import HEAD_VOCAB, MAX_TREE_NODES, Option, head_covers, max_nodes_option, nodes_option
+from ._options import HEAD_VOCAB, MAX_TREE_NODES, PROMPT_WINDOW, Option, head_covers, max_nodes_option, nodes_option
 from ._rerank import build_tree, rank
 
 #: the most children per expanded node, and the deepest tree: a step's candidate table holds topk + (depth - 1) x
 #: topk^2 entries and takes depth drafter calls
 MAX_TOPK = 16
 MAX_DEPTH = 16
-#: the prompt tokens the drafter reads by default: all (its one layer's prefill is cheap, and with the last 64-256
-#: only it accepted 1.2% fewer tokens; docs/drafters.md#the-prompt-a-drafter-reads)
-EAGLE_PROMPT_WINDOW = 0
 
 
 def drafter_runner(target, drafter: str | None, weights: str, head_vocab: int = HEAD_VOCAB) -> Eagle3Runner:
@@ -82,7 +79,7 @@ class EagleProposer(FeatureDrafterProposer):
 
     def __init__(self, runner: Eagle3Runner, *, topk: int, depth: int, nodes: int, max_nodes: int,
                  min_prob: float, backoff: int = 0, calibrated: bool = False, price_calls: bool = True,
-                 backoff_on_loss: bool = True, prompt_window: int = EAGLE_PROMPT_WINDOW):
+                 backoff_on_loss: bool = True, prompt_window: int = PROMPT_WINDOW):
         super().__init__(runner, fixed=bool(nodes), backoff=backoff, backoff_on_loss=backoff_on_loss,
                          calibrated=calibrated, prompt_window=prompt_window)
         self.topk, self.depth, self.nodes, self.max_nodes, self.min_prob = topk, depth, nodes, max_nodes, min_prob
@@ -301,11 +298,10 @@ class EagleProposer(FeatureDrafterProposer):
                      Option("price_calls", "bool", True,
                             help="a depth's drafter call is made only if its frontier can pay it back (when the size "
                                  "is not fixed)")),
-              prompt_window=EAGLE_PROMPT_WINDOW,
           ), checks=(head_covers(),))
 def eagle(target, *, drafter: str | None = None, topk: int = 4, depth: int = 6, nodes: int = 0, max_nodes: int = 32,
           min_prob: float = 0.05, backoff: int = 8, weights: str = "auto", calibrated: bool = False,
-          price_calls: bool = True, backoff_on_loss: bool = True, prompt_window: int = EAGLE_PROMPT_WINDOW,
+          price_calls: bool = True, backoff_on_loss: bool = True, prompt_window: int = PROMPT_WINDOW,
           head_vocab: int = HEAD_VOCAB) -> Proposer:
     """The values are checked against the schema (:func:`~fastforward.proposers.make_proposer`)."""
     runner = drafter_runner(target, drafter, weights, head_vocab)
