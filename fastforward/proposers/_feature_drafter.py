@@ -62,12 +62,12 @@ def drafter_folder(method: str, kind: str, target, drafter: str | None) -> Path:
     return folder
 
 
-def shared_runner(method: str, kind: str, target, drafter: str | None, weights, build):
-    """``build(folder)`` once per (method, folder, ``weights`` -- what else tells runners apart) and target, kept in
-    the target's resource slots (:mod:`fastforward.model.slots`): it lives as long as the target, and a new target
-    never gets an old one's."""
+def shared_runner(method: str, kind: str, target, drafter: str | None, variant: tuple, build):
+    """``build(folder)`` once per (method, folder, ``variant`` -- the settings runners of one folder differ by) and
+    target, kept in the target's resource slots (:mod:`fastforward.model.slots`): it lives as long as the target, and
+    a new target never gets an old one's."""
     folder = drafter_folder(method, kind, target, drafter)
-    return target.shared(("drafter runner", method, str(folder.resolve()), weights), lambda: build(folder))
+    return target.shared(("drafter runner", method, str(folder.resolve()), variant), lambda: build(folder))
 
 
 def load_runner(method: str, kind: str, target, drafter: str | None, weights: str, load, runner_class,
