@@ -56,12 +56,9 @@ def main(argv=None) -> int:
         print(f"{path}: {vocab.size} draft ids ranked over {tokens:,} response tokens of {len(train)} records")
         for n in [int(x) for x in args.coverage.split(",") if x.strip()]:
             keep, d2t = vocab.keep_most_frequent(order, n)
-            kept = torch.zeros(vocab.vocab_size, dtype=torch.bool)
-            kept[torch.arange(keep.numel()) + d2t] = True  # the kept rows' target ids
-            total = sum(len(s) for s in held)
-            hit = sum(int(kept[torch.as_tensor(s, dtype=torch.long)].sum()) for s in held)
-            print(f"head_vocab={n}: {hit / max(total, 1):.4f} of the {total:,} held-out response tokens "
-                  f"(the whole draft vocabulary: {vocab.coverage(held):.4f})")
+            kept = DraftVocab.from_target_ids((torch.arange(keep.numel()) + d2t).tolist(), vocab.vocab_size)
+            print(f"head_vocab={n}: {kept.coverage(held):.4f} of the {sum(len(s) for s in held):,} held-out response "
+                  f"tokens (the whole draft vocabulary: {vocab.coverage(held):.4f})")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

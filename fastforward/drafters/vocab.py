@@ -28,6 +28,14 @@ from ..errors import UsageError
 FREQUENCY_FILE = "draft_vocab_frequency.json"
 
 
+def token_counts(sequences, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] how often each id occurs in ``sequences`` (lists of token ids)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for seq in sequences:
+        counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
+    return counts
+
+
 @dataclass
 class DraftVocab:
     d2t: torch.Tensor  # [draft] int64 offsets
@@ -87,9 +95,7 @@ class DraftVocab:
         uses fewer distinct ids, the rest is filled with the lowest unused ids."""
         if size <= 0 or size > vocab_size:
             raise UsageError(f"the draft vocabulary size must be in [1, {vocab_size}], got {size}")
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        for seq in sequences:
-            counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=vocab_size)
+        counts = token_counts(sequences, vocab_size)
         for t in always:
             counts[int(t)] = counts.max() + 1
         order = torch.argsort(-counts * vocab_size + torch.arange(vocab_size))  # by count desc, then id
@@ -107,10 +113,7 @@ class DraftVocab:
     def frequency_order(self, sequences) -> list[int]:
         """The draft ids ordered by how often their target tokens occur in ``sequences`` (most frequent first, ties
         by id)."""
-        counts = torch.zeros(self.vocab_size, dtype=torch.long)
-        for seq in sequences:
-            counts += torch.bincount(torch.as_tensor(seq, dtype=torch.long), minlength=self.vocab_size)
-        draft_counts = counts[self.target_ids]
+        draft_counts = token_counts(sequences, self.vocab_size)[self.target_ids]
         order = torch.argsort(-draft_counts * self.size + torch.arange(self.size))
         return order.tolist()
 
